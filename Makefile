@@ -1,0 +1,34 @@
+# Two entry points, each sets up everything it needs from scratch:
+#   make demo   create .venv, install, run the main job
+#   make test   create .venv, install, run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench setup clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,bench]"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+	@command -v etcd >/dev/null || { echo "installing etcd-server (Debian package) for the integration tests"; \
+	  (apt-get update -q && apt-get install -y -q etcd-server) >/dev/null || \
+	  echo "warning: could not install etcd-server; etcd tests will fail" >&2; }
+
+demo: $(STAMP)
+	$(PY) -m hyperpodrun.demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do $(PY) $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

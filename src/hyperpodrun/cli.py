@@ -1,0 +1,158 @@
+"""``hyperpodrun``: torchrun's command line, elastic.
+
+Every torchrun flag is accepted with the same names (``-`` or ``_`` spelling) and
+the same ``PET_*`` environment defaults; a flag given on the command line always
+wins over its environment variable. Everything after the training script belongs
+to the script. This module only builds a :class:`LaunchConfig` and calls
+:func:`hyperpodrun.launch.launch`; domain errors become one line on stderr and an
+exit code here, at the boundary, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from typer.exceptions import TyperException
+
+from hyperpodrun import __version__
+from hyperpodrun.config import (
+    DEFAULT_SIGNALS,
+    LaunchConfig,
+    parse_int_list,
+    parse_nnodes,
+    parse_nproc_per_node,
+    parse_rdzv_conf,
+    parse_signals,
+)
+from hyperpodrun.errors import HyperpodrunError
+
+app = typer.Typer(
+    add_completion=False,
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
+    help="Launch a PyTorch training script on this node, elastic across nodes (drop-in for torchrun).",
+)
+
+_RDZV = "Rendezvous"
+_WORKERS = "Workers"
+_LOGS = "Logs"
+_STATIC = "Static membership (torchrun compatible)"
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"hyperpodrun {__version__}")
+        raise typer.Exit()
+
+
+def _opt(*names: str, env: str | None = None, help: str, group: str, **kw):
+    """An option under both spellings (``--a-b`` and ``--a_b``) with torchrun's ``PET_`` env default."""
+    spellings: list[str] = []
+    for n in names:
+        spellings.append(n)
+        if n.startswith("--") and "-" in n[2:]:
+            spellings.append("--" + n[2:].replace("-", "_"))
+    return typer.Option(*spellings, envvar=env, show_envvar=env is not None, help=help, rich_help_panel=group, **kw)
+
+
+@app.command()
+def run(
+    training_script: Annotated[str, typer.Argument(help="Script (or module with -m, or executable with --no-python) to run on every rank.", show_default=False)],
+    training_script_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments passed to the script unchanged.", show_default=False)] = None,
+    nnodes: Annotated[str, _opt("--nnodes", env="PET_NNODES", group=_RDZV, help="Number of nodes, N or MIN:MAX for an elastic job.")] = "1:1",
+    nproc_per_node: Annotated[str, _opt("--nproc-per-node", env="PET_NPROC_PER_NODE", group=_WORKERS, help="Ranks per node: N, auto, gpu or cpu.")] = "1",
+    rdzv_backend: Annotated[str, _opt("--rdzv-backend", env="PET_RDZV_BACKEND", group=_RDZV, help="static, c10d/embedded (store hosted by one agent) or etcd (v3 API).")] = "static",
+    rdzv_endpoint: Annotated[str, _opt("--rdzv-endpoint", env="PET_RDZV_ENDPOINT", group=_RDZV, help="HOST:PORT of the store (etcd accepts a comma-separated list).")] = "",
+    rdzv_id: Annotated[str, _opt("--rdzv-id", env="PET_RDZV_ID", group=_RDZV, help="Job id; nodes with the same id form one job.")] = "none",
+    rdzv_conf: Annotated[str, _opt("--rdzv-conf", env="PET_RDZV_CONF", group=_RDZV, help="Extra rendezvous settings, key=value,... (e.g. timeouts, TLS files).")] = "",
+    standalone: Annotated[bool, _opt("--standalone", env="PET_STANDALONE", group=_RDZV, help="Single-node job with an embedded store on a free local port.")] = False,
+    max_restarts: Annotated[int, _opt("--max-restarts", env="PET_MAX_RESTARTS", group=_WORKERS, help="Restarts of the worker group after a failure before the job fails.")] = 0,
+    monitor_interval: Annotated[float, _opt("--monitor-interval", env="PET_MONITOR_INTERVAL", group=_WORKERS, help="Seconds between checks of the workers' state.")] = 0.1,
+    start_method: Annotated[str, _opt("--start-method", env="PET_START_METHOD", group=_WORKERS, help="Accepted for compatibility (spawn, fork, forkserver); workers are always fresh processes.")] = "spawn",
+    role: Annotated[str, _opt("--role", env="PET_ROLE", group=_WORKERS, help="User-defined role of the workers (ROLE_NAME).")] = "default",
+    module: Annotated[bool, _opt("-m", "--module", env="PET_MODULE", group=_WORKERS, help="Run the script as a module, like python -m.")] = False,
+    no_python: Annotated[bool, _opt("--no-python", env="PET_NO_PYTHON", group=_WORKERS, help="Run the script as an executable, not with python.")] = False,
+    run_path: Annotated[bool, _opt("--run-path", env="PET_RUN_PATH", group=_WORKERS, help="Run the script as a path with __name__ == '__main__' (the default behaviour here).")] = False,
+    log_dir: Annotated[Optional[Path], _opt("--log-dir", env="PET_LOG_DIR", group=_LOGS, help="Keep worker logs in LOG_DIR/RUN_ID/attempt_N/LOCAL_RANK/; no attempt is ever deleted.")] = None,
+    event_log: Annotated[Optional[Path], _opt("--event-log", env="HYPERPODRUN_EVENT_LOG", group=_LOGS, help="Append the agent's events (JSON lines) to this file; default LOG_DIR/RUN_ID/events.jsonl.")] = None,
+    redirects: Annotated[str, _opt("-r", "--redirects", env="PET_REDIRECTS", group=_LOGS, help="Send streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or LOCAL_RANK:CODE,...")] = "0",
+    tee: Annotated[str, _opt("-t", "--tee", env="PET_TEE", group=_LOGS, help="Copy streams to log files and the console (same codes as --redirects).")] = "0",
+    local_ranks_filter: Annotated[str, _opt("--local-ranks-filter", env="PET_LOCAL_RANKS_FILTER", group=_LOGS, help="Show only these local ranks on the console, e.g. 0,2.")] = "",
+    node_rank: Annotated[int, _opt("--node-rank", env="PET_NODE_RANK", group=_STATIC, help="Rank of this node (static membership).")] = 0,
+    master_addr: Annotated[str, _opt("--master-addr", env="PET_MASTER_ADDR", group=_STATIC, help="Address of the rank-0 node (static membership).")] = "127.0.0.1",
+    master_port: Annotated[Optional[int], _opt("--master-port", env="PET_MASTER_PORT", group=_STATIC, help="Port of rank 0 (static; default 29500 for several nodes, a free port for one).")] = None,
+    local_addr: Annotated[Optional[str], _opt("--local-addr", env="PET_LOCAL_ADDR", group=_RDZV, help="Address other nodes use to reach this one (default: its address on the route to the store).")] = None,
+    signals_to_handle: Annotated[str, _opt("--signals-to-handle", env="TORCHELASTIC_SIGNALS_TO_HANDLE", group=_WORKERS, help="Signals forwarded to the workers.")] = DEFAULT_SIGNALS,
+    shutdown_timeout: Annotated[float, _opt("--shutdown-timeout", env="PET_SHUTDOWN_TIMEOUT", group=_WORKERS, help="Seconds between SIGTERM and SIGKILL when stopping workers.")] = 30.0,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
+) -> None:
+    from hyperpodrun.launch import launch
+
+    min_nodes, max_nodes = parse_nnodes(nnodes)
+    if standalone:
+        if max_nodes > 1:
+            raise _usage("--standalone runs one node; it cannot be combined with --nnodes > 1")
+        rdzv_backend, rdzv_endpoint = "embedded", "127.0.0.1:0"
+    nproc = parse_nproc_per_node(nproc_per_node)
+    config = LaunchConfig(
+        entrypoint=training_script,
+        args=tuple(training_script_args or ()),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        rdzv_conf=parse_rdzv_conf(rdzv_conf),
+        standalone=standalone,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method=start_method,
+        role=role,
+        module=module,
+        no_python=no_python,
+        run_path=run_path,
+        log_dir=log_dir,
+        event_log=event_log,
+        redirects=redirects,
+        tee=tee,
+        local_ranks_filter=parse_int_list(local_ranks_filter, flag="--local-ranks-filter"),
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=local_addr,
+        signals_to_handle=parse_signals(signals_to_handle),
+        shutdown_timeout=shutdown_timeout,
+    )
+    launch(config)
+
+
+def _usage(message: str) -> HyperpodrunError:
+    from hyperpodrun.errors import ConfigError
+
+    return ConfigError(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: returns the process exit status."""
+    command = typer.main.get_command(app)
+    try:
+        rv = command.main(args=argv if argv is not None else sys.argv[1:], prog_name="hyperpodrun", standalone_mode=False)
+    except typer.Exit as e:
+        return e.exit_code
+    except TyperException as e:  # usage errors: unknown option, bad value, missing script
+        print(f"hyperpodrun: error: {e.format_message()} (see hyperpodrun --help)", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    except typer.Abort:
+        print("hyperpodrun: aborted", file=sys.stderr)
+        return 130
+    except HyperpodrunError as e:
+        print(f"hyperpodrun: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return rv if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

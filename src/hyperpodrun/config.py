@@ -1,0 +1,245 @@
+"""Launch configuration: one keyword-only dataclass built by the CLI, validated on construction.
+
+Parsing helpers turn torchrun's string flags (``--nnodes 1:4``, ``--rdzv-conf k=v,...``,
+``--redirects 0:3,1:1``) into typed values; every error names the flag it is about.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import uuid
+from dataclasses import dataclass, field
+from enum import IntFlag
+from pathlib import Path
+
+from hyperpodrun.errors import ConfigError
+
+RDZV_BACKENDS = ("static", "c10d", "embedded", "etcd", "etcd-v2", "etcd-v3")
+START_METHODS = ("spawn", "fork", "forkserver")
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+class Std(IntFlag):
+    """Which standard streams a redirect/tee applies to (torchrun's 0..3 encoding)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"N"`` -> (N, N); ``"MIN:MAX"`` -> (MIN, MAX)."""
+    parts = value.strip().split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--nnodes: expected N or MIN:MAX, got {value!r}") from None
+    if lo < 1:
+        raise ConfigError(f"--nnodes: the minimum must be >= 1, got {value!r}")
+    if hi < lo:
+        raise ConfigError(f"--nnodes: MIN must not exceed MAX, got {value!r}")
+    return lo, hi
+
+
+def parse_nproc_per_node(value: str, *, cuda_device_count: int | None = None) -> int:
+    """``N``, ``auto`` (GPUs if any, else CPUs), ``gpu`` or ``cpu``, as torchrun accepts."""
+    value = value.strip()
+    if value in ("auto", "gpu", "cpu"):
+        if cuda_device_count is None:
+            import torch
+
+            cuda_device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if value == "gpu":
+            if cuda_device_count == 0:
+                raise ConfigError("--nproc-per-node gpu: no CUDA device is available")
+            return cuda_device_count
+        if value == "auto" and cuda_device_count > 0:
+            return cuda_device_count
+        return os.cpu_count() or 1
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(
+            f"--nproc-per-node: expected a positive integer, auto, gpu or cpu, got {value!r}"
+        ) from None
+    if n < 1:
+        raise ConfigError(f"--nproc-per-node: must be >= 1, got {n}")
+    return n
+
+
+def parse_rdzv_conf(value: str) -> dict[str, str]:
+    """``"k1=v1,k2=v2"`` -> dict; empty string -> {}."""
+    conf: dict[str, str] = {}
+    if not value.strip():
+        return conf
+    for item in value.split(","):
+        key, sep, val = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--rdzv-conf: expected key=value[,key=value...], got item {item!r}")
+        conf[key] = val.strip()
+    return conf
+
+
+def parse_std(value: str, *, flag: str, nproc: int) -> dict[int, Std]:
+    """torchrun's redirect/tee spec: ``"3"`` for every rank or ``"0:3,1:1"`` per local rank."""
+    value = value.strip() or "0"
+
+    def one(text: str) -> Std:
+        try:
+            code = int(text)
+            if code not in (0, 1, 2, 3):
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"{flag}: expected 0, 1, 2 or 3 (none, stdout, stderr, both), got {text!r}") from None
+        return Std(code)
+
+    if ":" not in value:
+        std = one(value)
+        return {r: std for r in range(nproc)}
+    out = {r: Std.NONE for r in range(nproc)}
+    for item in value.split(","):
+        rank_s, _, code = item.partition(":")
+        try:
+            rank = int(rank_s)
+        except ValueError:
+            raise ConfigError(f"{flag}: expected LOCAL_RANK:CODE items, got {item!r}") from None
+        if not 0 <= rank < nproc:
+            raise ConfigError(f"{flag}: local rank {rank} out of range for --nproc-per-node {nproc}")
+        out[rank] = one(code)
+    return out
+
+
+def parse_int_list(value: str, *, flag: str) -> frozenset[int]:
+    """``"0,2"`` -> {0, 2}; empty -> all (empty set)."""
+    if not value.strip():
+        return frozenset()
+    try:
+        return frozenset(int(v) for v in value.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated integers, got {value!r}") from None
+
+
+def parse_signals(value: str) -> tuple[signal.Signals, ...]:
+    """``"SIGTERM,SIGINT"`` -> the signals, each validated by name."""
+    out = []
+    for name in (v.strip() for v in value.split(",") if v.strip()):
+        try:
+            out.append(signal.Signals[name])
+        except KeyError:
+            raise ConfigError(f"--signals-to-handle: unknown signal {name!r}") from None
+    return tuple(out)
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """Everything the agent needs, validated; built by the CLI from torchrun-compatible flags."""
+
+    entrypoint: str
+    args: tuple[str, ...] = ()
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    standalone: bool = False
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    role: str = "default"
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    log_dir: Path | None = None
+    event_log: Path | None = None
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: frozenset[int] = frozenset()
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    local_addr: str | None = None
+    signals_to_handle: tuple[signal.Signals, ...] = field(default_factory=lambda: parse_signals(DEFAULT_SIGNALS))
+    shutdown_timeout: float = 30.0
+    python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
+
+    def __post_init__(self) -> None:
+        if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
+            raise ConfigError(f"nnodes: invalid range {self.min_nodes}:{self.max_nodes}")
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node: must be >= 1, got {self.nproc_per_node}")
+        if self.rdzv_backend not in RDZV_BACKENDS:
+            raise ConfigError(
+                f"--rdzv-backend: unknown backend {self.rdzv_backend!r}; choose one of {', '.join(RDZV_BACKENDS)}"
+            )
+        if self.rdzv_backend == "etcd-v2":
+            raise ConfigError(
+                "--rdzv-backend etcd-v2: the etcd v2 API is not supported; use --rdzv-backend etcd (v3 API)"
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
+        if self.monitor_interval <= 0:
+            raise ConfigError(f"--monitor-interval: must be > 0, got {self.monitor_interval}")
+        if self.start_method not in START_METHODS:
+            raise ConfigError(f"--start-method: expected one of {', '.join(START_METHODS)}, got {self.start_method!r}")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout: must be >= 0, got {self.shutdown_timeout}")
+        if self.module and self.no_python:
+            raise ConfigError("-m/--module and --no-python cannot be used together")
+        if self.master_port is not None and not 0 <= self.master_port < 65536:
+            raise ConfigError(f"--master-port: must be in 0..65535, got {self.master_port}")
+        if not 0 <= self.node_rank:
+            raise ConfigError(f"--node-rank: must be >= 0, got {self.node_rank}")
+        if self.is_static and self.max_nodes > 1 and self.node_rank >= self.max_nodes:
+            raise ConfigError(f"--node-rank: {self.node_rank} is out of range for --nnodes {self.max_nodes}")
+        # Parse eagerly so that a malformed value fails before anything starts.
+        self.redirect_map = parse_std(self.redirects, flag="--redirects", nproc=self.nproc_per_node)
+        self.tee_map = parse_std(self.tee, flag="--tee", nproc=self.nproc_per_node)
+        self._check_entrypoint()
+
+    @property
+    def is_static(self) -> bool:
+        """Fixed membership given by --node-rank/--master-addr (torchrun's static rendezvous)."""
+        return self.rdzv_backend == "static"
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.max_nodes > self.min_nodes
+
+    def _check_entrypoint(self) -> None:
+        if self.module:
+            return  # resolved by the interpreter in the worker; errors surface there
+        if self.no_python:
+            if shutil.which(self.entrypoint) is None and not Path(self.entrypoint).is_file():
+                raise ConfigError(f"--no-python: executable {self.entrypoint!r} not found")
+            return
+        if not Path(self.entrypoint).is_file():
+            raise ConfigError(f"training script {self.entrypoint!r} not found")
+
+    def worker_command(self) -> list[str]:
+        """argv of one worker, as torchrun builds it."""
+        if self.no_python:
+            return [self.entrypoint, *self.args]
+        if self.module:
+            return [self.python, "-u", "-m", self.entrypoint, *self.args]
+        return [self.python, "-u", self.entrypoint, *self.args]
+
+
+def _default_python() -> str:
+    import sys
+
+    return sys.executable
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]

@@ -1,0 +1,43 @@
+"""Construction of a node's agent from a :class:`LaunchConfig` (the factory the CLI calls)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from hyperpodrun.agent import Agent
+from hyperpodrun.config import LaunchConfig, new_run_id
+from hyperpodrun.events import EventLog
+from hyperpodrun.logs import LogDirectory
+from hyperpodrun.rendezvous import RendezvousHandler, StaticRendezvous
+
+log = logging.getLogger(__name__)
+
+
+def create_rendezvous(config: LaunchConfig) -> RendezvousHandler:
+    """Static membership for one node or fixed ``--node-rank`` jobs; the store-backed one otherwise."""
+    if config.is_static or (config.standalone and config.max_nodes == 1):
+        return StaticRendezvous(
+            nnodes=config.max_nodes,
+            node_rank=config.node_rank,
+            nproc_per_node=config.nproc_per_node,
+            master_addr=config.master_addr,
+            master_port=config.master_port,
+        )
+    from hyperpodrun.elastic_rendezvous import create_elastic_rendezvous
+
+    return create_elastic_rendezvous(config)
+
+
+def launch(config: LaunchConfig) -> None:
+    """Run this node's agent until the job ends; raises a HyperpodrunError on failure."""
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="hyperpodrun: %(message)s")
+    run_id = config.rdzv_id if config.rdzv_id != "none" else new_run_id()
+    rendezvous = create_rendezvous(config)
+    logs = LogDirectory(config.log_dir, run_id)
+    events = EventLog(
+        config.event_log or logs.run_dir / "events.jsonl",
+        job=run_id,
+        node=rendezvous.node_id,
+    )
+    Agent(config, rendezvous, run_id=run_id, events=events, logs=logs).run()

@@ -1,0 +1,334 @@
+"""Worker supervision: spawn the local ranks with torchrun's environment, watch them, stop them.
+
+Each rank runs in its own session (process group). Stopping a rank stops its whole
+process tree: SIGTERM to every process of the tree, a grace period, then SIGKILL.
+On Linux the launcher makes itself a *child subreaper*, so grandchildren whose
+parent died (e.g. dataloader workers of a crashed rank) are re-parented to the
+launcher instead of init and are still found and stopped; and each rank gets
+``PR_SET_PDEATHSIG=SIGKILL``, so even ``kill -9`` of the launcher leaves no rank behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import psutil
+
+from hyperpodrun.errors import LaunchError
+from hyperpodrun.logs import RankLogs, StreamPump, open_for_child
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_prctl = _load_prctl()
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants of our workers are re-parented to us (Linux), so none escape."""
+    if _prctl is not None:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec: no Python-level locks
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class WorkerState(str, Enum):
+    """State of a worker group. INIT -> HEALTHY -> (SUCCEEDED | FAILED | STOPPED)."""
+
+    INIT = "init"
+    HEALTHY = "healthy"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupAssignment:
+    """What the rendezvous decided for this node in one round."""
+
+    group_rank: int
+    group_world_size: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    # Global rank of this node's first local rank; ranks are contiguous per node.
+    base_rank: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.group_world_size * self.nproc_per_node
+
+    def global_rank(self, local_rank: int) -> int:
+        base = self.base_rank if self.base_rank is not None else self.group_rank * self.nproc_per_node
+        return base + local_rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerFailure:
+    """Why one rank failed; ``summary()`` is the one-line root cause shown to the user."""
+
+    local_rank: int
+    global_rank: int
+    pid: int
+    exitcode: int
+    timestamp: float
+    log_file: Path
+    error_file: Path
+    message: str | None = None  # from the @record error file, if the rank wrote one
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                return f"signal {-self.exitcode}"
+        return None
+
+    def summary(self) -> str:
+        how = f"was killed by {self.signal_name}" if self.signal_name else f"exited with code {self.exitcode}"
+        text = f"rank {self.global_rank} (local rank {self.local_rank}, pid {self.pid}) {how}"
+        if self.message:
+            text += f": {self.message}"
+        return f"{text}; log: {self.log_file}"
+
+
+def read_error_file(path: Path) -> str | None:
+    """The exception recorded by ``torch.distributed.elastic.multiprocessing.errors.record``."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    message = data.get("message")
+    if isinstance(message, dict):
+        message = message.get("message")
+    if not isinstance(message, str):
+        return None
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else None
+
+
+@dataclass
+class _Rank:
+    local_rank: int
+    global_rank: int
+    proc: subprocess.Popen
+    logs: RankLogs
+    pumps: list[StreamPump] = field(default_factory=list)
+    exit_time: float | None = None
+
+
+class WorkerGroup:
+    """The local ranks of one attempt. Not thread-safe: driven by the agent's loop."""
+
+    def __init__(
+        self,
+        *,
+        command: list[str],
+        base_env: dict[str, str],
+        rank_env: dict[int, dict[str, str]],
+        assignment: GroupAssignment,
+        logs: dict[int, RankLogs],
+    ) -> None:
+        self._command = command
+        self._base_env = base_env
+        self._rank_env = rank_env
+        self.assignment = assignment
+        self._logs = logs
+        self._ranks: list[_Rank] = []
+        self.state = WorkerState.INIT
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for local_rank in range(self.assignment.nproc_per_node):
+            self._ranks.append(self._spawn(local_rank))
+        self.state = WorkerState.HEALTHY
+
+    def _spawn(self, local_rank: int) -> _Rank:
+        logs = self._logs[local_rank]
+        env = {**self._base_env, **self._rank_env[local_rank]}
+        global_rank = self.assignment.global_rank(local_rank)
+        out_fd = None if logs.console_stdout else open_for_child(logs.stdout_file)
+        err_fd = None if logs.console_stderr else open_for_child(logs.stderr_file)
+        try:
+            proc = subprocess.Popen(
+                self._command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out_fd if out_fd is not None else subprocess.PIPE,
+                stderr=err_fd if err_fd is not None else subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=_child_setup,
+            )
+        except OSError as e:
+            raise LaunchError(f"cannot start worker {self._command[0]!r}: {e.strerror}") from None
+        finally:
+            for fd in (out_fd, err_fd):
+                if fd is not None:
+                    os.close(fd)
+        rank = _Rank(local_rank, global_rank, proc, logs)
+        prefix = f"[rank{global_rank}]:"
+        if proc.stdout is not None:
+            rank.pumps.append(StreamPump(proc.stdout, prefix=prefix, file=logs.stdout_file, console=sys.stdout))
+        if proc.stderr is not None:
+            rank.pumps.append(StreamPump(proc.stderr, prefix=prefix, file=logs.stderr_file, console=sys.stderr))
+        for pump in rank.pumps:
+            pump.start()
+        return rank
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {r.local_rank: r.proc.pid for r in self._ranks}
+
+    def poll(self) -> WorkerState:
+        """Update and return the group state; FAILED as soon as any rank failed."""
+        if self.state not in (WorkerState.HEALTHY,):
+            return self.state
+        now = time.time()
+        running = False
+        for r in self._ranks:
+            code = r.proc.poll()
+            if code is None:
+                running = True
+            elif r.exit_time is None:
+                r.exit_time = now
+        if any(r.proc.returncode not in (None, 0) for r in self._ranks):
+            self.state = WorkerState.FAILED
+        elif not running:
+            self._join_pumps(timeout=5.0)
+            self.state = WorkerState.SUCCEEDED
+        return self.state
+
+    def failures(self) -> list[WorkerFailure]:
+        """Failed ranks, earliest first (the first one is the root cause)."""
+        out = []
+        for r in self._ranks:
+            code = r.proc.returncode
+            if code is None or code == 0:
+                continue
+            out.append(
+                WorkerFailure(
+                    local_rank=r.local_rank,
+                    global_rank=r.global_rank,
+                    pid=r.proc.pid,
+                    exitcode=code,
+                    timestamp=r.exit_time or time.time(),
+                    log_file=r.logs.stderr_file,
+                    error_file=r.logs.error_file,
+                    message=read_error_file(r.logs.error_file),
+                )
+            )
+        # A rank that recorded an exception is a better root cause than one killed as collateral.
+        out.sort(key=lambda f: (f.timestamp, f.message is None, f.global_rank))
+        return out
+
+    def signal_all(self, sig: int) -> None:
+        """Deliver ``sig`` to every live rank's process group (forwarding a signal)."""
+        for r in self._ranks:
+            if r.proc.poll() is None:
+                try:
+                    os.killpg(r.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, *, grace: float, sig: int = signal.SIGTERM) -> None:
+        """Stop every rank and all its descendants: ``sig``, up to ``grace`` seconds, then SIGKILL."""
+        procs = self._tree()
+        for p in procs:
+            _send(p, sig)
+        _, alive = psutil.wait_procs(procs, timeout=grace)
+        for p in alive:
+            _send(p, signal.SIGKILL)
+        for r in self._ranks:
+            _killpg(r.proc.pid, signal.SIGKILL)  # members of the group that left the tree
+        psutil.wait_procs(alive, timeout=5.0)
+        for r in self._ranks:
+            try:
+                r.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                log.warning("rank %d (pid %d) did not exit after SIGKILL", r.global_rank, r.proc.pid)
+            if r.exit_time is None:
+                r.exit_time = time.time()
+        _reap_orphans()
+        self._join_pumps(timeout=5.0)
+        if self.state == WorkerState.HEALTHY:
+            self.state = WorkerState.STOPPED
+
+    def _tree(self) -> list[psutil.Process]:
+        procs: dict[int, psutil.Process] = {}
+        for r in self._ranks:
+            try:
+                root = psutil.Process(r.proc.pid)
+                procs[root.pid] = root
+                for child in root.children(recursive=True):
+                    procs[child.pid] = child
+            except psutil.NoSuchProcess:
+                pass
+        # Orphans re-parented to us (we are a subreaper) whose rank already exited.
+        try:
+            rank_pids = {r.proc.pid for r in self._ranks}
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    if child.pid not in rank_pids and os.getpgid(child.pid) in rank_pids:
+                        procs[child.pid] = child
+                except (ProcessLookupError, psutil.NoSuchProcess):
+                    pass
+        except psutil.NoSuchProcess:
+            pass
+        return list(procs.values())
+
+    def _join_pumps(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for r in self._ranks:
+            for pump in r.pumps:
+                pump.join(max(0.0, deadline - time.monotonic()))
+
+
+def _send(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap_orphans() -> None:
+    """Collect exit statuses of re-parented descendants so none linger as zombies."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
