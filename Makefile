@@ -22,7 +22,7 @@ setup: $(STAMP)
 	  echo "warning: could not install etcd-server; etcd tests will fail" >&2; }
 
 demo: $(STAMP)
-	$(PY) -m hyperpodrun.demo
+	$(VENV)/bin/hyperpodrun --standalone --nproc-per-node 2 examples/minimal/train.py --steps 50
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -26,6 +26,7 @@ from hyperpodrun.errors import SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.logs import LogDirectory
 from hyperpodrun.rendezvous import RendezvousHandler, RestartReason, RoundInfo
+from hyperpodrun.reaper import Reaper
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
 from elastic_events.control import ControlWriter
 
@@ -88,6 +89,7 @@ def base_env(config: LaunchConfig) -> dict[str, str]:
     env = dict(os.environ)
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: avoid oversubscribing the node's cores
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in config.signals_to_handle)
     return env
 
 
@@ -115,6 +117,7 @@ class Agent:
         self._logs = logs
         self._control = ControlWriter(self._logs.run_dir / f"control-{os.getpid()}.bin", config.nproc_per_node)
         self._group: WorkerGroup | None = None
+        self._reaper: Reaper | None = None
         self._signal: int | None = None
         self._wake = threading.Event()
 
@@ -123,6 +126,7 @@ class Agent:
     def run(self) -> None:
         """Run the job to completion; raises WorkerFailedError or SignalReceived otherwise."""
         become_subreaper()
+        self._reaper = Reaper()
         previous = self._install_signal_handlers()
         self.events.emit(EventType.AGENT_STARTED, pid=os.getpid(), log_dir=str(self._logs.run_dir))
         try:
@@ -131,6 +135,8 @@ class Agent:
             if self._group is not None and self._group.state == WorkerState.HEALTHY:
                 self._group.stop(grace=self.config.shutdown_timeout)
             self._restore_signal_handlers(previous)
+            if self._reaper is not None:
+                self._reaper.close()
             self._control.close()
             self.rdzv.shutdown(succeeded=self.state == AgentState.SUCCEEDED)
             self.events.emit(EventType.AGENT_STOPPED, state=self.state.value)
@@ -209,6 +215,7 @@ class Agent:
             rank_env=envs,
             assignment=rnd.assignment,
             logs=logs,
+            reaper=self._reaper,
         )
         group.start()
         self._group = group

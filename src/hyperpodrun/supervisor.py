@@ -26,6 +26,7 @@ import psutil
 
 from hyperpodrun.errors import LaunchError
 from hyperpodrun.logs import RankLogs, StreamPump, open_for_child
+from hyperpodrun.reaper import Reaper
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,9 @@ class WorkerGroup:
         rank_env: dict[int, dict[str, str]],
         assignment: GroupAssignment,
         logs: dict[int, RankLogs],
+        reaper: Reaper | None = None,
     ) -> None:
+        self._reaper = reaper
         self._command = command
         self._base_env = base_env
         self._rank_env = rank_env
@@ -191,6 +194,8 @@ class WorkerGroup:
             for fd in (out_fd, err_fd):
                 if fd is not None:
                     os.close(fd)
+        if self._reaper is not None:
+            self._reaper.add(proc.pid)  # the rank's process group: pgid == pid (own session)
         rank = _Rank(local_rank, global_rank, proc, logs)
         prefix = f"[rank{global_rank}]:"
         if proc.stdout is not None:
@@ -275,6 +280,9 @@ class WorkerGroup:
             if r.exit_time is None:
                 r.exit_time = time.time()
         _reap_orphans()
+        if self._reaper is not None:
+            for r in self._ranks:
+                self._reaper.remove(r.proc.pid)
         self._join_pumps(timeout=5.0)
         if self.state == WorkerState.HEALTHY:
             self.state = WorkerState.STOPPED
