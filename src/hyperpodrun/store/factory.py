@@ -1,0 +1,174 @@
+"""Build the store a job's agents share from ``--rdzv-backend``/``--rdzv-endpoint``/``--rdzv-conf``.
+
+Backends:
+
+* ``etcd`` (alias ``etcd-v3``): an etcd v3 cluster, ``host:port[,host:port...]``.
+  ``--rdzv-conf`` keys ``cacert``, ``cert``, ``key``, ``protocol`` (TLS) and ``user``,
+  ``password`` (etcd authentication) apply.
+* ``embedded``: a store hosted inside one agent (see :mod:`hyperpodrun.store.embedded`).
+  torchrun's ``c10d`` and ``static`` are accepted as aliases of it, so torchrun command
+  lines work unchanged: like c10d's TCPStore, the store lives in one agent and the job
+  ends with that agent. (``static`` rendezvous itself needs no store; when one is asked
+  for, e.g. for the event log or ``hyperpodctl``, it is the embedded one.)
+
+Every backend's store is returned scoped to the job (:func:`job_prefix` of ``run_id``),
+so several jobs can share one etcd without seeing each other's keys.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+
+from hyperpodrun.store.base import (
+    PrefixedStore,
+    Store,
+    StoreAddressInUseError,
+    StoreConfigError,
+    job_prefix,
+    parse_endpoint,
+)
+from hyperpodrun.store.embedded import DEFAULT_PORT as EMBEDDED_DEFAULT_PORT
+from hyperpodrun.store.embedded import EmbeddedHostNotLocalError, EmbeddedStoreClient, EmbeddedStoreServer
+from hyperpodrun.store.etcd import EtcdConfig, EtcdStore
+
+__all__ = ["BACKENDS", "STORE_CONF_KEYS", "check_store_conf", "create_store", "resolve_backend"]
+
+#: ``--rdzv-backend`` spellings and the store implementation each one selects.
+BACKENDS: Mapping[str, str] = {
+    "etcd": "etcd",
+    "etcd-v3": "etcd",
+    "embedded": "embedded",
+    "c10d": "embedded",
+    "static": "embedded",
+}
+
+#: ``--rdzv-conf`` keys the store consumes (all etcd-only). Other keys belong to the
+#: rendezvous and are left alone, unless they look like a misspelt store key.
+STORE_CONF_KEYS: tuple[str, ...] = ("cacert", "cert", "key", "protocol", "user", "password")
+
+# Words that only make sense in a store/TLS/auth key: a key containing one of them that is
+# not in STORE_CONF_KEYS is a typo, not a rendezvous option.
+_STORE_WORDS = frozenset(
+    {"ca", "cafile", "cacrt", "cert", "certfile", "certificate", "crt", "keyfile", "key", "tls", "ssl",
+     "https", "user", "username", "password", "passwd", "pass", "token"}
+)  # fmt: skip
+
+
+def resolve_backend(backend: str) -> str:
+    """The implementation (``"etcd"`` or ``"embedded"``) for a ``--rdzv-backend`` value."""
+    kind = BACKENDS.get(backend.strip().lower().replace("_", "-"))
+    if kind is None:
+        raise StoreConfigError(
+            f"unknown --rdzv-backend {backend!r}; valid backends: {', '.join(BACKENDS)}"
+        )
+    return kind
+
+
+def check_store_conf(backend: str, conf: Mapping[str, str]) -> None:
+    """Reject store keys the backend cannot use and misspelt store keys, naming the key."""
+    kind = resolve_backend(backend)
+    for key, value in conf.items():
+        if key in STORE_CONF_KEYS:
+            if kind != "etcd":
+                raise StoreConfigError(
+                    f"--rdzv-conf {key}=... applies only to --rdzv-backend etcd, not {backend!r}"
+                )
+            if value is None or value == "":
+                raise StoreConfigError(f"--rdzv-conf {key} needs a value")
+            continue
+        words = set(re.split(r"[^a-z0-9]+", key.lower()))
+        misspelt = difflib.get_close_matches(key.lower(), STORE_CONF_KEYS, n=1, cutoff=0.8)
+        if words & _STORE_WORDS or misspelt:
+            near = difflib.get_close_matches(key.lower(), STORE_CONF_KEYS, n=1, cutoff=0.6)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise StoreConfigError(
+                f"unknown --rdzv-conf key {key!r}{hint}; the store's keys are {', '.join(STORE_CONF_KEYS)}"
+            )
+
+
+def _etcd_config(endpoint: str, conf: Mapping[str, str], timeout: float) -> EtcdConfig:
+    endpoints = tuple(e.strip() for e in endpoint.split(",") if e.strip())
+    if not endpoints:
+        raise StoreConfigError("--rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]")
+    protocol = conf.get("protocol")
+    if protocol is not None:
+        protocol = protocol.lower()
+        if protocol not in ("http", "https"):
+            raise StoreConfigError(f"--rdzv-conf protocol must be http or https, got {protocol!r}")
+    return EtcdConfig(
+        endpoints=endpoints,
+        protocol=protocol,  # type: ignore[arg-type]  # checked just above
+        cacert=conf.get("cacert"),
+        cert=conf.get("cert"),
+        key=conf.get("key"),
+        user=conf.get("user"),
+        password=conf.get("password"),
+        connect_timeout=timeout,
+    )
+
+
+def _embedded_store(endpoint: str, host: bool | None, timeout: float) -> EmbeddedStoreClient:
+    endpoint = endpoint.strip() or f"127.0.0.1:{EMBEDDED_DEFAULT_PORT}"
+    if "," in endpoint:
+        raise StoreConfigError(f"the embedded store takes one --rdzv-endpoint, got {endpoint!r}")
+    if host is False:
+        return EmbeddedStoreClient(endpoint, connect_timeout=timeout)
+    address, port = parse_endpoint(endpoint, default_port=EMBEDDED_DEFAULT_PORT)
+    server = EmbeddedStoreServer(address, port)
+    try:
+        server.start()
+    except StoreAddressInUseError:
+        if host:
+            raise
+        return EmbeddedStoreClient(endpoint, connect_timeout=timeout)
+    except EmbeddedHostNotLocalError:
+        if host:
+            raise
+        return EmbeddedStoreClient(endpoint, connect_timeout=timeout)
+    try:
+        return EmbeddedStoreClient(server.endpoint, connect_timeout=timeout, server=server)
+    except BaseException:
+        server.close()
+        raise
+
+
+def create_store(
+    backend: str,
+    endpoint: str,
+    *,
+    run_id: str,
+    conf: Mapping[str, str],
+    host: bool | None = None,
+    timeout: float,
+) -> Store:
+    """Connect to (or, for the embedded backend, host) the job's store.
+
+    Args:
+        backend: ``--rdzv-backend`` (see :data:`BACKENDS`).
+        endpoint: ``--rdzv-endpoint``; etcd takes a comma-separated list to fail over across.
+        run_id: ``--rdzv-id``; the returned store sees only this job's keys.
+        conf: ``--rdzv-conf`` as a mapping; see :data:`STORE_CONF_KEYS`.
+        host: embedded only. ``True``: host the store on ``endpoint`` (error if the address
+            is taken); ``False``: only connect; ``None``: host it unless another agent
+            already does or the address is not this machine's, then connect.
+            The store of a hosting agent owns the server: closing it ends the job's store.
+        timeout: how long to keep trying to reach the store before
+            :class:`~hyperpodrun.store.base.StoreUnavailableError`.
+
+    Raises:
+        StoreConfigError: unknown backend, bad endpoint or conf key, before connecting.
+    """
+    kind = resolve_backend(backend)
+    prefix = job_prefix(run_id)
+    check_store_conf(backend, conf)
+    if not timeout > 0:
+        raise StoreConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if kind == "etcd":
+        if host is not None:
+            raise StoreConfigError("host= applies only to the embedded store; etcd is never hosted by an agent")
+        inner: Store = EtcdStore(_etcd_config(endpoint, conf, timeout))
+    else:
+        inner = _embedded_store(endpoint, host, timeout)
+    return PrefixedStore(inner, prefix)

@@ -1,0 +1,204 @@
+"""Start a real etcd server (Debian's ``etcd-server``) for tests, on free loopback ports.
+
+    with EtcdServer() as etcd:
+        store = EtcdStore(EtcdConfig(endpoints=(etcd.endpoint,)))
+
+TLS: ``EtcdServer(tls=make_tls_files(tmp_path))`` serves https with a throwaway CA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import requests
+
+__all__ = ["EtcdServer", "EtcdTls", "free_port", "make_tls_files"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (nothing listens on it after this returns)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EtcdTls:
+    """Files for a TLS etcd: the CA, the server's pair and a client pair signed by the CA."""
+
+    cacert: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+    client_cert_auth: bool = False
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_tls_files(directory: Path, *, client_cert_auth: bool = False) -> EtcdTls:
+    """Generate a throwaway CA and server/client certificates (EC P-256) for 127.0.0.1."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl(
+        "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=hyperpodrun test CA",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=directory,
+    )  # fmt: skip
+    (directory / "leaf.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+        "basicConstraints=CA:FALSE\n"
+        "keyUsage=critical,digitalSignature\n"
+        "extendedKeyUsage=serverAuth,clientAuth\n"
+        "authorityKeyIdentifier=keyid\n"
+    )
+    for name in ("server", "client"):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=directory)
+        _openssl(
+            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.crt", "-days", "2", "-extfile", "leaf.ext",
+            cwd=directory,
+        )  # fmt: skip
+    return EtcdTls(
+        cacert=str(directory / "ca.crt"),
+        server_cert=str(directory / "server.crt"),
+        server_key=str(directory / "server.key"),
+        client_cert=str(directory / "client.crt"),
+        client_key=str(directory / "client.key"),
+        client_cert_auth=client_cert_auth,
+    )
+
+
+class EtcdServer:
+    """A single-member etcd in a temporary data directory (in /dev/shm when available)."""
+
+    def __init__(self, *, tls: EtcdTls | None = None, start_timeout: float = 30.0, attempts: int = 3) -> None:
+        binary = shutil.which("etcd") or "/usr/bin/etcd"
+        if not os.access(binary, os.X_OK):
+            raise RuntimeError("etcd is not installed: apt-get install etcd-server (the tests need a real etcd)")
+        self.binary = binary
+        self.tls = tls
+        self.start_timeout = start_timeout
+        self.attempts = attempts
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: str | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.endpoint}"
+
+    def start(self) -> EtcdServer:
+        """Start etcd and wait until it reports healthy; retries on a port taken meanwhile."""
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        self._dir = tempfile.mkdtemp(prefix="hyperpodrun-etcd-", dir=shm)
+        last_error = ""
+        for attempt in range(self.attempts):
+            self.port = free_port()
+            peer = f"http://127.0.0.1:{free_port()}"
+            args = [
+                self.binary,
+                "--name", "test",
+                "--data-dir", os.path.join(self._dir, f"data{attempt}"),
+                "--listen-client-urls", self.url,
+                "--advertise-client-urls", self.url,
+                "--listen-peer-urls", peer,
+                "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"test={peer}",
+                "--logger", "zap",
+                "--log-level", "warn",
+            ]  # fmt: skip
+            if self.tls is not None:
+                args += ["--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key]
+                args += ["--trusted-ca-file", self.tls.cacert]
+                if self.tls.client_cert_auth:
+                    args.append("--client-cert-auth")
+            log_path = os.path.join(self._dir, f"etcd{attempt}.log")
+            with open(log_path, "wb") as log:
+                self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            if self._wait_healthy():
+                return self
+            last_error = Path(log_path).read_text(errors="replace")[-2000:]
+            self._terminate()
+        self.stop()
+        raise RuntimeError(f"etcd did not become healthy within {self.start_timeout:g}s:\n{last_error}")
+
+    def _wait_healthy(self) -> bool:
+        assert self._proc is not None
+        verify: str | bool = self.tls.cacert if self.tls else False
+        cert = (self.tls.client_cert, self.tls.client_key) if self.tls else None
+        deadline = time.monotonic() + self.start_timeout
+        backoff = 0.02
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                return False
+            try:
+                reply = requests.get(f"{self.url}/health", verify=verify, cert=cert, timeout=2.0)
+                if reply.ok and reply.json().get("health") == "true":
+                    return True
+            except (requests.RequestException, ValueError):
+                pass
+            time.sleep(backoff)  # polling an external process; nothing to wait on instead
+            backoff = min(backoff * 2, 0.25)
+        return False
+
+    def etcdctl(self, *args: str, env: dict[str, str] | None = None) -> str:
+        """Run ``etcdctl`` (v3 API) against this server; returns its stdout."""
+        command = ["etcdctl", f"--endpoints={self.url}", "--command-timeout=20s"]
+        if self.tls is not None:
+            command += [f"--cacert={self.tls.cacert}", f"--cert={self.tls.client_cert}", f"--key={self.tls.client_key}"]
+        run_env = {**os.environ, "ETCDCTL_API": "3", **(env or {})}
+        done = subprocess.run(
+            [*command, *args], capture_output=True, text=True, timeout=30, env=run_env, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"etcdctl {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+        return done.stdout
+
+    def _terminate(self, timeout: float = 10.0) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout)
+        self._proc = None
+
+    def stop(self) -> None:
+        self._terminate()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
