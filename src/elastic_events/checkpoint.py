@@ -1,0 +1,742 @@
+"""Atomic, resharding checkpoints on PyTorch Distributed Checkpoint (DCP).
+
+One :class:`Checkpointer` saves and loads everything a step needs: model (plain, DDP
+or FSDP2 ``fully_shard``), optimizer, LR scheduler, data position, step, RNG state
+and user extras. A load reshards to the current world size. Layout under ``dir``::
+
+    step_000000120/                 complete: only ever created by a rename
+        .metadata  __0_0.distcp  __1_0.distcp  COMPLETE (JSON: step, world size, time, torch)
+    step_000000130.tmp-1f2e3d4c/    a save in progress, or one that crashed: never loaded
+
+Save protocol: all ranks write into a fresh ``.tmp-<token>`` directory (token from
+rank 0); DCP's coordinator writes ``.metadata`` after every rank has written; rank 0
+checks that each shard file named there is on disk at full length (so it sees the
+other ranks' files), writes ``COMPLETE``, renames the directory to ``step_<N>``, and
+only then prunes old checkpoints; finally every rank confirms it sees the result.
+
+What is saved, per kind of state:
+
+* model and optimizer: DCP state dicts from ``get_state_dict`` (FQN keys, sharded for
+  FSDP2, deduplicated for replicated DDP tensors), resharded on load;
+* scheduler, data position, extras and step: *global* state, the same on every rank by
+  contract (e.g. :class:`~elastic_events.sampler.ElasticSampler`'s global position);
+  rank 0's copy is written and every rank loads it;
+* RNG: each rank's own generators. At the saved world size every rank gets its own
+  stream back; at another size every rank re-seeds from
+  ``derive_rank_seed(rank 0's base seed, step, rank)`` (see :mod:`elastic_events.rng`).
+
+Async save (``async_save=True``) returns once DCP has copied the state to CPU memory
+and writes it from a background thread; rank 0 commits as soon as the write is done.
+Training resumes sooner, at the cost of a second CPU copy of the state until written,
+a newest checkpoint that is not durable yet when ``save`` returns, and storage errors
+that surface only in :meth:`Checkpointer.wait` (called by the next ``save``, ``load``
+and ``close``). Call ``wait`` before exiting on purpose, e.g. at a scale event.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from elastic_events.rng import RngState, capture_rng_state, derive_rank_seed, restore_rng_state, seed_all
+
+__all__ = [
+    "MARKER_NAME",
+    "CheckpointConfig",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
+    "CheckpointWarning",
+    "Checkpointer",
+    "IncompatibleCheckpointError",
+    "LoadedState",
+    "SharedStorageError",
+    "list_checkpoints",
+    "verify_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+MARKER_NAME = "COMPLETE"
+_FORMAT_VERSION = 1
+_METADATA = ".metadata"
+_COMPLETE_RE = re.compile(r"^step_(\d+)$")
+_PARTIAL_RE = re.compile(r"^step_\d+\.(?:tmp|old)-[0-9a-f]+$")
+_GLOBAL_KEY = "global"
+_SINGLE_PROCESS_NOTICE = "torch.distributed is disabled, unavailable or uninitialized"
+_RngOutcome = Literal["restored", "reseeded"]
+
+
+# ------------------------------------------------------------------------- errors
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every checkpoint failure."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """A specifically requested checkpoint does not exist."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint directory is partial or damaged and must not be loaded."""
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        super().__init__(f"checkpoint {path} is unusable: {reason}")
+        self.path, self.reason = Path(path), reason
+
+    def __reduce__(self) -> tuple[Any, ...]:  # errors travel between ranks pickled
+        return type(self), (self.path, self.reason)
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """A sound checkpoint that does not fit what the caller asked to load into."""
+
+
+class SharedStorageError(CheckpointError):
+    """Ranks do not see the same checkpoint files: the directory is not shared."""
+
+    def __init__(self, path: Path | str, detail: str) -> None:
+        super().__init__(
+            f"{detail}; checkpoints need a filesystem shared by all nodes and mounted at the "
+            f"same path (e.g. NFS, Lustre, FSx): {path}"
+        )
+        self.path, self.detail = Path(path), detail
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path, self.detail)
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """An async write or its commit did not finish in time."""
+
+
+class CheckpointWarning(UserWarning):
+    """A partial or corrupt checkpoint was skipped."""
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where and how checkpoints are written.
+
+    ``dir`` must be on storage shared by every node. ``keep_last=None`` keeps all.
+    ``timeout_s`` bounds every wait: cross-rank agreement, async writes and commits.
+    """
+
+    dir: Path
+    keep_last: int | None = 3
+    async_save: bool = False
+    timeout_s: float = 600.0
+    sync_files: bool = True
+    io_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
+            raise ValueError(f"dir must be a non-empty path, got {self.dir!r}")
+        object.__setattr__(self, "dir", Path(self.dir))
+        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+            raise ValueError(f"keep_last must be None or an integer >= 1, got {self.keep_last!r}")
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"async_save must be a bool, got {self.async_save!r}")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number > 0, got {self.timeout_s!r}")
+        if not isinstance(self.io_threads, int) or self.io_threads < 1:
+            raise ValueError(f"io_threads must be an integer >= 1, got {self.io_threads!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """What a ``COMPLETE`` marker records about one checkpoint."""
+
+    step: int
+    path: Path
+    world_size: int
+    saved_at: float
+    torch_version: str
+    components: tuple[str, ...]
+
+    def to_json(self) -> str:
+        fields = {k: v for k, v in vars(self).items() if k != "path"}
+        return json.dumps({"format": _FORMAT_VERSION, **fields, "components": list(self.components)})
+
+    @classmethod
+    def from_marker(cls, path: Path) -> CheckpointInfo:
+        """Parse ``path/COMPLETE``; raise :class:`CheckpointCorruptError` if absent or malformed."""
+        try:
+            raw = json.loads((path / MARKER_NAME).read_text())
+            info = cls(
+                step=int(raw["step"]),
+                path=path,
+                world_size=int(raw["world_size"]),
+                saved_at=float(raw["saved_at"]),
+                torch_version=str(raw["torch_version"]),
+                components=tuple(raw["components"]),
+            )
+        except FileNotFoundError:
+            raise CheckpointCorruptError(path, f"no {MARKER_NAME} marker (save did not finish)") from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointCorruptError(path, f"unreadable {MARKER_NAME} marker: {exc}") from exc
+        match = _COMPLETE_RE.match(path.name)
+        if match is None or int(match.group(1)) != info.step:
+            raise CheckpointCorruptError(path, f"marker says step {info.step}, the directory name disagrees")
+        return info
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedState:
+    """The result of a successful :meth:`Checkpointer.load`."""
+
+    info: CheckpointInfo
+    step: int
+    world_size: int
+    """The world size loaded into; ``info.world_size`` is the one it was saved at."""
+    extra: dict[str, Any]
+    rng: _RngOutcome
+    """``restored``: this rank's own generators; ``reseeded``: the world size changed."""
+    skipped: tuple[Path, ...] = ()
+    """Newer checkpoints that were unusable, each reported with a :class:`CheckpointWarning`."""
+
+    @property
+    def resharded(self) -> bool:
+        return self.world_size != self.info.world_size
+
+
+# ------------------------------------------------------------------ on-disk checks
+
+
+def _scan(root: Path) -> tuple[list[tuple[int, str]], list[str]]:
+    """Final-named checkpoint dirs newest first, and partial (``.tmp-``/``.old-``) dirs."""
+    try:
+        names = [entry.name for entry in os.scandir(root) if entry.is_dir()]
+    except FileNotFoundError:
+        return [], []
+    complete = sorted(((int(m.group(1)), n) for n in names if (m := _COMPLETE_RE.match(n))), reverse=True)
+    return complete, sorted(n for n in names if _PARTIAL_RE.match(n))
+
+
+def list_checkpoints(root: Path | str) -> list[CheckpointInfo]:
+    """Checkpoints under ``root`` with a readable marker and a ``.metadata``, newest first.
+
+    Cheap: shard files are checked by :func:`verify_checkpoint` and at load.
+    """
+    found = []
+    for _, name in _scan(Path(root))[0]:
+        with contextlib.suppress(CheckpointCorruptError):
+            info = CheckpointInfo.from_marker(Path(root) / name)
+            if (info.path / _METADATA).is_file():
+                found.append(info)
+    return found
+
+
+def _shard_problems(path: Path, metadata: Metadata) -> list[str]:
+    """Shard files named by ``.metadata`` that are absent or shorter than recorded."""
+    needed: dict[str, int] = {}
+    for item in metadata.storage_data.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"shard file {name} is missing")
+            continue
+        if actual < size:
+            problems.append(f"shard file {name} is truncated ({actual} of {size} bytes)")
+    return problems
+
+
+def _read_metadata(path: Path) -> Metadata:
+    try:
+        return FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointCorruptError(path, f"no {_METADATA} file") from None
+    except Exception as exc:  # a truncated pickle raises anything from EOFError to ValueError
+        raise CheckpointCorruptError(path, f"unreadable {_METADATA}: {type(exc).__name__}: {exc}") from exc
+
+
+def verify_checkpoint(path: Path | str) -> tuple[CheckpointInfo, Metadata]:
+    """Check marker, ``.metadata`` and every shard file; raise :class:`CheckpointCorruptError`."""
+    info = CheckpointInfo.from_marker(Path(path))
+    metadata = _read_metadata(info.path)
+    if problems := _shard_problems(info.path, metadata):
+        raise CheckpointCorruptError(info.path, "; ".join(problems))
+    return info, metadata
+
+
+def _write_marker(directory: Path, info: CheckpointInfo) -> None:
+    tmp = directory / f"{MARKER_NAME}.partial"
+    with open(tmp, "w") as handle:
+        handle.write(info.to_json())
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, directory / MARKER_NAME)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(blob: bytes) -> Any:
+    # Written by this job (trusted); holds arbitrary picklable scheduler, data and extra state.
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
+def _describe(exc: BaseException) -> str:
+    """One line per failing rank instead of DCP's concatenated tracebacks."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
+    return f"{type(exc).__name__}: {exc}"
+
+
+# -------------------------------------------------------------------- collectives
+
+
+class _Comm:
+    """Agreement between ranks on small Python objects; one process needs none."""
+
+    rank, world_size = 0, 1
+    dcp_kwargs: dict[str, Any] = {"no_dist": True}
+
+    def broadcast(self, obj: Any, *, what: str) -> Any:
+        return obj
+
+    def all_gather(self, obj: Any, *, what: str) -> list[Any]:
+        return [obj]
+
+
+class _GroupComm(_Comm):
+    """Objects exchanged over a (gloo) process group whose timeout bounds every wait."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self.group, self.timeout_s = group, timeout_s
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.dcp_kwargs = {"process_group": group}
+
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
+            raise CheckpointError(
+                f"rank {self.rank}: waiting for all {self.world_size} ranks to {what} failed or timed out "
+                f"(limit {self.timeout_s:.0f}s): {exc}"
+            ) from exc
+
+    def broadcast(self, obj: Any, *, what: str) -> Any:
+        box = [obj]
+        with self._guard(what):
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
+
+    def all_gather(self, obj: Any, *, what: str) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        with self._guard(what):
+            dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+@contextlib.contextmanager
+def _quiet_single_process(comm: _Comm) -> Iterator[None]:
+    """Hide DCP's notice that it runs in one process: that is what we asked for."""
+    with warnings.catch_warnings():
+        if not isinstance(comm, _GroupComm):
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE)
+        yield
+
+
+# ------------------------------------------------------------------- checkpointer
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """The live objects one save reads from or one load writes into."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Stateful | None
+    data: Stateful | None
+
+    def components(self) -> tuple[str, ...]:
+        return ("model", *(n for n in ("optimizer", "scheduler", "data") if getattr(self, n) is not None))
+
+    def tensor_state(self) -> dict[str, Any]:
+        """DCP state dicts (FQN keys, sharded as the module is): the save source or load template."""
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_tensor_state(self, state: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state["model"])
+        else:
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
+
+    def global_state(self) -> dict[str, Any]:
+        return {n: None if (obj := getattr(self, n)) is None else obj.state_dict() for n in ("scheduler", "data")}
+
+    def load_global_state(self, saved: dict[str, Any]) -> None:
+        for name in ("scheduler", "data"):
+            if (obj := getattr(self, name)) is not None:
+                obj.load_state_dict(saved[name])
+
+
+@dataclass(kw_only=True)
+class _PendingSave:
+    info: CheckpointInfo
+    tmp: Path
+    future: concurrent.futures.Future[Any] | None = None
+    committed: threading.Event = field(default_factory=threading.Event)
+    commit_error: CheckpointError | None = None
+
+
+class Checkpointer:
+    """Saves and loads a job's full training state; see the module docstring.
+
+    When ``torch.distributed`` is initialised, every method but :meth:`latest` is
+    collective: all ranks call it, with the same arguments. Ranks agree over
+    ``process_group`` if given (with async saves it must not be the group training
+    collectives use), else over a gloo group created on first use.
+    """
+
+    def __init__(self, config: CheckpointConfig, *, process_group: dist.ProcessGroup | None = None) -> None:
+        self.config = config
+        self._group = process_group
+        self._comm: _Comm | None = None
+        self._pending: _PendingSave | None = None
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest checkpoint with a marker (local and cheap; :meth:`load` verifies fully)."""
+        found = list_checkpoints(self.config.dir)
+        return found[0] if found else None
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Stateful | None = None,
+        data: Stateful | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Checkpoint ``step``; return the directory it has once complete.
+
+        ``extra``: small picklable values (tensors included), global like ``data``.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"extra must be a dict, got {type(extra).__name__}")
+        self.wait()
+        comm = self._get_comm()
+        token = comm.broadcast(secrets.token_hex(4) if comm.rank == 0 else None, what=f"name step {step}'s directory")
+        final = self.config.dir / f"step_{step:09d}"
+        tmp = final.with_name(f"{final.name}.tmp-{token}")
+        targets = _Targets(model, optimizer, scheduler, data)
+        state = self._state_to_save(step, comm, targets, extra)
+        components = targets.components() + (("extra",) if extra is not None else ())
+        info = CheckpointInfo(
+            step=step,
+            path=final,
+            world_size=comm.world_size,
+            saved_at=time.time(),
+            torch_version=torch.__version__,
+            components=components,
+        )
+        pending = _PendingSave(info=info, tmp=tmp)
+        writer = FileSystemWriter(tmp, sync_files=self.config.sync_files, thread_count=self.config.io_threads)
+        try:
+            with _quiet_single_process(comm):
+                if self.config.async_save:
+                    result = dcp.async_save(state, storage_writer=writer, **comm.dcp_kwargs)
+                    pending.future = getattr(result, "upload_completion", result)
+                else:
+                    dcp.save(state, storage_writer=writer, **comm.dcp_kwargs)
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"writing step {step} to {tmp} failed: {_describe(exc)}") from exc
+        if pending.future is None:
+            if comm.rank == 0:
+                self._commit(pending)
+            self._confirm(pending, comm)
+        else:
+            if comm.rank == 0:
+                pending.future.add_done_callback(lambda future: self._commit(pending, future))
+            self._pending = pending
+        return final
+
+    def wait(self) -> CheckpointInfo | None:
+        """Block until the in-flight async save is complete; return its info (``None`` if none)."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending.future is None:
+            return None
+        comm = self._get_comm()
+        step, limit = pending.info.step, self.config.timeout_s
+        try:
+            pending.future.result(timeout=limit)
+        except concurrent.futures.TimeoutError:
+            message = f"async write of step {step} to {pending.tmp} took over {limit:.0f}s"
+            raise CheckpointTimeoutError(message) from None
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"async write of step {step} to {pending.tmp} failed: {_describe(exc)}") from exc
+        if comm.rank == 0 and not pending.committed.wait(limit):
+            raise CheckpointTimeoutError(f"committing step {step} ({pending.tmp}) took over {limit:.0f}s")
+        self._confirm(pending, comm)
+        return pending.info
+
+    def close(self) -> None:
+        """Finish any in-flight save."""
+        self.wait()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:  # after an error, other ranks may never join the collective wait
+            self.close()
+
+    def load(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Stateful | None = None,
+        data: Stateful | None = None,
+        step: int | None = None,
+    ) -> LoadedState | None:
+        """Load the newest usable checkpoint (or exactly ``step``) into the given objects.
+
+        Returns ``None`` when there is none. Partial and corrupt checkpoints are reported
+        with a :class:`CheckpointWarning` naming the path and skipped; if no checkpoint is
+        usable, raises :class:`CheckpointError` naming every path and why. The objects may
+        hold partially loaded values after a failed attempt; a later success overwrites them.
+        """
+        self.wait()
+        comm = self._get_comm()
+        targets = _Targets(model, optimizer, scheduler, data)
+        listing = _scan(self.config.dir) if comm.rank == 0 else None
+        complete, partial = comm.broadcast(listing, what="list checkpoints")
+        self._check_visible(comm, [name for _, name in complete])
+        if comm.rank == 0:
+            for name in partial:
+                self._warn(self.config.dir / name, "partial save (never completed); ignored")
+        if step is not None:
+            complete = [(s, name) for s, name in complete if s == step]
+            if not complete:
+                raise CheckpointNotFoundError(f"no checkpoint for step {step} in {self.config.dir}")
+        failures: list[tuple[Path, str]] = []
+        for _, name in complete:
+            path = self.config.dir / name
+            try:
+                info, metadata = verify_checkpoint(path)
+                problem = None
+            except CheckpointCorruptError as exc:
+                problem = exc.reason
+            reasons = [r for r in comm.all_gather(problem, what=f"verify {path}") if r]
+            if not reasons:
+                self._check_compatible(info, metadata, targets)
+                try:
+                    state = self._read(info, comm, targets)
+                except (Exception, CheckpointException) as exc:  # DCP raises on every rank alike
+                    reasons = [f"DCP load failed: {_describe(exc)}"]
+                else:
+                    rng = self._apply(info, comm, targets, state)
+                    extra = state[_GLOBAL_KEY]["extra"] or {}
+                    skipped = tuple(p for p, _ in failures)
+                    return LoadedState(
+                        info=info, step=info.step, world_size=comm.world_size, extra=extra, rng=rng, skipped=skipped
+                    )
+            failures.append((path, reasons[0]))
+            if comm.rank == 0:
+                self._warn(path, reasons[0])
+            if step is not None:
+                raise CheckpointCorruptError(path, reasons[0])
+        if not failures:
+            return None
+        damaged = "; ".join(f"{path}: {reason}" for path, reason in failures)
+        raise CheckpointError(f"no usable checkpoint in {self.config.dir}, every one is damaged: {damaged}")
+
+    # --------------------------------------------------------------- internals
+
+    def _get_comm(self) -> _Comm:
+        distributed = dist.is_available() and dist.is_initialized()
+        if self._comm is None or (distributed and not isinstance(self._comm, _GroupComm)):
+            if distributed:
+                timeout = timedelta(seconds=self.config.timeout_s)
+                group = self._group or dist.new_group(backend="gloo", timeout=timeout)
+                self._comm = _GroupComm(group, self.config.timeout_s)
+            else:
+                self._comm = _Comm()
+        return self._comm
+
+    @staticmethod
+    def _state_to_save(step: int, comm: _Comm, targets: _Targets, extra: dict[str, Any] | None) -> dict[str, Any]:
+        state = targets.tensor_state()
+        rng = capture_rng_state()
+        state[f"rng_rank_{comm.rank}"] = _to_bytes(vars(rng))
+        if comm.rank == 0:
+            global_state = {"step": step, "extra": extra, "rng_base_seed": rng.base_seed}
+            state[_GLOBAL_KEY] = _to_bytes({**global_state, **targets.global_state()})
+        return state
+
+    def _commit(self, pending: _PendingSave, future: concurrent.futures.Future[Any] | None = None) -> None:
+        """Rank 0, once DCP is done: check every rank's files, write the marker, rename, prune."""
+        try:
+            if future is not None and future.exception() is not None:
+                return  # the write failed on every rank; wait() reports it
+            if problems := _shard_problems(pending.tmp, _read_metadata(pending.tmp)):
+                detail = f"rank 0 ({socket.gethostname()}) cannot see files other ranks wrote: {'; '.join(problems)}"
+                raise SharedStorageError(pending.tmp, detail)
+            _write_marker(pending.tmp, pending.info)
+            final = pending.info.path
+            replaced = final.with_name(final.name + ".old-" + pending.tmp.name.rsplit("-", 1)[1])
+            if final.exists():  # the same step saved again, e.g. right after a resume
+                os.replace(final, replaced)
+            os.replace(pending.tmp, final)
+            _fsync_dir(final.parent)
+            shutil.rmtree(replaced, ignore_errors=True)
+            self._prune()
+        except CheckpointError as exc:
+            pending.commit_error = exc
+        except Exception as exc:
+            pending.commit_error = CheckpointError(f"committing {pending.tmp} failed: {_describe(exc)}")
+        finally:
+            pending.committed.set()
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` checkpoints with a marker; drop older dirs and partial saves."""
+        complete, partial = _scan(self.config.dir)
+        for name in partial:  # saves are serialised: none of these is in flight
+            shutil.rmtree(self.config.dir / name, ignore_errors=True)
+        if self.config.keep_last is None:
+            return
+        kept = 0
+        for _, name in complete:
+            path = self.config.dir / name
+            if kept >= self.config.keep_last:
+                logger.info("removing old checkpoint %s (keep_last=%d)", path, self.config.keep_last)
+                shutil.rmtree(path, ignore_errors=True)
+            elif (path / MARKER_NAME).is_file():
+                kept += 1
+
+    def _confirm(self, pending: _PendingSave, comm: _Comm) -> None:
+        """Every rank checks that it sees the saved files; all ranks raise the same error."""
+        final = pending.info.path
+        seen = (pending.tmp / _METADATA).is_file() or (final / _METADATA).is_file()  # before or after the rename
+        error = pending.commit_error if comm.rank == 0 else None
+        reports = comm.all_gather((socket.gethostname(), seen, error), what=f"confirm step {pending.info.step}")
+        if reports[0][2] is not None:
+            raise reports[0][2]
+        if blind := [f"rank {r} ({host})" for r, (host, seen, _) in enumerate(reports) if not seen]:
+            detail = f"{', '.join(blind)} cannot see {_METADATA} that rank 0 ({reports[0][0]}) wrote"
+            raise SharedStorageError(final, detail)
+
+    def _check_visible(self, comm: _Comm, names: list[str]) -> None:
+        """Every rank must see the checkpoints rank 0 sees (and see none if rank 0 sees none)."""
+        missing = [name for name in names if not (self.config.dir / name).is_dir()]
+        report = (socket.gethostname(), missing, len(_scan(self.config.dir)[0]))
+        reports = comm.all_gather(report, what=f"list checkpoints in {self.config.dir}")
+        rank0 = f"rank 0 ({reports[0][0]})"
+        for rank, (host, missing, count) in enumerate(reports):
+            if missing:
+                detail = f"rank {rank} ({host}) cannot see checkpoint {missing[0]} that {rank0} sees"
+                raise SharedStorageError(self.config.dir / missing[0], detail)
+            if count and not names:
+                detail = f"rank {rank} ({host}) sees {count} checkpoint(s) where {rank0} sees none"
+                raise SharedStorageError(self.config.dir, detail)
+
+    @staticmethod
+    def _check_compatible(info: CheckpointInfo, metadata: Metadata, targets: _Targets) -> None:
+        if absent := [name for name in targets.components() if name not in info.components]:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {info.path} has no {', '.join(absent)} state (it holds {', '.join(info.components)})"
+            )
+        saved = metadata.state_dict_metadata
+        for fqn, tensor in get_model_state_dict(targets.model).items():
+            entry = saved.get(f"model.{fqn}")
+            if entry is None:
+                raise IncompatibleCheckpointError(f"checkpoint {info.path} has no model entry {fqn!r}")
+            if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != tuple(tensor.shape):
+                raise IncompatibleCheckpointError(
+                    f"checkpoint {info.path}: model parameter {fqn!r} has shape {tuple(entry.size)}, "
+                    f"the model has {tuple(tensor.shape)}"
+                )
+
+    @staticmethod
+    def _read(info: CheckpointInfo, comm: _Comm, targets: _Targets) -> dict[str, Any]:
+        """DCP-load into ``targets``' state dicts (in place where they alias live tensors)."""
+        state = targets.tensor_state()
+        state[_GLOBAL_KEY] = b""
+        if info.world_size == comm.world_size:
+            state[f"rng_rank_{comm.rank}"] = b""
+        with _quiet_single_process(comm):
+            dcp.load(state, storage_reader=FileSystemReader(info.path), **comm.dcp_kwargs)
+        state[_GLOBAL_KEY] = _from_bytes(state[_GLOBAL_KEY])
+        return state
+
+    @staticmethod
+    def _apply(info: CheckpointInfo, comm: _Comm, targets: _Targets, state: dict[str, Any]) -> _RngOutcome:
+        """Hand loaded state to its owners; their refusal (e.g. another dataset) is not corruption."""
+        saved = state[_GLOBAL_KEY]
+        try:
+            targets.load_tensor_state(state)
+            targets.load_global_state(saved)
+        except Exception as exc:
+            raise IncompatibleCheckpointError(f"checkpoint {info.path} does not fit: {_describe(exc)}") from exc
+        own_rng = state.get(f"rng_rank_{comm.rank}")
+        if own_rng is not None:
+            restore_rng_state(RngState(**_from_bytes(own_rng)))
+            return "restored"
+        seed_all(derive_rank_seed(saved["rng_base_seed"], info.step, comm.rank))
+        return "reseeded"
+
+    @staticmethod
+    def _warn(path: Path, reason: str) -> None:
+        warnings.warn(f"skipping checkpoint {path}: {reason}", CheckpointWarning, stacklevel=3)
