@@ -22,13 +22,15 @@ from pathlib import Path
 from types import FrameType
 
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.errors import SignalReceived, WorkerFailedError
+from hyperpodrun.elastic_rendezvous import Directive, DirectiveKind, ElasticRendezvous, LocalStatus
+from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.logs import LogDirectory
 from hyperpodrun.rendezvous import RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
+from hyperpodrun.store import StoreError
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
-from elastic_events.control import ControlWriter
+from elastic_events.control import ControlWriter, EventKind, RankProgress
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ def worker_env(
     error_file: Path,
     control_file: Path,
     node_id: str,
+    event_log: Path | None = None,
 ) -> dict[str, str]:
     """The per-rank environment: torchrun's variables exactly, plus ``HYPERPODRUN_*`` extras."""
     a = rnd.assignment
@@ -82,6 +85,8 @@ def worker_env(
         "HYPERPODRUN_ROUND": str(rnd.round),
         "HYPERPODRUN_NODE_ID": node_id,
     }
+    if event_log is not None:
+        env["HYPERPODRUN_EVENT_LOG"] = str(event_log)
     return env
 
 
@@ -144,6 +149,9 @@ class Agent:
     # -- main loop ---------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if isinstance(self.rdzv, ElasticRendezvous):
+            self._loop_elastic(self.rdzv)
+            return
         reason = RestartReason.START
         while True:
             self.state = AgentState.RENDEZVOUS
@@ -184,6 +192,118 @@ class Agent:
                 flush=True,
             )
 
+    # -- elastic loop --------------------------------------------------------------------
+
+    def _loop_elastic(self, rdzv: ElasticRendezvous) -> None:
+        """Rounds of an elastic job: run, follow scale events, restart at the new size."""
+        rdzv.join()
+        while True:
+            self.state = AgentState.RENDEZVOUS
+            try:
+                rnd = self._guard_store(lambda: rdzv.next_round(timeout=rdzv.settings.join_timeout))
+            except RendezvousClosedError as e:
+                self._finish_closed(str(e), succeeded=e.status != "failed", left=e.status == "left")
+                return
+            self.restart_count = rnd.restarts
+            self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
+            self.events.emit(EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value)
+            print(
+                f"hyperpodrun: round {rnd.round}: {len(rnd.members)} node(s), world size "
+                f"{rnd.assignment.world_size}, this node is group rank {rnd.assignment.group_rank} ({rnd.reason.value})",
+                file=sys.stderr,
+                flush=True,
+            )
+            group = self._start_group(rnd, rnd.reason)
+            self.state = AgentState.RUNNING
+            directive = self._monitor_elastic(rdzv, group)
+            if directive.kind == DirectiveKind.EXIT:
+                self._finish_closed(directive.reason, succeeded=directive.exit_code == 0)
+                return
+
+    def _monitor_elastic(self, rdzv: ElasticRendezvous, group: WorkerGroup) -> Directive:
+        """Watch the ranks and the store until the round ends for this node."""
+        pending: Directive | None = None
+        deadline = 0.0
+        rates = _StepRates(self.config.nproc_per_node)
+        next_poll = 0.0
+        while True:
+            state = group.poll()
+            if state == WorkerState.FAILED and pending is None:
+                group.stop(grace=self.config.shutdown_timeout)  # siblings of a failed rank stop now
+            if self._signal is not None:
+                if self._signal == signal.SIGTERM:
+                    self._signal = None
+                    self._wake.clear()
+                    print("hyperpodrun: SIGTERM: leaving the job at the next agreed step", file=sys.stderr, flush=True)
+                    self._guard_store(rdzv.request_leave)
+                else:
+                    self._on_signal(group, self._signal)
+            if rdzv.lease_lost:
+                group.stop(grace=self.config.shutdown_timeout)
+                raise RendezvousError("this node lost its membership lease (store unreachable for a whole lease ttl)")
+            now = time.monotonic()
+            if now >= next_poll or state != WorkerState.HEALTHY:
+                next_poll = now + rdzv.settings.tick
+                steps, step_times = rates.update(self._control.progress())
+                failure = group.failures()[0].summary() if state == WorkerState.FAILED and group.failures() else None
+                status = LocalStatus(group_state=state, steps=steps, step_times=step_times, failure=failure)
+                directive = self._guard_store(lambda: rdzv.poll(status), group)
+                if directive is not None and directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP):
+                    self.events.emit(EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value, reason=directive.reason)
+                    group.stop(grace=self.config.shutdown_timeout)
+                    self.events.emit(EventType.WORKERS_STOPPED, event_id=directive.event_id)
+                    if directive.kind == DirectiveKind.STOP:
+                        self._guard_store(lambda: rdzv.report_stopped(directive.event_id, ok=False))
+                    self._control.clear()
+                    return directive
+                if directive is not None and pending is None:
+                    pending = directive
+                    deadline = now + rdzv.policy.graceful_shutdown_timeout
+                    self._control.publish(
+                        event_id=directive.event_id,
+                        target_step=directive.target_step,
+                        kind=EventKind.SAVE_AND_EXIT,
+                        round=self.events.round + 1,
+                        world_size=directive.world_size,
+                    )
+                    self.events.emit(
+                        EventType.WORKERS_SIGNALLED, event_id=directive.event_id, target_step=directive.target_step,
+                        steps=list(steps), reason=directive.reason,
+                    )  # fmt: skip
+            if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
+                if state == WorkerState.HEALTHY:
+                    print(
+                        f"hyperpodrun: ranks did not exit within the graceful shutdown timeout "
+                        f"({rdzv.policy.graceful_shutdown_timeout:g}s); killing them",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                group.stop(grace=self.config.shutdown_timeout)
+                ok = state == WorkerState.SUCCEEDED
+                self.events.emit(EventType.WORKERS_STOPPED, event_id=pending.event_id, ok=ok)
+                self._control.clear()
+                self._guard_store(lambda: rdzv.report_stopped(pending.event_id, ok=ok))
+                return pending
+            self._wake.wait(self.config.monitor_interval)
+
+    def _guard_store(self, fn, group: WorkerGroup | None = None):
+        """Run a store operation; a lost store stops the ranks and ends the agent with its message."""
+        try:
+            return fn()
+        except StoreError as e:
+            if group is not None:
+                group.stop(grace=self.config.shutdown_timeout)
+            self.events.emit(EventType.STORE_LOST, message=str(e))
+            raise RendezvousError(f"lost the rendezvous store: {e}") from None
+
+    def _finish_closed(self, message: str, *, succeeded: bool, left: bool = False) -> None:
+        if not succeeded:
+            self.state = AgentState.FAILED
+            raise WorkerFailedError(message)
+        self.state = AgentState.SUCCEEDED
+        if left:
+            print("hyperpodrun: left the job gracefully", file=sys.stderr, flush=True)
+
     def _start_group(self, rnd: RoundInfo, reason: RestartReason) -> WorkerGroup:
         attempt_dir = self._logs.new_attempt(self._attempt)
         self._attempt += 1
@@ -207,6 +327,7 @@ class Agent:
                 error_file=logs[local_rank].error_file,
                 control_file=self._control.path,
                 node_id=self.rdzv.node_id,
+                event_log=self.events.path,
             )
         self._control.reset_ranks()
         group = WorkerGroup(
@@ -270,3 +391,20 @@ class Agent:
     def _restore_signal_handlers(previous: dict[int, object]) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+class _StepRates:
+    """Seconds per step of each local rank, from successive control-channel readings."""
+
+    def __init__(self, nproc: int) -> None:
+        self._last: list[RankProgress | None] = [None] * nproc
+        self._rate = [0.0] * nproc
+
+    def update(self, progress: list[RankProgress]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        for r, p in enumerate(progress):
+            last = self._last[r]
+            if last is not None and p.step > last.step and p.time > last.time:
+                self._rate[r] = (p.time - last.time) / (p.step - last.step)
+            if last is None or p.step != last.step:
+                self._last[r] = p
+        return tuple(p.step for p in progress), tuple(self._rate)

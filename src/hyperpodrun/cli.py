@@ -39,6 +39,7 @@ _RDZV = "Rendezvous"
 _WORKERS = "Workers"
 _LOGS = "Logs"
 _STATIC = "Static membership (torchrun compatible)"
+_POLICY = "Elastic policy"
 
 
 def _version(value: bool) -> None:
@@ -61,7 +62,7 @@ def _opt(*names: str, env: str | None = None, help: str, group: str, **kw):
 def run(
     training_script: Annotated[str, typer.Argument(help="Script (or module with -m, or executable with --no-python) to run on every rank.", show_default=False)],
     training_script_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments passed to the script unchanged.", show_default=False)] = None,
-    nnodes: Annotated[str, _opt("--nnodes", env="PET_NNODES", group=_RDZV, help="Number of nodes, N or MIN:MAX for an elastic job.")] = "1:1",
+    nnodes: Annotated[Optional[str], _opt("--nnodes", env="PET_NNODES", group=_RDZV, help="Number of nodes, N or MIN:MAX for an elastic job (default 1, or the policy file's bounds).", show_default=False)] = None,
     nproc_per_node: Annotated[str, _opt("--nproc-per-node", env="PET_NPROC_PER_NODE", group=_WORKERS, help="Ranks per node: N, auto, gpu or cpu.")] = "1",
     rdzv_backend: Annotated[str, _opt("--rdzv-backend", env="PET_RDZV_BACKEND", group=_RDZV, help="static, c10d/embedded (store hosted by one agent) or etcd (v3 API).")] = "static",
     rdzv_endpoint: Annotated[str, _opt("--rdzv-endpoint", env="PET_RDZV_ENDPOINT", group=_RDZV, help="HOST:PORT of the store (etcd accepts a comma-separated list).")] = "",
@@ -86,11 +87,33 @@ def run(
     local_addr: Annotated[Optional[str], _opt("--local-addr", env="PET_LOCAL_ADDR", group=_RDZV, help="Address other nodes use to reach this one (default: its address on the route to the store).")] = None,
     signals_to_handle: Annotated[str, _opt("--signals-to-handle", env="TORCHELASTIC_SIGNALS_TO_HANDLE", group=_WORKERS, help="Signals forwarded to the workers.")] = DEFAULT_SIGNALS,
     shutdown_timeout: Annotated[float, _opt("--shutdown-timeout", env="PET_SHUTDOWN_TIMEOUT", group=_WORKERS, help="Seconds between SIGTERM and SIGKILL when stopping workers.")] = 30.0,
+    elastic_policy: Annotated[Optional[Path], _opt("--elastic-policy", group=_POLICY, help="YAML/JSON file with HyperPod elasticPolicy fields (minReplicas, maxReplicas, ...); flags override it.")] = None,
+    replica_increment_step: Annotated[Optional[int], _opt("--replica-increment-step", group=_POLICY, help="Allowed node counts are MIN, MIN+STEP, ... (exclusive with --replica-discrete-values).")] = None,
+    replica_discrete_values: Annotated[Optional[str], _opt("--replica-discrete-values", group=_POLICY, help="Allowed node counts, e.g. 2,4,8.")] = None,
+    graceful_shutdown_timeout: Annotated[Optional[float], _opt("--graceful-shutdown-timeout", group=_POLICY, help="Seconds ranks get to save and exit at a scale event before they are killed [default: 120].")] = None,
+    scaling_timeout: Annotated[Optional[float], _opt("--scaling-timeout", group=_POLICY, help="Seconds new capacity must stay available before a scale-up (and the wait for more nodes at start) [default: 60].")] = None,
+    faulty_scale_down_timeout: Annotated[Optional[float], _opt("--faulty-scale-down-timeout", group=_POLICY, help="Seconds a lost node may come back before the job shrinks without it [default: 30].")] = None,
+    min_stable_period: Annotated[Optional[float], _opt("--min-stable-period", group=_POLICY, help="Minimum seconds between scale-ups (anti-thrashing; grows with backoff) [default: 60].")] = None,
+    max_world_size: Annotated[Optional[int], _opt("--max-world-size", group=_POLICY, help="Never grow beyond this many ranks (e.g. the samples in one global batch).")] = None,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
 ) -> None:
     from hyperpodrun.launch import launch
 
-    min_nodes, max_nodes = parse_nnodes(nnodes)
+    policy = None
+    if rdzv_backend != "static" and not standalone:
+        policy = _build_policy(
+            elastic_policy,
+            nnodes=parse_nnodes(nnodes) if nnodes is not None else None,
+            replica_increment_step=replica_increment_step,
+            replica_discrete_values=replica_discrete_values,
+            graceful_shutdown_timeout=graceful_shutdown_timeout,
+            scaling_timeout=scaling_timeout,
+            faulty_scale_down_timeout=faulty_scale_down_timeout,
+            min_stable_period=min_stable_period,
+        )
+        min_nodes, max_nodes = policy.min_replicas, policy.max_replicas
+    else:
+        min_nodes, max_nodes = parse_nnodes(nnodes or "1:1")
     if standalone:
         if max_nodes > 1:
             raise _usage("--standalone runs one node; it cannot be combined with --nnodes > 1")
@@ -125,8 +148,25 @@ def run(
         local_addr=local_addr,
         signals_to_handle=parse_signals(signals_to_handle),
         shutdown_timeout=shutdown_timeout,
+        policy=policy,
+        max_world_size=max_world_size,
     )
     launch(config)
+
+
+def _build_policy(path: Path | None, *, nnodes: tuple[int, int] | None, replica_discrete_values: str | None, **flags):
+    from hyperpodrun.policy_file import build_policy, load_policy_file, parse_replica_values
+
+    flag_values = {
+        "min_replicas": nnodes[0] if nnodes else None,
+        "max_replicas": nnodes[1] if nnodes else None,
+        "replica_discrete_values": parse_replica_values(replica_discrete_values) if replica_discrete_values else None,
+        **flags,
+    }
+    if path is None and nnodes is None:
+        flag_values["min_replicas"] = flag_values["max_replicas"] = 1
+    file_values = load_policy_file(path) if path is not None else {}
+    return build_policy(file_values=file_values, flag_values=flag_values, file_path=path)
 
 
 def _usage(message: str) -> HyperpodrunError:

@@ -15,6 +15,7 @@ from enum import IntFlag
 from pathlib import Path
 
 from hyperpodrun.errors import ConfigError
+from hyperpodrun.policy import ElasticPolicy
 
 RDZV_BACKENDS = ("static", "c10d", "embedded", "etcd", "etcd-v2", "etcd-v3")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -171,6 +172,8 @@ class LaunchConfig:
     local_addr: str | None = None
     signals_to_handle: tuple[signal.Signals, ...] = field(default_factory=lambda: parse_signals(DEFAULT_SIGNALS))
     shutdown_timeout: float = 30.0
+    policy: ElasticPolicy | None = None  # elastic jobs (store-backed rendezvous) only
+    max_world_size: int | None = None
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
 
     def __post_init__(self) -> None:
@@ -192,6 +195,11 @@ class LaunchConfig:
             raise ConfigError(f"--monitor-interval: must be > 0, got {self.monitor_interval}")
         if self.start_method not in START_METHODS:
             raise ConfigError(f"--start-method: expected one of {', '.join(START_METHODS)}, got {self.start_method!r}")
+        if self.max_world_size is not None and self.max_world_size < self.nproc_per_node * self.min_nodes:
+            raise ConfigError(
+                f"--max-world-size: {self.max_world_size} ranks cannot hold even the minimum "
+                f"{self.min_nodes} node(s) x {self.nproc_per_node} rank(s)"
+            )
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout: must be >= 0, got {self.shutdown_timeout}")
         if self.module and self.no_python:
@@ -200,6 +208,11 @@ class LaunchConfig:
             raise ConfigError(f"--master-port: must be in 0..65535, got {self.master_port}")
         if not 0 <= self.node_rank:
             raise ConfigError(f"--node-rank: must be >= 0, got {self.node_rank}")
+        if self.is_static and self.is_elastic:
+            raise ConfigError(
+                f"--nnodes {self.min_nodes}:{self.max_nodes}: an elastic job needs a rendezvous backend "
+                "(--rdzv-backend c10d, embedded or etcd)"
+            )
         if self.is_static and self.max_nodes > 1 and self.node_rank >= self.max_nodes:
             raise ConfigError(f"--node-rank: {self.node_rank} is out of range for --nnodes {self.max_nodes}")
         # Parse eagerly so that a malformed value fails before anything starts.

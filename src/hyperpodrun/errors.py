@@ -40,7 +40,11 @@ class RendezvousTimeoutError(RendezvousError):
 
 
 class RendezvousClosedError(RendezvousError):
-    """The job was closed (finished or failed) while this node was waiting."""
+    """The job is over for this node: it ``succeeded``, ``failed``, or this node ``left`` gracefully."""
+
+    def __init__(self, message: str, *, status: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class SignalReceived(HyperpodrunError):

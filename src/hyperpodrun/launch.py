@@ -14,9 +14,9 @@ from hyperpodrun.rendezvous import RendezvousHandler, StaticRendezvous
 log = logging.getLogger(__name__)
 
 
-def create_rendezvous(config: LaunchConfig) -> RendezvousHandler:
+def create_rendezvous(config: LaunchConfig, events: EventLog) -> RendezvousHandler:
     """Static membership for one node or fixed ``--node-rank`` jobs; the store-backed one otherwise."""
-    if config.is_static or (config.standalone and config.max_nodes == 1):
+    if config.is_static or config.standalone or config.policy is None:
         return StaticRendezvous(
             nnodes=config.max_nodes,
             node_rank=config.node_rank,
@@ -26,18 +26,15 @@ def create_rendezvous(config: LaunchConfig) -> RendezvousHandler:
         )
     from hyperpodrun.elastic_rendezvous import create_elastic_rendezvous
 
-    return create_elastic_rendezvous(config)
+    return create_elastic_rendezvous(config, policy=config.policy, events=events)
 
 
 def launch(config: LaunchConfig) -> None:
     """Run this node's agent until the job ends; raises a HyperpodrunError on failure."""
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="hyperpodrun: %(message)s")
     run_id = config.rdzv_id if config.rdzv_id != "none" else new_run_id()
-    rendezvous = create_rendezvous(config)
     logs = LogDirectory(config.log_dir, run_id)
-    events = EventLog(
-        config.event_log or logs.run_dir / "events.jsonl",
-        job=run_id,
-        node=rendezvous.node_id,
-    )
+    events = EventLog(config.event_log or logs.run_dir / "events.jsonl", job=run_id, node="")
+    rendezvous = create_rendezvous(config, events)
+    events.node = rendezvous.node_id
     Agent(config, rendezvous, run_id=run_id, events=events, logs=logs).run()

@@ -29,6 +29,8 @@ class RoundInfo:
     round: int
     assignment: GroupAssignment
     members: tuple[str, ...]
+    reason: RestartReason = RestartReason.START
+    restarts: int = 0  # failure restarts used by the job so far (TORCHELASTIC_RESTART_COUNT)
 
 
 class RendezvousHandler(ABC):
