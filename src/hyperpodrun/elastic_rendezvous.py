@@ -16,6 +16,7 @@ Keys under the job prefix::
     stopped/<event>/<id>           {"ok"}                                 ranks have exited
     done/<round>/<id>, failed/<round>/<id>                                outcome of a round
     closed                         {"status": succeeded|failed, "message"}
+    history                        [{"ts", "round", "what", "reason"}, ...]  last 50 decisions
     ctl/cap                        {"cap": N | null}                      hyperpodctl
 
 A cooperative scale event (``save``): the decider writes the event; each member
@@ -479,6 +480,7 @@ class ElasticRendezvous(RendezvousHandler):
         }  # fmt: skip
         if self.store.compare_and_swap("event", _dumps(ev), expected_revision=snap["event_rev"]):
             log.warning("scale event %d (%s): %s", event_id, kind, reason)
+            self._record(snap["round"]["round"], f"event {event_id} ({kind}, {action.value})", reason)
             if self.events:
                 self.events.emit(EventType.SCALE_DECIDED, event_id=event_id, kind=kind, action=action.value, reason=reason, next_members=next_members)
 
@@ -544,8 +546,18 @@ class ElasticRendezvous(RendezvousHandler):
         }  # fmt: skip
         if self.store.compare_and_swap("round", _dumps(new), expected_revision=snap["round_rev"]):
             log.warning("round %d: %d node(s) x %d rank(s) (%s)", new["round"], len(members), self.nproc, decision.reason)
+            self._record(new["round"], f"round {new['round']}: {len(members)} node(s), world {len(members) * self.nproc}", decision.reason)
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _record(self, round_no: int, what: str, reason: str, keep: int = 50) -> None:
+        """Append to the job's bounded decision history (read by ``hyperpodctl status``)."""
+        for _ in range(5):  # CAS retry: only deciders write here, so contention is rare
+            entry = self.store.get("history")
+            items = _loads(entry.value) if entry else []
+            items = (items + [{"ts": self.clock(), "round": round_no, "what": what, "reason": reason}])[-keep:]
+            if self.store.compare_and_swap("history", _dumps(items), expected_revision=entry.revision if entry else 0):
+                return
 
     def _is_member(self, snap: dict[str, Any]) -> bool:
         rnd = snap["round"]
