@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import sys
 import threading
 import time
@@ -120,7 +122,10 @@ class Agent:
         self.restart_count = 0
         self._attempt = 0
         self._logs = logs
-        self._control = ControlWriter(self._logs.run_dir / f"control-{os.getpid()}.bin", config.nproc_per_node)
+        # Node-local, private to this agent: memory-backed where /dev/shm exists.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self._control_dir = Path(tempfile.mkdtemp(prefix="hyperpodrun-", dir=shm))
+        self._control = ControlWriter(self._control_dir / "control.bin", config.nproc_per_node)
         self._group: WorkerGroup | None = None
         self._reaper: Reaper | None = None
         self._signal: int | None = None
@@ -143,6 +148,7 @@ class Agent:
             if self._reaper is not None:
                 self._reaper.close()
             self._control.close()
+            shutil.rmtree(self._control_dir, ignore_errors=True)
             self.rdzv.shutdown(succeeded=self.state == AgentState.SUCCEEDED)
             self.events.emit(EventType.AGENT_STOPPED, state=self.state.value)
 

@@ -94,6 +94,9 @@ def run(
     scaling_timeout: Annotated[Optional[float], _opt("--scaling-timeout", group=_POLICY, help="Seconds new capacity must stay available before a scale-up (and the wait for more nodes at start) [default: 60].")] = None,
     faulty_scale_down_timeout: Annotated[Optional[float], _opt("--faulty-scale-down-timeout", group=_POLICY, help="Seconds a lost node may come back before the job shrinks without it [default: 30].")] = None,
     min_stable_period: Annotated[Optional[float], _opt("--min-stable-period", group=_POLICY, help="Minimum seconds between scale-ups (anti-thrashing; grows with backoff) [default: 60].")] = None,
+    backoff_window: Annotated[Optional[float], _opt("--backoff-window", group=_POLICY, help="Scale events closer together than this many seconds grow the stable period [default: 900].")] = None,
+    backoff_factor: Annotated[Optional[float], _opt("--backoff-factor", group=_POLICY, help="Factor the stable period grows by per event inside the backoff window [default: 2].")] = None,
+    max_backoff: Annotated[Optional[float], _opt("--max-backoff", group=_POLICY, help="Upper bound of the stable period in seconds [default: 600].")] = None,
     max_world_size: Annotated[Optional[int], _opt("--max-world-size", group=_POLICY, help="Never grow beyond this many ranks (e.g. the samples in one global batch).")] = None,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
 ) -> None:
@@ -110,6 +113,9 @@ def run(
             scaling_timeout=scaling_timeout,
             faulty_scale_down_timeout=faulty_scale_down_timeout,
             min_stable_period=min_stable_period,
+            backoff_window=backoff_window,
+            backoff_factor=backoff_factor,
+            max_backoff=max_backoff,
         )
         min_nodes, max_nodes = policy.min_replicas, policy.max_replicas
     else:

@@ -145,10 +145,11 @@ class RendezvousSettings:
                     kwargs[name] = float(conf[name])
                 except ValueError:
                     raise RendezvousError(f"--rdzv-conf {name}: expected seconds, got {conf[name]!r}") from None
-        # torchrun's spellings
-        for alias, name in (("timeout", "join_timeout"), ("join_timeout", "join_timeout")):
-            if alias in conf and name not in kwargs:
-                kwargs[name] = float(conf[alias])
+        if "timeout" in conf and "join_timeout" not in kwargs:  # torchrun's spelling
+            try:
+                kwargs["join_timeout"] = float(conf["timeout"])
+            except ValueError:
+                raise RendezvousError(f"--rdzv-conf timeout: expected seconds, got {conf['timeout']!r}") from None
         return cls(**kwargs)
 
 
@@ -218,7 +219,18 @@ class ElasticRendezvous(RendezvousHandler):
 
     def join(self) -> None:
         self._lease = self.store.grant_lease(self.settings.lease_ttl)
-        record = {"addr": self.local_addr, "port": free_port(self.local_addr), "leaving": False, "pid": os.getpid()}
+        closed = self.store.get("closed")
+        if closed is not None:
+            status = (_loads(closed.value) or {}).get("status", "closed")
+            raise RendezvousClosedError(
+                f"a job with this --rdzv-id already ran and {status}; use a new --rdzv-id "
+                "(or delete the old job's keys, e.g. etcdctl del --prefix /hyperpodrun/v1/<id>/)",
+                status="failed",
+            )
+        record = {
+            "addr": self.local_addr, "port": free_port(self.local_addr), "leaving": False,
+            "pid": os.getpid(), "nproc": self.nproc,
+        }  # fmt: skip
         self.store.put(f"nodes/{self._node_id}", _dumps(record), lease=self._lease)
         self._keeper = LeaseKeeper(self._lease, on_lost=lambda e: log.warning("membership lease lost: %s", e)).start()
 
@@ -413,6 +425,8 @@ class ElasticRendezvous(RendezvousHandler):
                 return
             if self._round_failed(snap, now):
                 return
+        if rnd and rnd["state"] == "halted" and rnd.get("failure") and self._after_failure(snap, now):
+            return
         view = self._view(snap, now)
         decision = decide(self.policy, view, now, nproc_per_node=self.nproc, max_world_size=self.max_world_size)
         self._mem.last_reason = decision.reason
@@ -446,19 +460,32 @@ class ElasticRendezvous(RendezvousHandler):
         return False
 
     def _round_failed(self, snap: dict[str, Any], now: float) -> bool:
+        """A rank failed: halt every node now; whether it counts as a restart is judged once halted."""
         rnd = snap["round"]
         failed = self.store.get_prefix(f"failed/{rnd['round']}/")
         if not failed:
             return False
         message = _loads(next(iter(failed.values())).value)["message"]
-        restarts = rnd.get("restarts", 0)
-        lost = [m for m in rnd["members"] if m not in snap["nodes"]]
-        if lost:
-            return False  # the rank failed because a peer vanished: handled as a lost node, no restart counted
-        if restarts >= self.max_restarts:
-            self._new_event(snap, kind="stop", next_members=None, reason=f"rank failure: {message}", action=Action.NONE, close_with=message)
-        else:
-            self._new_event(snap, kind="stop", next_members=list(rnd["members"]), reason=f"rank failure: {message}", action=Action.RESTART, failure=True)
+        self._new_event(snap, kind="stop", next_members=None, reason=f"rank failure: {message}", action=Action.NONE, failure=message)
+        return True
+
+    def _after_failure(self, snap: dict[str, Any], now: float) -> bool:
+        """Halted after a rank failure. Wait one lease ttl: if a member vanished, the failure was
+        collateral damage of a lost node (policy handles it, no restart counted); otherwise
+        restart the same members, counting a restart, or close the job when none are left."""
+        rnd = snap["round"]
+        if now < rnd["halted_at"] + self.settings.lease_ttl + self.settings.tick:
+            return True
+        if any(m not in snap["nodes"] for m in rnd["members"]):
+            return False
+        if rnd.get("restarts", 0) >= self.max_restarts:
+            suffix = f" (after {rnd['restarts']} restart{'s' * (rnd['restarts'] != 1)})" if rnd.get("restarts") else ""
+            if self.store.compare_and_swap("closed", _dumps({"status": "failed", "message": rnd["failure"] + suffix}), expected_revision=0):
+                if self.events:
+                    self.events.emit(EventType.JOB_FAILED, reason=rnd["failure"])
+            return True
+        decision = Decision(Action.RESTART, tuple(rnd["members"]), f"rank failure: {rnd['failure']}")
+        self._publish_round(snap, list(rnd["members"]), decision, RestartReason.FAILURE, count_restart=True)
         return True
 
     def _new_event(
@@ -469,14 +496,13 @@ class ElasticRendezvous(RendezvousHandler):
         next_members: list[str] | None,
         reason: str,
         action: Action,
-        failure: bool = False,
-        close_with: str | None = None,
+        failure: str | None = None,
     ) -> None:
         prev = snap["event"]
         event_id = (prev["id"] if prev else 0) + 1
         ev = {
             "id": event_id, "round": snap["round"]["round"], "kind": kind, "next": next_members, "reason": reason,
-            "action": action.value, "target": None, "decided_at": self.clock(), "failure": failure, "close_with": close_with,
+            "action": action.value, "target": None, "decided_at": self.clock(), "failure": failure,
         }  # fmt: skip
         if self.store.compare_and_swap("event", _dumps(ev), expected_revision=snap["event_rev"]):
             log.warning("scale event %d (%s): %s", event_id, kind, reason)
@@ -494,9 +520,10 @@ class ElasticRendezvous(RendezvousHandler):
                     self._update_event(snap, {**ev, "kind": "stop", "reason": ev["reason"] + f"; no ack from {missing} within {self.settings.ack_timeout:g}s"})
                 return
             if all(a["cooperative"] for a in acks.values()):
+                # Ranks kept stepping since they acked (all acks came after decided_at): budget for it.
                 target = choose_target_step(
                     [a["step"] for a in acks.values()], [a["step_time"] for a in acks.values()],
-                    propagation=self.settings.propagation,
+                    propagation=self.settings.propagation + max(0.0, now - ev["decided_at"]),
                 )
             else:
                 target = -1
@@ -517,18 +544,16 @@ class ElasticRendezvous(RendezvousHandler):
         rnd = snap["round"]
         if not self.store.compare_and_swap("event", _dumps({**ev, "complete": True}), expected_revision=snap["event_rev"]):
             return
-        if ev.get("close_with"):
-            self.store.compare_and_swap("closed", _dumps({"status": "failed", "message": ev["close_with"]}), expected_revision=0)
-            if self.events:
-                self.events.emit(EventType.JOB_FAILED, reason=ev["close_with"])
-            return
         nxt = ev.get("next")
         if nxt:
-            reason = RestartReason.FAILURE if ev.get("failure") or ev["kind"] == "stop" else RestartReason.SCALE
+            reason = RestartReason.FAILURE if ev["kind"] == "stop" else RestartReason.SCALE
             decision = Decision(Action(ev["action"]), tuple(nxt), ev["reason"])
-            self._publish_round(snap, nxt, decision, reason, count_restart=bool(ev.get("failure")))
+            self._publish_round(snap, nxt, decision, reason, count_restart=False)
         else:
-            halted = {**rnd, "state": "halted", "insufficient": nxt == [], "failed": ev["kind"] == "stop"}
+            halted = {
+                **rnd, "state": "halted", "insufficient": nxt == [], "failed": ev["kind"] == "stop",
+                "failure": ev.get("failure"), "halted_at": now,
+            }  # fmt: skip
             self.store.compare_and_swap("round", _dumps(halted), expected_revision=snap["round_rev"])
 
     def _publish_round(

@@ -1,0 +1,140 @@
+"""Several hyperpodrun launchers on this machine forming one elastic job (tests only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from support.launch import clean_env, hyperpodrun_cmd
+
+COUNTER = Path(__file__).resolve().parent.parent / "elastic" / "scripts" / "counter.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``predicate`` until it returns a truthy value; TimeoutError names what was awaited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+class ElasticJob:
+    """Launchers sharing one run dir, event log and rendezvous endpoint."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        backend: str = "c10d",
+        endpoint: str | None = None,
+        nnodes: str = "1:2",
+        flags: tuple[str, ...] = (),
+        script: Path = COUNTER,
+        script_args: tuple[str, ...] | None = None,
+    ) -> None:
+        self.run_dir = run_dir
+        self.endpoint = endpoint or f"127.0.0.1:{free_port()}"
+        self.events_path = run_dir / "events.jsonl"
+        self.base = [
+            "--nnodes", nnodes, "--nproc-per-node", "1",
+            "--rdzv-backend", backend, "--rdzv-endpoint", self.endpoint, "--rdzv-id", f"job-{free_port()}",
+            "--rdzv-conf", "lease_ttl=2,tick=0.1",
+            "--scaling-timeout", "1", "--min-stable-period", "1", "--faulty-scale-down-timeout", "2",
+            "--graceful-shutdown-timeout", "30", "--monitor-interval", "0.05",
+            "--event-log", str(self.events_path), "--log-dir", str(run_dir / "logs"),
+            *flags,
+        ]  # fmt: skip
+        self.script = [str(script), *(script_args if script_args is not None else (str(run_dir),))]
+        self.nodes: dict[str, subprocess.Popen] = {}
+
+    def start_node(self, name: str, *extra: str) -> subprocess.Popen:
+        out = open(self.run_dir / f"{name}.out", "w")
+        err = open(self.run_dir / f"{name}.err", "w")
+        proc = subprocess.Popen(
+            hyperpodrun_cmd(*self.base, *extra, *self.script), stdout=out, stderr=err, env=clean_env()
+        )
+        self.nodes[name] = proc
+        # Started in order: the first launcher hosts the embedded store before the next one looks for it.
+        wait_until(
+            lambda: any(e.get("pid") == proc.pid for e in self.events("agent_started")) or proc.poll() is not None,
+            timeout=60, what=f"launcher {name} to start",
+        )  # fmt: skip
+        return proc
+
+    def stderr(self, name: str) -> str:
+        return (self.run_dir / f"{name}.err").read_text()
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        if not self.events_path.exists():
+            return []
+        records = [json.loads(line) for line in self.events_path.read_text().splitlines() if line.strip()]
+        return [r for r in records if kind is None or r["event"] == kind]
+
+    def progress(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "progress.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def wait_for_world(self, world: int, *, timeout: float = 90, after_step: int = 0) -> int:
+        """Wait until training ran a step at ``world`` ranks (after ``after_step``); returns that step."""
+        def seen() -> int | None:
+            for p in self.progress():
+                if p["world"] == world and p["step"] > after_step:
+                    return p["step"]
+            return None
+        return wait_until(seen, timeout=timeout, what=f"a training step at world size {world}")
+
+    def wait_steps(self, n: int, *, timeout: float = 60) -> int:
+        start = self.progress()[-1]["step"] if self.progress() else 0
+        return wait_until(
+            lambda: self.progress() and self.progress()[-1]["step"] >= start + n and self.progress()[-1]["step"],
+            timeout=timeout, what=f"{n} more training steps",
+        )  # fmt: skip
+
+    def finish(self, *, timeout: float = 60) -> dict[str, int]:
+        """Ask the trainer to stop and return each launcher's exit code."""
+        (self.run_dir / "stop").touch()
+        return {name: p.wait(timeout=timeout) for name, p in self.nodes.items()}
+
+    def signal(self, name: str, sig: int) -> None:
+        self.nodes[name].send_signal(sig)
+
+    def kill_node_hard(self, name: str) -> None:
+        """kill -9 of a launcher and its whole tree at once (a machine that vanished)."""
+        proc = psutil.Process(self.nodes[name].pid)
+        tree = [proc, *proc.children(recursive=True)]
+        for p in tree:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.nodes[name].wait(timeout=30)
+
+    def close(self) -> None:
+        for proc in self.nodes.values():
+            if proc.poll() is None:
+                try:
+                    for p in psutil.Process(proc.pid).children(recursive=True):
+                        p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+                proc.kill()
+                proc.wait(timeout=30)
