@@ -21,9 +21,37 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from elastic_events import eventlog
 from elastic_events.control import ControlChannelError, ControlReader, Event, EventKind
 
+# Heavier parts load on first use (PEP 562), so `from elastic_events import elastic_event_detected`
+# stays cheap; `from elastic_events import Checkpointer` works all the same.
+_LAZY = {
+    "Checkpointer": "elastic_events.checkpoint",
+    "CheckpointConfig": "elastic_events.checkpoint",
+    "CheckpointError": "elastic_events.checkpoint",
+    "ElasticSampler": "elastic_events.sampler",
+    "BatchPlan": "elastic_events.batching",
+    "plan_global_batch": "elastic_events.batching",
+    "loss_scale": "elastic_events.batching",
+    "global_token_count": "elastic_events.batching",
+    "TokenDataset": "elastic_events.dataset",
+    "ByteTokenizer": "elastic_events.dataset",
+    "build_token_dataset": "elastic_events.dataset",
+    "load_scale_config": "elastic_events.scale_config",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'elastic_events' has no attribute {name!r}")
+
+
 __all__ = [
+    *_LAZY,
     "ControlChannelError",
     "Event",
     "EventKind",
@@ -41,12 +69,16 @@ _probed = False
 
 
 def _probe() -> ControlReader | None:
-    """Open the control channel once, on first use (no import-time side effects)."""
+    """Open the control channel once, on first use (no import-time side effects).
+
+    The first call marks the end of the round's first step: rank 0 logs ``first_step``.
+    """
     global _reader, _probed
     _probed = True
     path = os.environ.get(CONTROL_FILE_ENV)
     if path:
         _reader = ControlReader(Path(path), int(os.environ.get("LOCAL_RANK", "0")))
+        eventlog.emit("first_step", reason=restart_reason())
     return _reader
 
 

@@ -67,6 +67,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from elastic_events import eventlog
 from elastic_events.rng import RngState, capture_rng_state, derive_rank_seed, restore_rng_state, seed_all
 
 __all__ = [
@@ -589,6 +590,7 @@ class Checkpointer:
                 else:
                     rng = self._apply(info, comm, targets, state)
                     extra = state[_GLOBAL_KEY]["extra"] or {}
+                    eventlog.emit("checkpoint_loaded", step=info.step, path=str(info.path), saved_world_size=info.world_size)
                     skipped = tuple(p for p, _ in failures)
                     return LoadedState(
                         info=info, step=info.step, world_size=comm.world_size, extra=extra, rng=rng, skipped=skipped
@@ -643,6 +645,7 @@ class Checkpointer:
             _fsync_dir(final.parent)
             shutil.rmtree(replaced, ignore_errors=True)
             self._prune()
+            eventlog.emit("checkpoint_saved", step=pending.info.step, path=str(final))
         except CheckpointError as exc:
             pending.commit_error = exc
         except Exception as exc:

@@ -53,6 +53,10 @@ def test_scale_up_when_a_node_joins(make_job, backend) -> None:
     signalled = job.events("workers_signalled")
     assert signalled and all(e["target_step"] > max(e["steps"]) for e in signalled if "target_step" in e)
     assert len(job.events("job_succeeded")) == 1
+    # the trainer's own record of each round's first step, for downtime measurements
+    assert [(e["world_size"], e["reason"], e["source"]) for e in job.events("first_step")] == [
+        (1, "start", "trainer"), (2, "scale", "trainer"),
+    ]  # fmt: skip
 
 
 def test_graceful_leave_shrinks_without_losing_a_step(make_job) -> None:
