@@ -329,7 +329,7 @@ class ElasticRendezvous(RendezvousHandler):
     def poll(self, status: LocalStatus) -> Directive | None:
         """Called every monitor tick while this node's ranks run (or have just finished)."""
         snap = self._snapshot()
-        rnd, ev = snap["round"], snap["event"]
+        ev = snap["event"]
         if snap["closed"]:
             closed = snap["closed"]
             code = 0 if closed["status"] == "succeeded" else 1

@@ -12,7 +12,6 @@ free number is used, so nothing of an earlier attempt is ever overwritten.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass

@@ -7,10 +7,8 @@ the same agreed step and resumed from exactly the state they saved.
 
 from __future__ import annotations
 
-import json
 import signal
 
-import pytest
 from support.cluster import wait_until
 
 

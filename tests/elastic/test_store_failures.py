@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from support.cluster import COUNTER, free_port, wait_until
+from support.cluster import COUNTER, free_port
 from support.launch import hyperpodrun_cmd, run
 
 

@@ -7,7 +7,6 @@ to RUN_DIR/progress.jsonl. The job ends at the first step after RUN_DIR/stop exi
 """
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
