@@ -37,11 +37,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import io
-import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -57,7 +54,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    FileSystemReader,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -68,7 +69,35 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic_events import eventlog
-from elastic_events.rng import RngState, capture_rng_state, derive_rank_seed, restore_rng_state, seed_all
+from elastic_events.checkpoint_layout import (
+    _METADATA,
+    MARKER_NAME,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CheckpointWarning,
+    IncompatibleCheckpointError,
+    SharedStorageError,
+    _describe,
+    _from_bytes,
+    _fsync_dir,
+    _read_metadata,
+    _scan,
+    _shard_problems,
+    _to_bytes,
+    _write_marker,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from elastic_events.rng import (
+    RngState,
+    capture_rng_state,
+    derive_rank_seed,
+    restore_rng_state,
+    seed_all,
+)
 
 __all__ = [
     "MARKER_NAME",
@@ -89,62 +118,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MARKER_NAME = "COMPLETE"
-_FORMAT_VERSION = 1
-_METADATA = ".metadata"
-_COMPLETE_RE = re.compile(r"^step_(\d+)$")
-_PARTIAL_RE = re.compile(r"^step_\d+\.(?:tmp|old)-[0-9a-f]+$")
 _GLOBAL_KEY = "global"
 _SINGLE_PROCESS_NOTICE = "torch.distributed is disabled, unavailable or uninitialized"
 _RngOutcome = Literal["restored", "reseeded"]
-
-
-# ------------------------------------------------------------------------- errors
-
-
-class CheckpointError(RuntimeError):
-    """Base class of every checkpoint failure."""
-
-
-class CheckpointNotFoundError(CheckpointError):
-    """A specifically requested checkpoint does not exist."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checkpoint directory is partial or damaged and must not be loaded."""
-
-    def __init__(self, path: Path | str, reason: str) -> None:
-        super().__init__(f"checkpoint {path} is unusable: {reason}")
-        self.path, self.reason = Path(path), reason
-
-    def __reduce__(self) -> tuple[Any, ...]:  # errors travel between ranks pickled
-        return type(self), (self.path, self.reason)
-
-
-class IncompatibleCheckpointError(CheckpointError):
-    """A sound checkpoint that does not fit what the caller asked to load into."""
-
-
-class SharedStorageError(CheckpointError):
-    """Ranks do not see the same checkpoint files: the directory is not shared."""
-
-    def __init__(self, path: Path | str, detail: str) -> None:
-        super().__init__(
-            f"{detail}; checkpoints need a filesystem shared by all nodes and mounted at the "
-            f"same path (e.g. NFS, Lustre, FSx): {path}"
-        )
-        self.path, self.detail = Path(path), detail
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.detail)
-
-
-class CheckpointTimeoutError(CheckpointError, TimeoutError):
-    """An async write or its commit did not finish in time."""
-
-
-class CheckpointWarning(UserWarning):
-    """A partial or corrupt checkpoint was skipped."""
 
 
 # --------------------------------------------------------------------------- data
@@ -180,44 +156,6 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckpointInfo:
-    """What a ``COMPLETE`` marker records about one checkpoint."""
-
-    step: int
-    path: Path
-    world_size: int
-    saved_at: float
-    torch_version: str
-    components: tuple[str, ...]
-
-    def to_json(self) -> str:
-        fields = {k: v for k, v in vars(self).items() if k != "path"}
-        return json.dumps({"format": _FORMAT_VERSION, **fields, "components": list(self.components)})
-
-    @classmethod
-    def from_marker(cls, path: Path) -> CheckpointInfo:
-        """Parse ``path/COMPLETE``; raise :class:`CheckpointCorruptError` if absent or malformed."""
-        try:
-            raw = json.loads((path / MARKER_NAME).read_text())
-            info = cls(
-                step=int(raw["step"]),
-                path=path,
-                world_size=int(raw["world_size"]),
-                saved_at=float(raw["saved_at"]),
-                torch_version=str(raw["torch_version"]),
-                components=tuple(raw["components"]),
-            )
-        except FileNotFoundError:
-            raise CheckpointCorruptError(path, f"no {MARKER_NAME} marker (save did not finish)") from None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointCorruptError(path, f"unreadable {MARKER_NAME} marker: {exc}") from exc
-        match = _COMPLETE_RE.match(path.name)
-        if match is None or int(match.group(1)) != info.step:
-            raise CheckpointCorruptError(path, f"marker says step {info.step}, the directory name disagrees")
-        return info
-
-
-@dataclass(frozen=True, kw_only=True)
 class LoadedState:
     """The result of a successful :meth:`Checkpointer.load`."""
 
@@ -234,104 +172,6 @@ class LoadedState:
     @property
     def resharded(self) -> bool:
         return self.world_size != self.info.world_size
-
-
-# ------------------------------------------------------------------ on-disk checks
-
-
-def _scan(root: Path) -> tuple[list[tuple[int, str]], list[str]]:
-    """Final-named checkpoint dirs newest first, and partial (``.tmp-``/``.old-``) dirs."""
-    try:
-        names = [entry.name for entry in os.scandir(root) if entry.is_dir()]
-    except FileNotFoundError:
-        return [], []
-    complete = sorted(((int(m.group(1)), n) for n in names if (m := _COMPLETE_RE.match(n))), reverse=True)
-    return complete, sorted(n for n in names if _PARTIAL_RE.match(n))
-
-
-def list_checkpoints(root: Path | str) -> list[CheckpointInfo]:
-    """Checkpoints under ``root`` with a readable marker and a ``.metadata``, newest first.
-
-    Cheap: shard files are checked by :func:`verify_checkpoint` and at load.
-    """
-    found = []
-    for _, name in _scan(Path(root))[0]:
-        with contextlib.suppress(CheckpointCorruptError):
-            info = CheckpointInfo.from_marker(Path(root) / name)
-            if (info.path / _METADATA).is_file():
-                found.append(info)
-    return found
-
-
-def _shard_problems(path: Path, metadata: Metadata) -> list[str]:
-    """Shard files named by ``.metadata`` that are absent or shorter than recorded."""
-    needed: dict[str, int] = {}
-    for item in metadata.storage_data.values():
-        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-    problems = []
-    for name, size in sorted(needed.items()):
-        try:
-            actual = (path / name).stat().st_size
-        except FileNotFoundError:
-            problems.append(f"shard file {name} is missing")
-            continue
-        if actual < size:
-            problems.append(f"shard file {name} is truncated ({actual} of {size} bytes)")
-    return problems
-
-
-def _read_metadata(path: Path) -> Metadata:
-    try:
-        return FileSystemReader(path).read_metadata()
-    except FileNotFoundError:
-        raise CheckpointCorruptError(path, f"no {_METADATA} file") from None
-    except Exception as exc:  # a truncated pickle raises anything from EOFError to ValueError
-        raise CheckpointCorruptError(path, f"unreadable {_METADATA}: {type(exc).__name__}: {exc}") from exc
-
-
-def verify_checkpoint(path: Path | str) -> tuple[CheckpointInfo, Metadata]:
-    """Check marker, ``.metadata`` and every shard file; raise :class:`CheckpointCorruptError`."""
-    info = CheckpointInfo.from_marker(Path(path))
-    metadata = _read_metadata(info.path)
-    if problems := _shard_problems(info.path, metadata):
-        raise CheckpointCorruptError(info.path, "; ".join(problems))
-    return info, metadata
-
-
-def _write_marker(directory: Path, info: CheckpointInfo) -> None:
-    tmp = directory / f"{MARKER_NAME}.partial"
-    with open(tmp, "w") as handle:
-        handle.write(info.to_json())
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, directory / MARKER_NAME)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _to_bytes(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _from_bytes(blob: bytes) -> Any:
-    # Written by this job (trusted); holds arbitrary picklable scheduler, data and extra state.
-    return torch.load(io.BytesIO(blob), weights_only=False)
-
-
-def _describe(exc: BaseException) -> str:
-    """One line per failing rank instead of DCP's concatenated tracebacks."""
-    if isinstance(exc, CheckpointException):
-        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
-    return f"{type(exc).__name__}: {exc}"
 
 
 # -------------------------------------------------------------------- collectives
