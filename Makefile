@@ -17,12 +17,13 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 setup: $(STAMP)
-	@command -v etcd >/dev/null || { echo "installing etcd-server (Debian package) for the integration tests"; \
-	  (apt-get update -q && apt-get install -y -q etcd-server) >/dev/null || \
-	  echo "warning: could not install etcd-server; etcd tests will fail" >&2; }
+	@{ command -v etcd && command -v etcdctl && command -v openssl; } >/dev/null || { \
+	  echo "installing etcd-server, etcd-client and openssl (Debian packages) for the integration tests"; \
+	  (apt-get update -q && apt-get install -y -q etcd-server etcd-client openssl) >/dev/null || \
+	  echo "warning: could not install etcd; the etcd tests will fail" >&2; }
 
 demo: $(STAMP)
-	$(VENV)/bin/hyperpodrun --standalone --nproc-per-node 2 examples/minimal/train.py --steps 50
+	$(PY) examples/llama_finetune/demo.py
 
 test: setup
 	$(PY) -m pytest -q tests
