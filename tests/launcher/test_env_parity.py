@@ -35,7 +35,9 @@ def test_worker_environment_matches_torchrun(tmp_path: Path) -> None:
     assert ours[1]["RANK"] == "1" and ours[1]["WORLD_SIZE"] == "2" and ours[1]["LOCAL_WORLD_SIZE"] == "2"
     assert ours[0]["MASTER_PORT"] == ours[1]["MASTER_PORT"]
     assert ours[0]["HYPERPODRUN_RESTART_REASON"] == "start"
-    assert Path(ours[0]["HYPERPODRUN_CONTROL_FILE"]).name.startswith("control-")
+    control = Path(ours[0]["HYPERPODRUN_CONTROL_FILE"])
+    assert control == Path(ours[1]["HYPERPODRUN_CONTROL_FILE"]) and control.parent.name.startswith("hyperpodrun-")
+    assert not control.parent.exists()  # the agent removed its private channel directory on exit
 
 
 def test_omp_num_threads_set_only_when_unset(tmp_path: Path) -> None:
