@@ -181,23 +181,28 @@ def _usage(message: str) -> HyperpodrunError:
     return ConfigError(message)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point: returns the process exit status."""
+def run_app(app: typer.Typer, prog_name: str, argv: list[str] | None) -> int:
+    """Run a Typer app as a console script: domain and usage errors become one line and an exit code."""
     command = typer.main.get_command(app)
     try:
-        rv = command.main(args=argv if argv is not None else sys.argv[1:], prog_name="hyperpodrun", standalone_mode=False)
+        rv = command.main(args=argv if argv is not None else sys.argv[1:], prog_name=prog_name, standalone_mode=False)
     except typer.Exit as e:
         return e.exit_code
-    except TyperException as e:  # usage errors: unknown option, bad value, missing script
-        print(f"hyperpodrun: error: {e.format_message()} (see hyperpodrun --help)", file=sys.stderr)
+    except TyperException as e:  # usage errors: unknown option, bad value, missing argument
+        print(f"{prog_name}: error: {e.format_message()} (see {prog_name} --help)", file=sys.stderr)
         return getattr(e, "exit_code", 2)
     except typer.Abort:
-        print("hyperpodrun: aborted", file=sys.stderr)
+        print(f"{prog_name}: aborted", file=sys.stderr)
         return 130
     except HyperpodrunError as e:
-        print(f"hyperpodrun: error: {e}", file=sys.stderr)
+        print(f"{prog_name}: error: {e}", file=sys.stderr)
         return e.exit_code
     return rv if isinstance(rv, int) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: returns the process exit status."""
+    return run_app(app, "hyperpodrun", argv)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from enum import Enum
 from typing import Annotated, Any
 
 import typer
-from typer.exceptions import TyperException
 
 from hyperpodrun import __version__
 from hyperpodrun.config import parse_rdzv_conf
@@ -694,21 +693,9 @@ def _cap_message(run_id: str, cap: int, records: JobRecords) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point (``hyperpodctl``): returns the process exit status."""
-    command = typer.main.get_command(app)
-    try:
-        rv = command.main(args=argv if argv is not None else sys.argv[1:], prog_name="hyperpodctl", standalone_mode=False)
-    except typer.Exit as e:
-        return e.exit_code
-    except TyperException as e:  # usage errors: unknown option, bad value, missing --rdzv-id
-        print(f"hyperpodctl: error: {e.format_message()} (see hyperpodctl --help)", file=sys.stderr)
-        return getattr(e, "exit_code", 2)
-    except typer.Abort:
-        print("hyperpodctl: aborted", file=sys.stderr)
-        return 130
-    except HyperpodrunError as e:
-        print(f"hyperpodctl: error: {e}", file=sys.stderr)
-        return e.exit_code
-    return rv if isinstance(rv, int) else 0
+    from hyperpodrun.cli import run_app
+
+    return run_app(app, "hyperpodctl", argv)
 
 
 if __name__ == "__main__":

@@ -133,15 +133,19 @@ class Entry:
 class Lease(abc.ABC):
     """A server-side timer; keys written with it are deleted when it expires or is revoked."""
 
-    @property
-    @abc.abstractmethod
-    def id(self) -> int:
-        """Server-assigned identifier."""
+    def __init__(self, lease_id: int, ttl: float) -> None:
+        self._id = lease_id
+        self._ttl = ttl
 
     @property
-    @abc.abstractmethod
+    def id(self) -> int:
+        """Server-assigned identifier."""
+        return self._id
+
+    @property
     def ttl(self) -> float:
         """Seconds the lease lives without a :meth:`refresh` (as granted by the server)."""
+        return self._ttl
 
     @abc.abstractmethod
     def refresh(self) -> None:

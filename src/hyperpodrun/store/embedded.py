@@ -354,17 +354,8 @@ class EmbeddedStoreServer:
 
 class _EmbeddedLease(Lease):
     def __init__(self, client: EmbeddedStoreClient, lease_id: int, ttl: float) -> None:
+        super().__init__(lease_id, ttl)
         self._client = client
-        self._id = lease_id
-        self._ttl = ttl
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    @property
-    def ttl(self) -> float:
-        return self._ttl
 
     def refresh(self) -> None:
         self._client._call({"op": "keepalive", "lease": self._id})

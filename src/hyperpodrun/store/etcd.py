@@ -185,17 +185,8 @@ def _never_sent(exc: requests.ConnectionError) -> bool:
 
 class _EtcdLease(Lease):
     def __init__(self, store: EtcdStore, lease_id: int, ttl: float) -> None:
+        super().__init__(lease_id, ttl)
         self._store = store
-        self._id = lease_id
-        self._ttl = ttl
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    @property
-    def ttl(self) -> float:
-        return self._ttl
 
     def refresh(self) -> None:
         result = self._store._post("lease/keepalive", {"ID": self._id}, idempotent=True).get("result", {})
