@@ -1,14 +1,15 @@
 """Store-backed elastic rendezvous: membership, rounds, and the scale-event protocol.
 
 Every agent joins with a leased ``nodes/<id>`` key. One agent at a time is the
-*decider*: the first member of the current round whose lease is alive (before
-the first round, the earliest alive node). It runs the pure policy
+*decider*: the holder of the leased ``decider`` key (the first to take it; another
+takes it within a lease ttl when its holder dies or leaves). It runs the pure policy
 (:func:`hyperpodrun.policy.decide`) and drives scale events through the store;
 compare-and-swap on ``round`` and ``event`` makes a change of decider safe.
 
 Keys under the job prefix::
 
-    nodes/<id>            leased   {"addr", "port", "leaving"}            one per agent
+    nodes/<id>            leased   {"addr", "port", "leaving", "nproc"}   one per agent
+    decider               leased   <id>                                    who runs the policy
     round                          {"round", "members", "master_addr", "master_port",
                                     "state": running|halted, "restarts", "events"}
     event                          {"id", "round", "kind": save|stop, "next", "reason", "target"}
@@ -269,30 +270,34 @@ class ElasticRendezvous(RendezvousHandler):
     # -- reading the store -------------------------------------------------------------
 
     def _snapshot(self) -> dict[str, Any]:
-        nodes = {k.split("/", 1)[1]: _loads(e.value) for k, e in self.store.get_prefix("nodes/").items()}
+        """What every node reads each tick: O(1) keys, whatever the size of the job."""
         rnd = self.store.get("round")
         ev = self.store.get("event")
-        cap = self.store.get("ctl/cap")
         closed = self.store.get("closed")
         return {
-            "nodes": nodes,
             "round": _loads(rnd.value) if rnd else None,
             "round_rev": rnd.revision if rnd else 0,
             "event": _loads(ev.value) if ev else None,
             "event_rev": ev.revision if ev else 0,
-            "cap": (_loads(cap.value) or {}).get("cap") if cap else None,
             "closed": _loads(closed.value) if closed else None,
         }
 
-    def _is_decider(self, snap: dict[str, Any]) -> bool:
-        nodes = snap["nodes"]
-        rnd = snap["round"]
-        if rnd:
-            for m in rnd["members"]:
-                if m in nodes:
-                    return m == self._node_id
-        # Before the first round (or when every member is gone): the alive node first in id order.
-        return bool(nodes) and min(nodes) == self._node_id
+    def _full_snapshot(self) -> dict[str, Any]:
+        """What the decider reads: the snapshot plus every node record and the operator's cap."""
+        nodes = {k.split("/", 1)[1]: _loads(e.value) for k, e in self.store.get_prefix("nodes/").items()}
+        cap = self.store.get("ctl/cap")
+        return {**self._snapshot(), "nodes": nodes, "cap": (_loads(cap.value) or {}).get("cap") if cap else None}
+
+    def _claim_decider(self) -> bool:
+        """Whether this node decides for the job: it holds the leased ``decider`` key, or takes it when free.
+
+        The key dies with its holder's lease (crash, kill -9, graceful exit), so another
+        node takes over within one lease ttl; everything a decider needs is in the store.
+        """
+        entry = self.store.get("decider")
+        if entry is not None:
+            return entry.value.decode() == self._node_id
+        return self.store.compare_and_swap("decider", self._node_id.encode(), expected_revision=0, lease=self._lease)
 
     # -- the agent's two entry points --------------------------------------------------
 
@@ -308,8 +313,9 @@ class ElasticRendezvous(RendezvousHandler):
                 raise RendezvousClosedError(closed.get("message", ""), status=closed["status"])
             if self._leaving and not self._is_member(snap):
                 raise RendezvousClosedError("left the job gracefully", status="left")
-            if self._is_decider(snap):
-                self._decide(snap)
+            decider = self._claim_decider()
+            if decider:
+                self._decide(self._full_snapshot())
                 snap = self._snapshot()
             rnd = snap["round"]
             if rnd and rnd["round"] > last and rnd["state"] == "running" and self._node_id in rnd["members"]:
@@ -318,13 +324,13 @@ class ElasticRendezvous(RendezvousHandler):
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousTimeoutError(
-                    f"rendezvous of job did not include this node within {timeout:g}s "
-                    f"(alive nodes: {len(snap['nodes'])}, policy min {self.policy.min_replicas})"
+                    f"no round of the job included this node within {timeout:g}s (policy min "
+                    f"{self.policy.min_replicas} node(s); a node past max or below a cap waits as a standby)"
                 )
             if now - waited_msg > 10.0:
                 waited_msg = now
                 log.info("waiting for a round: %s", self._mem.last_reason or "waiting for nodes")
-            self._wait(snap)
+            self._wait(decider)
 
     def poll(self, status: LocalStatus) -> Directive | None:
         """Called every monitor tick while this node's ranks run (or have just finished)."""
@@ -344,8 +350,8 @@ class ElasticRendezvous(RendezvousHandler):
         directive = None
         if ev and ev["round"] == my_round and ev["id"] > self._handled_event:
             directive = self._follow_event(ev, status)
-        if self._is_decider(snap):
-            self._decide(snap, status=status)
+        if self._claim_decider():
+            self._decide(self._full_snapshot(), status=status)
         return directive
 
     def report_stopped(self, event_id: int, *, ok: bool) -> None:
@@ -591,9 +597,13 @@ class ElasticRendezvous(RendezvousHandler):
     def _put_once(self, key: str, value: dict[str, Any]) -> None:
         self.store.compare_and_swap(key, _dumps(value), expected_revision=0)
 
-    def _wait(self, snap: dict[str, Any]) -> None:
+    def _wait(self, decider: bool) -> None:
+        """Sleep until something this node acts on changes: any key for the decider, ``round`` for others.
+
+        Others do not wake for every join, so a rendezvous of N nodes costs O(N) store
+        operations in all, not O(N^2)."""
         rev = self.store.current_revision()
-        self.store.wait_for_change("", after_revision=rev, timeout=self.settings.tick * 5)
+        self.store.wait_for_change("" if decider else "round", after_revision=rev, timeout=self.settings.tick * 5)
 
     def _round_info(self, rnd: dict[str, Any]) -> RoundInfo:
         members = rnd["members"]
