@@ -307,6 +307,7 @@ class ElasticRendezvous(RendezvousHandler):
         last = self._round["round"] if self._round else 0
         waited_msg = 0.0
         while True:
+            rev = self.store.current_revision()  # before reading: a change after it wakes the wait below
             snap = self._snapshot()
             if snap["closed"]:
                 closed = snap["closed"]
@@ -330,7 +331,7 @@ class ElasticRendezvous(RendezvousHandler):
             if now - waited_msg > 10.0:
                 waited_msg = now
                 log.info("waiting for a round: %s", self._mem.last_reason or "waiting for nodes")
-            self._wait(decider)
+            self._wait(decider, rev)
 
     def poll(self, status: LocalStatus) -> Directive | None:
         """Called every monitor tick while this node's ranks run (or have just finished)."""
@@ -480,10 +481,10 @@ class ElasticRendezvous(RendezvousHandler):
         collateral damage of a lost node (policy handles it, no restart counted); otherwise
         restart the same members, counting a restart, or close the job when none are left."""
         rnd = snap["round"]
+        if any(m not in snap["nodes"] for m in rnd["members"]):
+            return False  # a member is gone already: no need to wait to know
         if now < rnd["halted_at"] + self.settings.lease_ttl + self.settings.tick:
             return True
-        if any(m not in snap["nodes"] for m in rnd["members"]):
-            return False
         if rnd.get("restarts", 0) >= self.max_restarts:
             suffix = f" (after {rnd['restarts']} restart{'s' * (rnd['restarts'] != 1)})" if rnd.get("restarts") else ""
             if self.store.compare_and_swap("closed", _dumps({"status": "failed", "message": rnd["failure"] + suffix}), expected_revision=0):
@@ -597,12 +598,11 @@ class ElasticRendezvous(RendezvousHandler):
     def _put_once(self, key: str, value: dict[str, Any]) -> None:
         self.store.compare_and_swap(key, _dumps(value), expected_revision=0)
 
-    def _wait(self, decider: bool) -> None:
+    def _wait(self, decider: bool, rev: int) -> None:
         """Sleep until something this node acts on changes: any key for the decider, ``round`` for others.
 
         Others do not wake for every join, so a rendezvous of N nodes costs O(N) store
         operations in all, not O(N^2)."""
-        rev = self.store.current_revision()
         self.store.wait_for_change("" if decider else "round", after_revision=rev, timeout=self.settings.tick * 5)
 
     def _round_info(self, rnd: dict[str, Any]) -> RoundInfo:

@@ -1,0 +1,768 @@
+"""Shared plumbing of the benchmarks: options, statistics, results, plots and child processes.
+
+Every benchmark is a script with the same command line (:func:`parse_args`)::
+
+    python benchmarks/<name>.py            # full run, for publication
+    python benchmarks/<name>.py --quick    # about a minute or a few, for a developer
+    python benchmarks/<name>.py --smoke    # seconds: the CI test that keeps the script working
+    python benchmarks/<name>.py --out DIR  # where <name>_<mode>.json and .png go
+
+and writes one :class:`BenchmarkResult`: the machine and versions it ran on, its
+parameters, the raw samples, the summary (medians, p99, ratios to the baseline measured
+in the same run) and free-text notes about what limits the numbers.
+
+Child processes (launchers, trainers, store servers) run as :class:`ManagedProcess`: in a
+session of their own, with every output line timestamped on arrival, a hard deadline, and
+the whole process tree killed when they are done with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self
+
+__all__ = [
+    "LAUNCHERS",
+    "MODES",
+    "REPO_ROOT",
+    "RESULTS_DIR",
+    "TRAIN_SCRIPT",
+    "BenchmarkError",
+    "BenchmarkResult",
+    "BenchmarkTimeoutError",
+    "Completed",
+    "ManagedProcess",
+    "OutputBus",
+    "OutputLine",
+    "TrainArgs",
+    "add_train_arguments",
+    "bench_env",
+    "format_table",
+    "free_port",
+    "hyperpodrun_cmd",
+    "kill_tree",
+    "machine_info",
+    "median",
+    "parse_args",
+    "percentile",
+    "pyplot",
+    "read_metrics",
+    "require_train_script",
+    "run_to_completion",
+    "run_training",
+    "single_node_cmd",
+    "start_etcd",
+    "summarize",
+    "torchrun_cmd",
+    "version_info",
+    "wall_tokens_per_s",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+TRAIN_SCRIPT = REPO_ROOT / "examples" / "llama_finetune" / "train.py"
+#: ``smoke``: seconds, for CI; ``quick``: about a minute or a few; ``full``: for publication.
+MODES = ("smoke", "quick", "full")
+_SCHEMA = 1
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class BenchmarkError(RuntimeError):
+    """A benchmark could not produce its measurement."""
+
+
+class BenchmarkTimeoutError(BenchmarkError, TimeoutError):
+    """Something a benchmark waited for did not happen in time; the message names it."""
+
+    def __init__(self, what: str, timeout: float) -> None:
+        super().__init__(f"{what} did not happen within {timeout:g}s")
+        self.what = what
+        self.timeout = timeout
+
+
+# --------------------------------------------------------------------------- options
+
+
+def parse_args(
+    description: str,
+    *,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    argv: Sequence[str] | None = None,
+) -> argparse.Namespace:
+    """The common options plus the benchmark's own; ``ns.mode`` is one of :data:`MODES`."""
+    parser = argparse.ArgumentParser(description=description)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a short run (about a minute or a few)")
+    size.add_argument("--smoke", action="store_true", help="the smallest run that exercises every path (CI)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"result directory (default {RESULTS_DIR})")
+    if add_arguments is not None:
+        add_arguments(parser)
+    ns = parser.parse_args(argv)
+    ns.mode = "smoke" if ns.smoke else "quick" if ns.quick else "full"
+    return ns
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation between closest ranks."""
+    data = sorted(float(v) for v in values)
+    if not data:
+        raise ValueError("percentile of no values")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q must be in [0, 100], got {q!r}")
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def median(values: Iterable[float]) -> float:
+    return percentile(values, 50.0)
+
+
+def summarize(values: Iterable[float]) -> dict[str, float | int]:
+    """``n``, ``median``, ``p99``, ``min``, ``max`` and ``mean`` of a sample."""
+    data = [float(v) for v in values]
+    if not data:
+        raise ValueError("summarize needs at least one value")
+    return {
+        "n": len(data),
+        "median": median(data),
+        "p99": percentile(data, 99.0),
+        "min": min(data),
+        "max": max(data),
+        "mean": sum(data) / len(data),
+    }
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def _run_text(cmd: Sequence[str], timeout: float = 10.0) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, cwd=REPO_ROOT)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (done.stdout or done.stderr).strip()
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on (no host names: results get published)."""
+    import psutil
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "loadavg_1m": os.getloadavg()[0],
+        "gpus": [],
+    }
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    return info
+
+
+def version_info() -> dict[str, Any]:
+    versions: dict[str, Any] = {"python": platform.python_version()}
+    for name in ("torch", "hyperpodrun", "numpy"):
+        try:
+            module = __import__(name)
+            versions[name] = getattr(module, "__version__", "?")
+        except ImportError:
+            versions[name] = None
+    try:
+        import torch
+
+        versions["cuda"] = torch.version.cuda
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    versions["git_commit"] = _run_text(["git", "rev-parse", "--short", "HEAD"]) or None
+    etcd = shutil.which("etcd") or "/usr/bin/etcd"
+    if os.access(etcd, os.X_OK):
+        first = _run_text([etcd, "--version"]).splitlines()
+        versions["etcd"] = first[0].split(":", 1)[-1].strip() if first else None
+    return versions
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass(kw_only=True)
+class BenchmarkResult:
+    """One run of one benchmark, written as ``<out>/<name>_<mode>.json`` (+ ``.png``).
+
+    ``samples`` holds raw measurements, ``summary`` what a reader compares (medians, p99,
+    ratios to the baseline), ``baseline`` says what was measured against, ``notes`` what
+    limits the figures on this machine.
+    """
+
+    name: str
+    mode: str
+    params: dict[str, Any]
+    baseline: str
+    samples: dict[str, Any] = dataclasses.field(default_factory=dict)
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    started_at: float = dataclasses.field(default_factory=time.time)
+    machine: dict[str, Any] = dataclasses.field(default_factory=machine_info)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").isalnum():
+            raise ValueError(f"name must be a non-empty identifier, got {self.name!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not self.baseline:
+            raise ValueError("baseline must say what the measurement is compared against")
+
+    def stem(self) -> str:
+        return f"{self.name}_{self.mode}"
+
+    def to_json(self) -> dict[str, Any]:
+        finished = time.time()
+        load_end = os.getloadavg()[0]
+        notes = list(self.notes)
+        busiest = max(load_end, self.machine["loadavg_1m"])
+        if busiest > self.machine["usable_cpus"]:
+            notes.append(
+                f"The machine was busy during this run (1-minute load average up to {busiest:.1f} on "
+                f"{self.machine['usable_cpus']} usable CPUs, other work included): expect noisy timings."
+            )
+        return {
+            "schema": _SCHEMA,
+            "benchmark": self.name,
+            "mode": self.mode,
+            "started_at": _iso(self.started_at),
+            "finished_at": _iso(finished),
+            "duration_s": round(finished - self.started_at, 3),
+            "machine": {**self.machine, "loadavg_1m_end": load_end},
+            "versions": version_info(),
+            "params": self.params,
+            "baseline": self.baseline,
+            "summary": self.summary,
+            "samples": self.samples,
+            "notes": notes,
+            "plot": f"{self.stem()}.png",
+        }
+
+    def write(self, out_dir: Path) -> Path:
+        """Write the JSON (atomically); returns its path."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{self.stem()}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2, default=_json_default) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    def plot_path(self, out_dir: Path) -> Path:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return out_dir / f"{self.stem()}.png"
+
+
+def _iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, tz=datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _json_default(obj: object) -> object:
+    if isinstance(obj, Path):
+        return str(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    raise TypeError(f"cannot write {type(obj).__name__} to a benchmark result")
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (files only; no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A plain-text table; floats get 4 significant digits, ``None`` prints as ``-``."""
+
+    def cell(value: object) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    body = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line, rule, *("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body)])
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def bench_env(**extra: str) -> dict[str, str]:
+    """The environment for children: no inherited launcher variables, the repo's ``src`` importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "HYPERPODRUN_"))}
+    src = str(REPO_ROOT / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def hyperpodrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hyperpodrun", *args]
+
+
+def torchrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def start_etcd(start_timeout: float = 30.0) -> Any:
+    """Start a single-member etcd on free loopback ports (the test suite's starter)."""
+    tests = str(REPO_ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from support.etcd import EtcdServer  # the repo's tests/support/etcd.py
+
+    return EtcdServer(start_timeout=start_timeout).start()
+
+
+# --------------------------------------------------------------------------- the example trainer
+
+
+def require_train_script() -> Path:
+    """The example trainer the throughput, overhead and scale benchmarks run."""
+    if not TRAIN_SCRIPT.is_file():
+        raise BenchmarkError(f"the example trainer {TRAIN_SCRIPT} does not exist")
+    return TRAIN_SCRIPT
+
+
+def add_train_arguments(parser: argparse.ArgumentParser, *, global_batch: int = 8, micro_batch: int = 2) -> None:
+    """Flags that shape the example's training run; ``--train-args`` passes anything else through."""
+    group = parser.add_argument_group("example trainer (examples/llama_finetune/train.py)")
+    group.add_argument("--model", default="tiny", help="model preset passed to train.py [tiny]")
+    group.add_argument("--seq-len", type=int, default=256, help="tokens per sample [256]")
+    group.add_argument("--global-batch", type=int, default=global_batch, help=f"samples per step [{global_batch}]")
+    group.add_argument("--micro-batch", type=int, default=micro_batch, help=f"samples per micro-batch [{micro_batch}]")
+    group.add_argument("--train-args", default="", help='more train.py flags, e.g. "--fsdp --device cuda --dtype bf16"')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainArgs:
+    """One run of the example trainer; :meth:`argv` is its command line after the script."""
+
+    steps: int
+    model: str = "tiny"
+    seq_len: int = 256
+    global_batch: int = 8
+    micro_batch: int = 2
+    min_step_time: float = 0.0
+    ckpt_every: int = 0
+    extra: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "global_batch", "micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.min_step_time < 0:
+            raise ValueError(f"min_step_time must be >= 0, got {self.min_step_time!r}")
+        if self.ckpt_every < 0:
+            raise ValueError(f"ckpt_every must be >= 0, got {self.ckpt_every!r}")
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace, **fields: Any) -> TrainArgs:
+        import shlex
+
+        return cls(
+            model=ns.model, seq_len=ns.seq_len, global_batch=ns.global_batch, micro_batch=ns.micro_batch,
+            extra=tuple(shlex.split(ns.train_args)), **fields,
+        )  # fmt: skip
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Nominal tokens per optimizer step (global batch x sequence length)."""
+        return self.global_batch * self.seq_len
+
+    def argv(self, *, run_dir: Path, data_cache: Path, metrics: Path) -> list[str]:
+        return [
+            "--model", self.model, "--steps", str(self.steps), "--seq-len", str(self.seq_len),
+            "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
+            "--min-step-time", str(self.min_step_time), "--ckpt-every", str(self.ckpt_every),
+            "--log-every", "1", "--metrics", str(metrics), "--run-dir", str(run_dir),
+            "--data-cache", str(data_cache), "--num-workers", "0", *self.extra,
+        ]  # fmt: skip
+
+    def as_params(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "extra": list(self.extra), "tokens_per_step": self.tokens_per_step}
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """train.py's ``--metrics`` records (rank 0, one per logged step: ts, step, loss, world_size, ...)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written when the trainer was killed
+    return records
+
+
+def wall_tokens_per_s(records: Sequence[Mapping[str, Any]], tokens_per_step: int, *, skip: int) -> float:
+    """End-to-end tokens/s between the ``skip``-th logged step and the last one.
+
+    Computed from step end times, so it includes everything a step costs (data,
+    ``elastic_event_detected()``, logging), unlike the trainer's per-step figure.
+    """
+    steps = [r for r in records if r["step"] > skip]
+    if len(steps) < 2:
+        raise BenchmarkError(f"need at least 2 logged steps after step {skip}, got {len(steps)}")
+    first, last = steps[0], steps[-1]
+    return (last["step"] - first["step"]) * tokens_per_step / (last["ts"] - first["ts"])
+
+
+LAUNCHERS = ("hyperpodrun", "torchrun")
+
+
+def single_node_cmd(launcher: str, nproc: int, train: TrainArgs, *, work: Path, data_cache: Path) -> list[str]:
+    """One node of ``nproc`` ranks under ``launcher``, both through a c10d-style rendezvous.
+
+    hyperpodrun runs its elastic agent (``--nnodes 1:1``: store, control channel, policy
+    loop all live), torchrun its c10d rendezvous agent: each launcher's normal path.
+    """
+    script = str(require_train_script())
+    argv = train.argv(run_dir=work / "run", data_cache=data_cache, metrics=work / "metrics.jsonl")
+    rdzv = ["--nnodes", "1:1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"bench-{work.name}"]  # fmt: skip
+    if launcher == "hyperpodrun":
+        return hyperpodrun_cmd(*rdzv, "--log-dir", str(work / "logs"), script, *argv)
+    if launcher == "torchrun":
+        return torchrun_cmd(*rdzv, script, *argv)
+    raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+
+
+def run_training(
+    launcher: str, nproc: int, train: TrainArgs, *, work: Path, data_cache: Path, timeout: float, env: Mapping[str, str]
+) -> dict[str, Any]:
+    """Run the example to completion on one node (raises on failure).
+
+    Returns its per-step metrics, wall time, and the launcher process's own CPU seconds
+    (its agent: monitoring, rendezvous, store), which the ranks do not get on a busy node.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = single_node_cmd(launcher, nproc, train, work=work, data_cache=data_cache)
+    done = run_to_completion(cmd, name=f"{launcher}-{nproc}", timeout=timeout, env=env, log_path=work / "output.log")
+    if done.returncode != 0:
+        raise BenchmarkError(f"{launcher} with {nproc} rank(s) exited {done.returncode}; output tail:\n{done.tail()}")
+    records = read_metrics(work / "metrics.jsonl")
+    if not records or records[-1]["step"] != train.steps:
+        raise BenchmarkError(
+            f"{launcher} with {nproc} rank(s) logged {len(records)} steps, expected up to {train.steps}"
+        )
+    return {
+        "launcher": launcher,
+        "nproc": nproc,
+        "wall_s": done.wall_s,
+        "launcher_cpu_s": done.own_cpu_s,
+        "launcher_cpu_fraction": done.own_cpu_s / done.wall_s,
+        "metrics": records,
+    }
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputLine:
+    """One line a child printed, stamped with ``time.time()`` when it arrived."""
+
+    ts: float
+    source: str
+    stream: str
+    text: str
+
+
+class OutputBus:
+    """Collects the timestamped lines of several children; waiters wake on every line."""
+
+    def __init__(self) -> None:
+        self._lines: list[OutputLine] = []
+        self._cond = threading.Condition()
+
+    def append(self, line: OutputLine) -> None:
+        with self._cond:
+            self._lines.append(line)
+            self._cond.notify_all()
+
+    def lines(self) -> list[OutputLine]:
+        with self._cond:
+            return list(self._lines)
+
+    def wait_for(self, predicate: Callable[[list[OutputLine]], Any], *, timeout: float, what: str) -> Any:
+        """Block until ``predicate(lines)`` is truthy and return its value; re-checked on every line.
+
+        Also re-checked every second, so predicates that look at the clock or at
+        processes (not only at lines) are evaluated too.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                value = predicate(self._lines)
+                if value:
+                    return value
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise BenchmarkTimeoutError(what, timeout)
+                self._cond.wait(min(remaining, 1.0))
+
+
+def kill_tree(pid: int, *, sig: int = signal.SIGKILL, timeout: float = 10.0) -> list[int]:
+    """Send ``sig`` to ``pid`` and every descendant at once (collected first); returns the pids.
+
+    SIGKILL of the whole tree is how a benchmark simulates the loss of a node, and how
+    every child is cleaned up at the end.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    if sig == signal.SIGKILL:
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        if alive:
+            raise BenchmarkTimeoutError(f"exit of killed processes {[p.pid for p in alive]}", timeout)
+    return [p.pid for p in procs]
+
+
+class ManagedProcess:
+    """A child in its own session, output lines timestamped into an :class:`OutputBus`.
+
+    Also copied to ``log_path`` when given. Leaving the ``with`` block (or :meth:`close`)
+    kills the whole process tree, so no benchmark leaves anything running.
+    """
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        *,
+        name: str,
+        env: Mapping[str, str] | None = None,
+        cwd: Path = REPO_ROOT,
+        bus: OutputBus | None = None,
+        log_path: Path | None = None,
+        stdin: bool = False,
+    ) -> None:
+        self.cmd = list(cmd)
+        self.name = name
+        self.bus = bus if bus is not None else OutputBus()
+        self.log_path = log_path
+        self.started_at = time.time()
+        self._log: IO[str] | None = None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(log_path, "w", buffering=1)  # noqa: SIM115 - closed in close()
+        self._log_lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=dict(env) if env is not None else bench_env(),
+            cwd=cwd,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+        self._readers = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, "stderr"), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _pump(self, stream: IO[str] | None, label: str) -> None:
+        assert stream is not None
+        for raw in stream:
+            line = OutputLine(time.time(), self.name, label, raw.rstrip("\n"))
+            self.bus.append(line)
+            if self._log is not None:
+                with self._log_lock:
+                    if not self._log.closed:
+                        self._log.write(f"{line.ts:.3f} {label} {line.text}\n")
+        stream.close()
+
+    def lines(self) -> list[OutputLine]:
+        return [line for line in self.bus.lines() if line.source == self.name]
+
+    def tail(self, n: int = 20) -> str:
+        return "\n".join(f"[{self.name}] {line.text}" for line in self.lines()[-n:])
+
+    def send(self, text: str) -> None:
+        """Write a line to the child's stdin (only when started with ``stdin=True``)."""
+        if self.proc.stdin is None:
+            raise BenchmarkError(f"{self.name} was started without a stdin pipe")
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        """Signal the child itself (e.g. SIGTERM to a launcher asks it to leave gracefully)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for exit; raises :class:`BenchmarkTimeoutError` naming the child."""
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise BenchmarkTimeoutError(f"exit of {self.name} (pid {self.pid})", timeout) from None
+        for reader in self._readers:
+            reader.join(timeout=5.0)
+        return rc
+
+    def kill_tree(self) -> list[int]:
+        """SIGKILL the child and all its descendants at once (node loss, cleanup)."""
+        pids = kill_tree(self.proc.pid)
+        self.proc.wait(10.0)
+        return pids
+
+    def close(self) -> None:
+        if self.proc.poll() is None or _has_children(self.proc.pid):
+            self.kill_tree()
+        for reader in self._readers:
+            reader.join(timeout=5.0)
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        if self._log is not None:
+            with self._log_lock:
+                self._log.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _has_children(pid: int) -> bool:
+    import psutil
+
+    try:
+        return bool(psutil.Process(pid).children())
+    except psutil.NoSuchProcess:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Completed:
+    """A child that ran to its end: exit code, output, wall time and its own CPU time."""
+
+    returncode: int
+    lines: list[OutputLine]
+    wall_s: float
+    own_cpu_s: float
+    """CPU seconds of the child process itself, not its children (for a launcher: the agent's cost)."""
+
+    def tail(self, n: int = 20) -> str:
+        return "\n".join(line.text for line in self.lines[-n:])
+
+
+def run_to_completion(
+    cmd: Sequence[str],
+    *,
+    name: str,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    log_path: Path | None = None,
+) -> Completed:
+    """Run a child to its end under a hard deadline.
+
+    Raises :class:`BenchmarkTimeoutError` (after killing the tree) when it overruns. The
+    child's own CPU time is sampled once a second while it runs (the last sample is
+    taken within a second of its exit).
+    """
+    import psutil
+
+    start = time.monotonic()
+    with ManagedProcess(cmd, name=name, env=env, log_path=log_path) as proc:
+        cpu = 0.0
+        while True:
+            try:
+                times = psutil.Process(proc.pid).cpu_times()
+                cpu = times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+            remaining = start + timeout - time.monotonic()
+            try:
+                rc = proc.wait(max(0.01, min(1.0, remaining)))
+                break
+            except BenchmarkTimeoutError:
+                if remaining <= 1.0:
+                    raise BenchmarkTimeoutError(f"exit of {name}; last output:\n{proc.tail()}", timeout) from None
+        return Completed(rc, proc.lines(), time.monotonic() - start, cpu)

@@ -1,0 +1,591 @@
+"""Scale events: downtime, lost steps and detection time, hyperpodrun against torchrun.
+
+The same training script (the example trainer, tiny Llama, ``--min-step-time`` for a fixed
+step time, periodic checkpoints every ``--ckpt-every`` steps) runs through one scenario
+under each launcher, one launcher process per simulated node, all on this machine:
+
+    node A starts (and hosts the rendezvous store; it is never stopped)
+    join   node B starts                      world 1 -> 2
+    leave  node B gets SIGTERM (graceful)     world 2 -> 1
+    join   node C starts                      world 1 -> 2
+    loss   node C's whole process tree gets SIGKILL (node loss)   world 2 -> 1
+
+(``--smoke``: the first join only; full mode runs the cycle twice.) Launchers:
+
+* ``hyperpodrun --nnodes 1:2 --rdzv-backend c10d`` (its embedded store): ranks save at an
+  agreed step and restart at the new size, nothing is recomputed;
+* ``torchrun --nnodes 1:2 --rdzv-backend c10d``, twice: as shipped, and with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (on torch 2.13 CPU a scale-up of the default can
+  deadlock). torchrun restarts every worker; the script resumes from its last periodic
+  checkpoint and recomputes the steps since.
+
+Per event, from rank 0's per-step log (``--metrics``, step end times): downtime = end of
+the first step at the new size minus end of the last step before it; steps lost = last
+step before the event minus the step the new size resumed from; time to detect = event
+until the launcher acted (hyperpodrun: ``scale_decided`` in its event log; torchrun: its
+agent's "will restart worker group" line). A launcher that hangs or exits is recorded as
+such, with its output tail, and its scenario stops there. Every launcher run has a hard
+deadline and every process tree is killed at the end.
+
+    python benchmarks/scale_events.py [--quick | --smoke] [--launchers hyperpodrun,torchrun,torchrun-noshare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    BenchmarkError,
+    BenchmarkResult,
+    BenchmarkTimeoutError,
+    ManagedProcess,
+    OutputBus,
+    TrainArgs,
+    add_train_arguments,
+    bench_env,
+    format_table,
+    free_port,
+    hyperpodrun_cmd,
+    median,
+    parse_args,
+    pyplot,
+    read_metrics,
+    require_train_script,
+    torchrun_cmd,
+)
+
+NAME = "scale_events"
+VARIANTS = ("hyperpodrun", "torchrun", "torchrun-noshare")
+#: The smoke run skips torchrun as shipped: its scale-up hang would cost the whole event timeout.
+DEFAULT_VARIANTS = {"smoke": ("hyperpodrun", "torchrun-noshare"), "quick": VARIANTS, "full": VARIANTS}
+CYCLE = (("join", "B"), ("leave", "B"), ("join", "C"), ("loss", "C"))
+SCENARIO = {
+    "smoke": CYCLE[:1],
+    "quick": CYCLE,
+    "full": CYCLE + (("join", "D"), ("leave", "D"), ("join", "E"), ("loss", "E")),
+}
+EVENT_TIMEOUT_S = {"smoke": 60.0, "quick": 90.0, "full": 120.0}
+SETTLE_STEPS = {"smoke": 2, "quick": 4, "full": 6}
+STARTUP_TIMEOUT_S = 180.0
+DETECT_TORCHRUN = re.compile(r"will restart worker group")
+KIND_WORLD = {"join": +1, "leave": -1, "loss": -1}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Timers:
+    """The launchers' liveness and capacity timers, set alike so the comparison is fair."""
+
+    step_time_s: float = 0.5
+    lease_ttl_s: float = 3.0  # hyperpodrun membership lease; torchrun: keep-alive 1 s x 3 attempts
+    scaling_timeout_s: float = 1.0  # hyperpodrun: capacity must be stable; torchrun: last_call_timeout
+    min_stable_period_s: float = 1.0
+    faulty_scale_down_timeout_s: float = 0.0  # shrink as soon as a lost node's lease expires
+    graceful_shutdown_timeout_s: float = 60.0
+    max_restarts: int = 20
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{f.name} must be a number >= 0, got {value!r}")
+        if self.lease_ttl_s < 1:
+            raise ValueError(
+                f"lease_ttl_s must be >= 1 (torchrun's keep-alive is in whole seconds), got {self.lease_ttl_s!r}"
+            )
+
+    def launcher_args(self, variant: str, endpoint: str, run_id: str, work: Path) -> list[str]:
+        """The launcher flags of one node (every node of a job gets the same)."""
+        common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                  "--rdzv-id", run_id, "--max-restarts", str(self.max_restarts)]  # fmt: skip
+        if variant == "hyperpodrun":
+            return common + [
+                "--scaling-timeout", f"{self.scaling_timeout_s:g}",
+                "--min-stable-period", f"{self.min_stable_period_s:g}",
+                "--faulty-scale-down-timeout", f"{self.faulty_scale_down_timeout_s:g}",
+                "--graceful-shutdown-timeout", f"{self.graceful_shutdown_timeout_s:g}",
+                "--rdzv-conf", f"lease_ttl={self.lease_ttl_s:g}",
+                "--event-log", str(work / "events.jsonl"), "--log-dir", str(work / "logs"),
+            ]  # fmt: skip
+        return common + ["--rdzv-conf", self.torchrun_rdzv_conf()]
+
+    def torchrun_rdzv_conf(self) -> str:
+        """torchrun's equivalents: keep-alive every 1 s for ``lease_ttl`` attempts; last call = scaling timeout."""
+        return (
+            f"last_call_timeout={max(1, round(self.scaling_timeout_s))},"
+            f"keep_alive_interval=1,keep_alive_max_attempt={max(1, round(self.lease_ttl_s))}"
+        )
+
+
+# --------------------------------------------------------------------------- pure analysis
+
+
+def event_phase(index: int, ckpt_every: int) -> int:
+    """Where in the checkpoint interval event ``index`` is triggered (after step ``s``, ``s % K``).
+
+    Successive events walk the interval in strides of 7 (coprime with usual intervals), so
+    over a scenario the baseline's lost work is sampled across the interval, not at one point.
+    """
+    return (3 + 7 * index) % ckpt_every if ckpt_every else 0
+
+
+def measure_event(records: list[dict[str, Any]], *, t_event: float, to_world: int) -> dict[str, Any] | None:
+    """Downtime and steps lost of one event from rank 0's step log, or None if not recovered yet.
+
+    ``records`` are (ts, step, world_size) dicts in log order. The first record after
+    ``t_event`` at ``to_world`` is the first step at the new size; the record before it
+    in time is the last step before the change.
+    """
+    after = [r for r in records if r["ts"] > t_event and r["world_size"] == to_world]
+    if not after:
+        return None
+    first_new = after[0]
+    before = [r for r in records if r["ts"] < first_new["ts"] and r["world_size"] != to_world]
+    if not before:
+        return None
+    last_old = max(before, key=lambda r: r["ts"])
+    return {
+        "downtime_s": first_new["ts"] - last_old["ts"],
+        "last_old_step": last_old["step"],
+        "first_new_step": first_new["step"],
+        "steps_lost": max(0, last_old["step"] - (first_new["step"] - 1)),
+        "last_old_ts": last_old["ts"],
+        "first_new_ts": first_new["ts"],
+    }
+
+
+def hyperpodrun_phases(events: list[dict[str, Any]], t_event: float) -> dict[str, float]:
+    """Seconds from the event to the first record of each phase in hyperpodrun's event log.
+
+    Reads from ``t_event`` up to the trainer's ``first_step`` at the new size. A
+    ``checkpoint_saved`` counts only once the ranks were signalled: periodic saves
+    before that are not part of the event.
+    """
+    phases: dict[str, float] = {}
+    for record in events:
+        name = record["event"]
+        if record["ts"] <= t_event or name in phases:
+            continue
+        if name == "checkpoint_saved" and "workers_signalled" not in phases:
+            continue
+        phases[name] = record["ts"] - t_event
+        if name == "first_step":
+            break
+    return phases
+
+
+def phase_breakdown(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Where hyperpodrun's cooperative events spend their downtime (medians, seconds).
+
+    ``save``: signalled -> checkpoint saved (includes running up to the target step);
+    ``exit_after_save``: checkpoint saved -> every rank exited; ``restart``: ranks started ->
+    first step at the new size (process start, imports, process group, checkpoint load).
+    """
+    spans = {"save": ("workers_signalled", "checkpoint_saved"),
+             "exit_after_save": ("checkpoint_saved", "workers_stopped"),
+             "restart": ("workers_started", "first_step")}  # fmt: skip
+    values: dict[str, list[float]] = {name: [] for name in spans}
+    for run in runs:
+        if run["variant"] != "hyperpodrun":
+            continue
+        for ev in run["events"]:
+            phases = ev.get("phases_s") or {}
+            for name, (start, end) in spans.items():
+                if start in phases and end in phases:
+                    values[name].append(phases[end] - phases[start])
+    return {f"{name}_median_s": median(v) if v else None for name, v in values.items()}
+
+
+#: Per-event measurement -> the name of its median in the summary.
+_MEDIANS = {
+    "downtime_s": "downtime_median_s",
+    "lost_time_s": "lost_time_median_s",
+    "steps_lost": "steps_lost_median",
+    "detect_s": "detect_median_s",
+}
+
+
+def summarize_events(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians per event kind and launcher variant, and hyperpodrun/torchrun ratios.
+
+    ``lost_time`` is downtime plus the time to recompute the lost steps: the training
+    time an event really costs.
+    """
+    samples: dict[str, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        for ev in run["events"]:
+            slot = samples.setdefault(ev["kind"], {}).setdefault(
+                run["variant"], {"outcomes": [], **{m: [] for m in _MEDIANS}}
+            )
+            slot["outcomes"].append(ev["outcome"])
+            if ev["outcome"] == "ok":
+                for m in _MEDIANS:
+                    if ev.get(m) is not None:
+                        slot[m].append(ev[m])
+    summary: dict[str, Any] = {"by_kind": {}, "downtime_ratio": {}, "lost_time_ratio": {}, "steps_lost_median": {}}
+    for kind, variants in samples.items():
+        by_variant = {
+            v: {
+                "n": len(s["outcomes"]),
+                "ok": s["outcomes"].count("ok"),
+                "outcomes": s["outcomes"],
+                **{name: median(s[m]) if s[m] else None for m, name in _MEDIANS.items()},
+            }
+            for v, s in variants.items()
+        }
+        summary["by_kind"][kind] = by_variant
+        summary["steps_lost_median"][kind] = {v: s["steps_lost_median"] for v, s in by_variant.items()}
+        ours = by_variant.get("hyperpodrun", {})
+        for metric, ratio in (("downtime_median_s", "downtime_ratio"), ("lost_time_median_s", "lost_time_ratio")):
+            for v in VARIANTS[1:]:
+                theirs = by_variant.get(v, {}).get(metric)
+                if ours.get(metric) is not None and theirs:
+                    summary[ratio].setdefault(v, {})[kind] = ours[metric] / theirs
+    return summary
+
+
+# --------------------------------------------------------------------------- one launcher's scenario
+
+
+class ScenarioFailed(BenchmarkError):
+    """A launcher hung or exited during the scenario; ``outcome`` says which."""
+
+    def __init__(self, outcome: str, message: str) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+class Scenario:
+    """Nodes of one launcher variant on this machine, driven through the event list."""
+
+    def __init__(
+        self,
+        variant: str,
+        train: TrainArgs,
+        timers: Timers,
+        *,
+        work: Path,
+        data_cache: Path,
+        event_timeout: float,
+        settle_steps: int,
+    ) -> None:
+        self.variant = variant
+        self.train = train
+        self.timers = timers
+        self.work = work
+        self.data_cache = data_cache
+        self.event_timeout = event_timeout
+        self.settle_steps = settle_steps
+        self.bus = OutputBus()
+        self.nodes: dict[str, ManagedProcess] = {}
+        self.endpoint = f"127.0.0.1:{free_port()}"
+        self.run_id = f"bench-{variant}-{int(time.time())}"
+        self.metrics = work / "metrics.jsonl"
+        env = {"OMP_NUM_THREADS": "1"}
+        if variant.startswith("torchrun"):
+            env["LOGLEVEL"] = "INFO"  # the agent's restart decisions are logged at INFO
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if variant == "torchrun-noshare" else "0"
+        self.env = bench_env(**env)
+        self.env_settings = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
+        self.gpus = _gpu_count()
+
+    # -- processes
+
+    def start_node(self, name: str) -> float:
+        script = str(require_train_script())
+        argv = self.train.argv(run_dir=self.work / "run", data_cache=self.data_cache, metrics=self.metrics)
+        flags = self.timers.launcher_args(self.variant, self.endpoint, self.run_id, self.work)
+        launcher = hyperpodrun_cmd if self.variant == "hyperpodrun" else torchrun_cmd
+        env = dict(self.env)
+        if self.gpus >= 2:  # a simulated node per GPU: A keeps GPU 0, the one other node alive at a time GPU 1
+            env["CUDA_VISIBLE_DEVICES"] = "0" if name == "A" else "1"
+        t = time.time()
+        self.nodes[name] = ManagedProcess(
+            launcher(*flags, script, *argv),
+            name=name,
+            env=env,
+            bus=self.bus,
+            log_path=self.work / f"node-{name}.log",
+        )
+        return t
+
+    def close(self) -> dict[str, int | None]:
+        codes = {name: node.poll() for name, node in self.nodes.items()}
+        for name in sorted(self.nodes, reverse=True):  # the store's host (A) last
+            self.nodes[name].close()
+        return codes
+
+    # -- waiting on the job
+
+    def records(self) -> list[dict[str, Any]]:
+        return read_metrics(self.metrics)
+
+    def _check_host(self) -> None:
+        host = self.nodes["A"]
+        if host.poll() is not None:
+            raise ScenarioFailed("exited", f"node A (the store host) exited with {host.poll()}:\n{host.tail(15)}")
+
+    def wait_steps_at(
+        self, world: int, steps: int, *, timeout: float, what: str, phase: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Until rank 0 has logged ``steps`` steps at ``world`` since it last changed size
+        (and, with ``phase``, its latest step is ``phase`` modulo the checkpoint interval)."""
+        every = self.train.ckpt_every
+
+        def ready(_: object) -> list[dict[str, Any]] | None:
+            self._check_host()
+            recs = self.records()
+            tail = []
+            for r in reversed(recs):
+                if r["world_size"] != world:
+                    break
+                tail.append(r)
+            if len(tail) < steps:
+                return None
+            return recs if phase is None or not every or tail[0]["step"] % every == phase else None
+
+        return self.bus.wait_for(ready, timeout=timeout, what=what)
+
+    def detect_time(self, t_event: float, t_end: float) -> float | None:
+        """Seconds from the event to the launcher's decision to act on it (None if not seen)."""
+        if self.variant == "hyperpodrun":
+            events = _read_jsonl(self.work / "events.jsonl")
+            decided = [e["ts"] for e in events if e["event"] == "scale_decided" and t_event < e["ts"] <= t_end]
+            return min(decided) - t_event if decided else None
+        lines = [x.ts for x in self.bus.lines() if t_event < x.ts <= t_end and DETECT_TORCHRUN.search(x.text)]
+        return min(lines) - t_event if lines else None
+
+    # -- the scenario
+
+    def run(self, events: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+        out: dict[str, Any] = {"variant": self.variant, "env": self.env_settings, "events": [], "failure": None}
+        try:
+            self.start_node("A")
+            self.wait_steps_at(
+                1, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: node A's first steps"
+            )
+            world = 1
+            for index, (kind, node) in enumerate(events):
+                target = world + KIND_WORLD[kind]
+                phase = event_phase(index, self.train.ckpt_every)
+                what = f"{self.variant}: step {phase} of the checkpoint interval at world {world}"
+                self.wait_steps_at(world, self.settle_steps, phase=phase, timeout=self.event_timeout, what=what)
+                ev = self._event(index, kind, node, world, target)
+                out["events"].append(ev)
+                if ev["outcome"] != "ok":
+                    out["failure"] = ev["error"]
+                    break
+                world = target
+        except (ScenarioFailed, BenchmarkTimeoutError) as e:
+            out["failure"] = str(e)
+        finally:
+            out["exit_codes"] = self.close()
+            out["timeline"] = [(r["ts"], r["step"], r["world_size"]) for r in self.records()]
+        return out
+
+    def _event(self, index: int, kind: str, node: str, world: int, target: int) -> dict[str, Any]:
+        print(f"{NAME}: {self.variant}: event {index + 1} {kind} ({node}), world {world} -> {target}", flush=True)
+        if kind == "join":
+            t_event = self.start_node(node)
+        elif kind == "leave":
+            t_event = time.time()
+            self.nodes[node].signal(signal.SIGTERM)
+        else:
+            t_event = time.time()
+            self.nodes[node].kill_tree()
+        ev: dict[str, Any] = {
+            "index": index,
+            "kind": kind,
+            "node": node,
+            "from_world": world,
+            "to_world": target,
+            "t_event": t_event,
+        }
+        try:
+            self.bus.wait_for(
+                lambda _: self._check_host() or measure_event(self.records(), t_event=t_event, to_world=target),
+                timeout=self.event_timeout,
+                what=f"{self.variant}: first step at world {target} after the {kind} of node {node}",
+            )
+            # Settle at the new size before the next event (and so the measurement is final).
+            self.wait_steps_at(
+                target, self.settle_steps, timeout=self.event_timeout, what=f"{self.variant}: steps at world {target}"
+            )
+        except BenchmarkTimeoutError as e:
+            return {**ev, "outcome": "hang", "error": f"{e}; last output:\n{self._tails()}"}
+        except ScenarioFailed as e:
+            return {**ev, "outcome": e.outcome, "error": str(e)}
+        measured = measure_event(self.records(), t_event=t_event, to_world=target)
+        assert measured is not None  # waited for above
+        t_end = measured["first_new_ts"]
+        ev.update(outcome="ok", **measured, detect_s=self.detect_time(t_event, t_end))
+        ev["lost_time_s"] = ev["downtime_s"] + ev["steps_lost"] * self.timers.step_time_s
+        if self.variant == "hyperpodrun":
+            ev["phases_s"] = hyperpodrun_phases(_read_jsonl(self.work / "events.jsonl"), t_event)
+        return ev
+
+    def _tails(self) -> str:
+        return "\n".join(node.tail(8) for node in self.nodes.values())
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return read_metrics(path)  # the same tolerant JSON-lines reader
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def plot(result: BenchmarkResult, runs: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for i, run in enumerate(runs):
+        tl = run["timeline"]
+        if not tl:
+            continue
+        t0 = tl[0][0]
+        for world, marker in ((1, "."), (2, "^")):
+            pts = [(t - t0, step) for t, step, w in tl if w == world]
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=f"C{i}", markersize=3,
+                     label=f"{run['variant']}, world {world}")  # fmt: skip
+        for ev in run["events"]:
+            ax1.axvline(ev["t_event"] - t0, color=f"C{i}", alpha=0.3, linestyle=":")
+    ax1.set_xlabel("seconds since the first logged step")
+    ax1.set_ylabel("step (rank 0)")
+    ax1.set_title("progress: gaps = downtime, steps going back = recomputation (dotted: events)", fontsize=10)
+    ax1.legend(fontsize=7, ncol=2)
+    ax1.grid(True, alpha=0.3)
+    kinds = list(summary["by_kind"])
+    width = 0.8 / len(VARIANTS)
+    for j, variant in enumerate(VARIANTS):
+        stats = [summary["by_kind"][k].get(variant) for k in kinds]
+        xs = [x + (j - (len(VARIANTS) - 1) / 2) * width for x in range(len(kinds))]
+        lost = [(s or {}).get("lost_time_median_s") or 0 for s in stats]
+        down = [(s or {}).get("downtime_median_s") or 0 for s in stats]
+        ax2.bar(xs, lost, width, color=f"C{j}", alpha=0.35)
+        ax2.bar(xs, down, width, color=f"C{j}", label=variant)
+        for x, st in zip(xs, stats):
+            if st is not None and st["ok"] == 0:
+                ax2.text(
+                    x, 0.2, "/".join(sorted(set(st["outcomes"]))), rotation=90, ha="center", va="bottom", fontsize=8
+                )
+    ax2.set_xticks(range(len(kinds)), kinds)
+    ax2.set_ylabel("seconds (median)")
+    ax2.set_title("downtime (solid) and + recomputed steps (light)", fontsize=10)
+    ax2.legend(fontsize=8)
+    ax2.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"scale_events ({result.mode}, step time {result.params['timers']['step_time_s']} s, "
+                 f"checkpoint every {result.params['train']['ckpt_every']} steps)")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    def add(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--launchers", type=lambda s: tuple(s.split(",")), default=None,
+                            help=f"from {', '.join(VARIANTS)} (default: all; smoke: no plain torchrun)")  # fmt: skip
+        parser.add_argument("--step-time", type=float, default=Timers.step_time_s, help="fixed step time, s")
+        parser.add_argument("--ckpt-every", type=int, default=10, help="periodic checkpoint interval, steps [10]")
+        parser.add_argument("--event-timeout", type=float, default=None, help="hard limit per event, s")
+        add_train_arguments(parser, global_batch=4, micro_batch=2)
+        parser.set_defaults(seq_len=128)
+
+    args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
+    args.launchers = args.launchers or DEFAULT_VARIANTS[args.mode]
+    for v in args.launchers:
+        if v not in VARIANTS:
+            raise SystemExit(f"--launchers: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    timers = Timers(step_time_s=args.step_time)
+    train = TrainArgs.from_namespace(args, steps=1_000_000, min_step_time=args.step_time, ckpt_every=args.ckpt_every)
+    events = SCENARIO[args.mode]
+    event_timeout = args.event_timeout or EVENT_TIMEOUT_S[args.mode]
+    result = BenchmarkResult(
+        name=NAME,
+        mode=args.mode,
+        params={
+            "launchers": list(args.launchers),
+            "scenario": [f"{k} {n}" for k, n in events],
+            "timers": dataclasses.asdict(timers),
+            "event_timeout_s": event_timeout,
+            "settle_steps": SETTLE_STEPS[args.mode],
+            "train": train.as_params(),
+            "event_after_step_mod_ckpt_every": [event_phase(i, args.ckpt_every) for i in range(len(events))],
+            "nproc_per_node": 1,
+            "nnodes": "1:2",
+            "rdzv_backend": "c10d (hyperpodrun: embedded store; torchrun: TCPStore)",
+            "torchrun_rdzv_conf": timers.torchrun_rdzv_conf(),
+        },
+        baseline="torchrun --nnodes 1:2 (c10d), the same script and scenario in the same run, with and without "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+    )
+    work_root = args.out / "work" / NAME
+    shutil.rmtree(work_root, ignore_errors=True)
+    runs = []
+    for variant in args.launchers:
+        scenario = Scenario(
+            variant, train, timers, work=work_root / variant, data_cache=args.out / "data-cache",
+            event_timeout=event_timeout, settle_steps=SETTLE_STEPS[args.mode],
+        )  # fmt: skip
+        run = scenario.run(events)
+        runs.append(run)
+        if run["failure"]:
+            print(f"{NAME}: {variant} failed: {run['failure'].splitlines()[0]}", flush=True)
+    summary = summarize_events(runs)
+    summary["hyperpodrun_phases"] = phase_breakdown(runs)
+    result.samples["runs"] = runs
+    result.summary = summary
+    result.notes += [
+        (
+            "Downtime runs from the end of the last step before the change to the end of the first step at "
+            "the new size (one step time included), read from rank 0's per-step log; process start, "
+            "rendezvous, process-group setup and checkpoint load all fall inside it."
+        ),
+        (
+            "torchrun restarts every worker on a membership change and the script resumes from its last "
+            "periodic checkpoint: its steps lost depend on where in the checkpoint interval the event falls."
+        ),
+        (
+            "All nodes share this machine's CPUs; process start-up (Python + torch import) is a large part "
+            "of every restart here and is slower when the machine is busy."
+        ),
+    ]
+    plot(result, runs, summary, result.plot_path(args.out))
+    path = result.write(args.out)
+    rows = []
+    for run in runs:
+        for ev in run["events"]:
+            rows.append((
+                run["variant"], f"{ev['kind']} {ev['node']}", f"{ev['from_world']}->{ev['to_world']}", ev["outcome"],
+                ev.get("downtime_s"), ev.get("steps_lost"), ev.get("lost_time_s"), ev.get("detect_s"),
+            ))  # fmt: skip
+    print(
+        format_table(
+            ["launcher", "event", "world", "outcome", "downtime s", "steps lost", "lost time s", "detect s"], rows
+        )
+    )
+    for ratio in ("downtime_ratio", "lost_time_ratio"):
+        for variant, ratios in summary[ratio].items():
+            print(f"{ratio} hyperpodrun / {variant}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    phases = summary["hyperpodrun_phases"]
+    print("hyperpodrun cooperative events, median s: " + ", ".join(
+        f"{k.removesuffix('_median_s')} {v:.2f}" for k, v in phases.items() if v is not None
+    ))  # fmt: skip
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Keep the benchmarks working: their analysis functions, and every script end to end in ``--smoke``.
+
+The end-to-end tests run each ``benchmarks/<name>.py --smoke`` as a real process and check
+the structure and sanity of its JSON result and that its plot was written. They assert
+no timing thresholds: this machine's speed is not what they test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_DIR = REPO / "benchmarks"
+SCRIPT_TIMEOUT_S = 600
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[Any]:
+    """Import benchmark modules by name from benchmarks/ (they import ``common`` as scripts do)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        yield lambda name: importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def test_percentile_interpolates_between_ranks(bench: Any) -> None:
+    common: ModuleType = bench("common")
+    values = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert common.percentile(values, 0) == 1.0
+    assert common.percentile(values, 100) == 5.0
+    assert common.median(values) == 3.0
+    assert common.percentile([1.0, 2.0], 25) == pytest.approx(1.25)
+    assert common.percentile(range(1, 101), 99) == pytest.approx(99.01)
+    with pytest.raises(ValueError, match="no values"):
+        common.percentile([], 50)
+    with pytest.raises(ValueError, match="q must be"):
+        common.percentile([1.0], 101)
+
+
+def test_summarize_reports_every_statistic(bench: Any) -> None:
+    s = bench("common").summarize([1, 2, 3, 4])
+    assert s == {"n": 4, "median": 2.5, "p99": pytest.approx(3.97), "min": 1.0, "max": 4.0, "mean": 2.5}
+
+
+def test_format_table_aligns_and_marks_missing(bench: Any) -> None:
+    table = bench("common").format_table(["name", "value"], [("a", 1.23456), ("bb", None)])
+    lines = table.splitlines()
+    assert lines[0].split() == ["name", "value"]
+    assert lines[2].split() == ["a", "1.235"]
+    assert lines[3].split() == ["bb", "-"]
+    assert len({len(line) for line in lines}) == 1
+
+
+def test_wall_tokens_per_s_uses_step_end_times(bench: Any) -> None:
+    common = bench("common")
+    records = [{"ts": 100.0 + 0.5 * s, "step": s} for s in range(1, 11)]
+    # steps 3..10 after skipping 2: 7 steps of 1000 tokens in 3.5 s
+    assert common.wall_tokens_per_s(records, 1000, skip=2) == pytest.approx(2000.0)
+    with pytest.raises(common.BenchmarkError, match="at least 2 logged steps"):
+        common.wall_tokens_per_s(records, 1000, skip=9)
+
+
+def test_benchmark_result_validates_and_writes(bench: Any, tmp_path: Path) -> None:
+    common = bench("common")
+    with pytest.raises(ValueError, match="mode"):
+        common.BenchmarkResult(name="x", mode="fast", params={}, baseline="b")
+    with pytest.raises(ValueError, match="baseline"):
+        common.BenchmarkResult(name="x", mode="smoke", params={}, baseline="")
+    result = common.BenchmarkResult(name="demo_bench", mode="smoke", params={"p": 1}, baseline="nothing")
+    result.summary["ratio"] = 0.5
+    data = json.loads(result.write(tmp_path).read_text())
+    assert data["benchmark"] == "demo_bench" and data["mode"] == "smoke"
+    assert data["params"] == {"p": 1} and data["summary"] == {"ratio": 0.5}
+    assert data["versions"]["torch"] and data["machine"]["logical_cpus"] >= 1
+    assert data["plot"] == "demo_bench_smoke.png"
+
+
+def test_train_args_validate_and_build_the_command_line(bench: Any, tmp_path: Path) -> None:
+    common = bench("common")
+    with pytest.raises(ValueError, match="steps"):
+        common.TrainArgs(steps=0)
+    args = common.TrainArgs(steps=5, global_batch=4, seq_len=64, min_step_time=0.5, extra=("--fsdp",))
+    argv = args.argv(run_dir=tmp_path / "run", data_cache=tmp_path / "cache", metrics=tmp_path / "m.jsonl")
+    assert argv[argv.index("--steps") + 1] == "5"
+    assert argv[argv.index("--min-step-time") + 1] == "0.5"
+    assert argv[argv.index("--log-every") + 1] == "1"
+    assert argv[-1] == "--fsdp"
+    assert args.tokens_per_step == 256
+
+
+def test_measure_event_reads_downtime_and_lost_steps(bench: Any) -> None:
+    se = bench("scale_events")
+    # world 1 until step 12 (t=106), an event at t=105, the restart resumes from checkpoint 10.
+    records = [{"ts": 100.0 + 0.5 * s, "step": s, "world_size": 1} for s in range(1, 13)]
+    records += [{"ts": 120.0 + 0.5 * i, "step": 11 + i, "world_size": 2} for i in range(3)]
+    m = se.measure_event(records, t_event=105.0, to_world=2)
+    assert m["downtime_s"] == pytest.approx(120.0 - 106.0)
+    assert (m["last_old_step"], m["first_new_step"], m["steps_lost"]) == (12, 11, 2)
+    assert se.measure_event(records[:12], t_event=105.0, to_world=2) is None  # not recovered yet
+    # a cooperative scale event resumes right after the step it saved at
+    coop = records[:12] + [{"ts": 115.0, "step": 13, "world_size": 2}]
+    assert se.measure_event(coop, t_event=105.0, to_world=2)["steps_lost"] == 0
+
+
+def test_summarize_events_ratios_and_failures(bench: Any) -> None:
+    se = bench("scale_events")
+
+    def ok(kind: str, downtime: float, lost: int) -> dict[str, Any]:
+        return {"kind": kind, "outcome": "ok", "downtime_s": downtime, "steps_lost": lost,
+                "lost_time_s": downtime + 0.5 * lost, "detect_s": 1.0}  # fmt: skip
+
+    runs = [
+        {"variant": "hyperpodrun", "events": [ok("join", 4.0, 0), ok("leave", 2.0, 0), ok("leave", 4.0, 0)]},
+        {"variant": "torchrun-noshare", "events": [ok("join", 8.0, 4), ok("leave", 10.0, 6)]},
+        {"variant": "torchrun", "events": [{"kind": "join", "outcome": "hang"}]},
+    ]
+    s = se.summarize_events(runs)
+    assert s["downtime_ratio"]["torchrun-noshare"] == {"join": 0.5, "leave": 0.3}
+    assert s["lost_time_ratio"]["torchrun-noshare"] == {"join": 0.4, "leave": 0.23076923076923078}
+    assert "torchrun" not in s["downtime_ratio"]
+    assert s["by_kind"]["join"]["torchrun"] == {
+        "n": 1, "ok": 0, "outcomes": ["hang"], "downtime_median_s": None, "lost_time_median_s": None,
+        "steps_lost_median": None, "detect_median_s": None,
+    }  # fmt: skip
+    assert s["by_kind"]["leave"]["hyperpodrun"]["n"] == 2
+    assert s["steps_lost_median"]["leave"] == {"hyperpodrun": 0, "torchrun-noshare": 6}
+
+
+def test_hyperpodrun_phases_skip_periodic_saves_and_stop_at_first_step(bench: Any) -> None:
+    se = bench("scale_events")
+    log = [
+        {"ts": 9.0, "event": "checkpoint_saved"},  # before the event
+        {"ts": 10.5, "event": "checkpoint_saved"},  # periodic, before the ranks were signalled
+        {"ts": 11.0, "event": "scale_decided"},
+        {"ts": 11.5, "event": "workers_signalled"},
+        {"ts": 12.0, "event": "checkpoint_saved"},
+        {"ts": 15.0, "event": "first_step"},
+        {"ts": 16.0, "event": "scale_decided"},  # the next event
+    ]
+    assert se.hyperpodrun_phases(log, 10.0) == {
+        "scale_decided": 1.0, "workers_signalled": 1.5, "checkpoint_saved": 2.0, "first_step": 5.0,
+    }  # fmt: skip
+
+
+def test_phase_breakdown_of_cooperative_events(bench: Any) -> None:
+    se = bench("scale_events")
+    phases = [
+        {
+            "workers_signalled": 0.5,
+            "checkpoint_saved": 2.5,
+            "workers_stopped": 5.5,
+            "workers_started": 6.0,
+            "first_step": 16.0,
+        },
+        {
+            "workers_signalled": 0.5,
+            "checkpoint_saved": 1.5,
+            "workers_stopped": 2.5,
+            "workers_started": 3.0,
+            "first_step": 11.0,
+        },
+        {"workers_started": 3.0, "first_step": 9.0},  # a node loss: no save
+    ]
+    runs = [
+        {"variant": "hyperpodrun", "events": [{"phases_s": p} for p in phases]},
+        {"variant": "torchrun-noshare", "events": [{"phases_s": phases[0]}]},  # ignored: not hyperpodrun
+    ]
+    assert se.phase_breakdown(runs) == {"save_median_s": 1.5, "exit_after_save_median_s": 2.0, "restart_median_s": 8.0}
+    assert se.phase_breakdown([]) == {"save_median_s": None, "exit_after_save_median_s": None, "restart_median_s": None}
+
+
+def test_event_phases_cover_the_checkpoint_interval(bench: Any) -> None:
+    se = bench("scale_events")
+    assert sorted(se.event_phase(i, 10) for i in range(10)) == list(range(10))
+    assert se.event_phase(3, 0) == 0
+
+
+def test_loglog_slope(bench: Any) -> None:
+    rs = bench("rendezvous_scale")
+    assert rs.loglog_slope([8, 64, 512], [1.0, 8.0, 64.0]) == pytest.approx(1.0)
+    assert rs.loglog_slope([8, 64], [1.0, 64.0]) == pytest.approx(2.0)
+    assert rs.loglog_slope([8], [1.0]) is None
+
+
+# --------------------------------------------------------------------------- scripts end to end
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One result directory for all scripts, so the example's tokenised data is built once."""
+    return tmp_path_factory.mktemp("bench-results")
+
+
+def run_smoke(name: str, out: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / f"{name}.py"), "--smoke", "--out", str(out)],
+        check=False,
+        capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, (
+        f"{name} --smoke exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    data = json.loads((out / f"{name}_smoke.json").read_text())
+    assert data["benchmark"] == name and data["mode"] == "smoke" and data["schema"] == 1
+    assert data["baseline"], "every result names its baseline"
+    assert data["machine"]["logical_cpus"] >= 1 and data["versions"]["torch"]
+    assert data["summary"] and data["samples"] and data["params"]
+    assert (out / data["plot"]).read_bytes()[:8] == PNG_MAGIC
+    assert "wrote" in proc.stdout  # the table was printed before the path
+    return data
+
+
+def positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_step_overhead_smoke(out_dir: Path) -> None:
+    s = run_smoke("step_overhead", out_dir)["summary"]
+    for key in ("check_inside_median_us", "check_inside_p99_us", "check_outside_median_us",
+                "allreduce_gloo_median_us", "allreduce_gloo_p99_us", "hyperpodrun_tokens_per_s",
+                "torchrun_tokens_per_s", "throughput_ratio"):  # fmt: skip
+        assert positive(s[key]), (key, s[key])
+    assert s["check_inside_p99_us"] >= s["check_inside_median_us"]
+    assert s["check_returned_true"] == 0  # nothing was pending: the check must never fire
+    assert s["throughput_ratio"] == pytest.approx(s["hyperpodrun_tokens_per_s"] / s["torchrun_tokens_per_s"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_checkpoint_smoke(out_dir: Path) -> None:
+    data = run_smoke("checkpoint", out_dir)
+    states = data["samples"]["states"]
+    assert [s["state"] for s in states] == ["example-tiny", "synthetic-8MB"]
+    for s in states:
+        assert s["bytes"] > 0
+        for key in ("raw_write_gbps", "dcp_save_gbps", "raw_read_cold_gbps", "dcp_load_cold_gbps",
+                    "save_fraction_of_disk", "load_cold_fraction_of_disk"):  # fmt: skip
+            assert positive(s[key]), (s["state"], key, s[key])
+    assert states[1]["bytes"] >= 8_000_000  # params + two AdamW moments of the synthetic state
+    reshard = data["summary"]["reshard"]
+    assert (
+        reshard["bytes"] > 0
+        and positive(reshard["load_w1_resharded_median_s"])
+        and positive(reshard["load_w2_median_s"])
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_rendezvous_scale_smoke(out_dir: Path) -> None:
+    data = run_smoke("rendezvous_scale", out_dir)
+    runs = data["samples"]["runs"]
+    assert sorted((r["backend"], r["n"]) for r in runs) == [
+        ("embedded", 8),
+        ("embedded", 32),
+        ("etcd", 8),
+        ("etcd", 32),
+    ]
+    for r in runs:
+        assert r["complete"], r["errors"]
+        assert r["completed_nodes"] == r["n"]
+        assert positive(r["time_to_all_ranks_s"]) and r["latency_p99_s"] <= r["time_to_all_ranks_s"]
+        ops = r["ops_by_kind"]
+        assert ops["grant_lease"] == r["n"]  # every node joined with exactly one lease
+        assert ops["put"] >= r["n"] and ops["compare_and_swap"] >= 1  # node keys, and the published round
+        assert r["ops_per_node_mean"] >= 4
+    assert data["summary"]["etcd"]["largest_n_completed"] == 32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_throughput_smoke(out_dir: Path) -> None:
+    rows = run_smoke("throughput", out_dir)["summary"]["by_world"]
+    assert [r["world"] for r in rows] == [1, 2]
+    assert rows[0]["efficiency"] == 1.0 and rows[0]["speedup"] == 1.0
+    for r in rows:
+        assert positive(r["tokens_per_s"]) and positive(r["efficiency"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_scale_events_smoke(out_dir: Path) -> None:
+    data = run_smoke("scale_events", out_dir)
+    runs = {r["variant"]: r for r in data["samples"]["runs"]}
+    assert set(runs) == {"hyperpodrun", "torchrun-noshare"}
+    ours = runs["hyperpodrun"]
+    assert ours["failure"] is None, ours["failure"]
+    (join,) = ours["events"]
+    assert (join["kind"], join["from_world"], join["to_world"], join["outcome"]) == ("join", 1, 2, "ok")
+    assert positive(join["downtime_s"]) and positive(join["detect_s"])
+    assert join["steps_lost"] == 0  # the cooperative scale event saves at the agreed step
+    assert {"scale_decided", "workers_started"} <= set(join["phases_s"])
+    for ev in runs["torchrun-noshare"]["events"]:  # the baseline is recorded whatever it did
+        assert ev["outcome"] in ("ok", "hang", "exited")
+        if ev["outcome"] == "ok":
+            assert positive(ev["downtime_s"]) and ev["steps_lost"] >= 0
+    assert "join" in data["summary"]["by_kind"]
+    phases = data["summary"]["hyperpodrun_phases"]
+    assert positive(phases["restart_median_s"]) and positive(phases["exit_after_save_median_s"])
