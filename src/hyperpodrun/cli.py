@@ -27,7 +27,7 @@ from hyperpodrun.config import (
     parse_rdzv_conf,
     parse_signals,
 )
-from hyperpodrun.errors import HyperpodrunError
+from hyperpodrun.errors import ConfigError, HyperpodrunError
 
 app = typer.Typer(
     add_completion=False,
@@ -122,7 +122,7 @@ def run(
         min_nodes, max_nodes = parse_nnodes(nnodes or "1:1")
     if standalone:
         if max_nodes > 1:
-            raise _usage("--standalone runs one node; it cannot be combined with --nnodes > 1")
+            raise ConfigError("--standalone runs one node; it cannot be combined with --nnodes > 1")
         rdzv_backend, rdzv_endpoint = "embedded", "127.0.0.1:0"
     nproc = parse_nproc_per_node(nproc_per_node)
     config = LaunchConfig(
@@ -173,12 +173,6 @@ def _build_policy(path: Path | None, *, nnodes: tuple[int, int] | None, replica_
         flag_values["min_replicas"] = flag_values["max_replicas"] = 1
     file_values = load_policy_file(path) if path is not None else {}
     return build_policy(file_values=file_values, flag_values=flag_values, file_path=path)
-
-
-def _usage(message: str) -> HyperpodrunError:
-    from hyperpodrun.errors import ConfigError
-
-    return ConfigError(message)
 
 
 def run_app(app: typer.Typer, prog_name: str, argv: list[str] | None) -> int:
