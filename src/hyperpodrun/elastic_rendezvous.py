@@ -260,12 +260,33 @@ class ElasticRendezvous(RendezvousHandler):
         try:
             if self._keeper is not None:
                 self._keeper.stop()
+            if self._hosts_store() and self.store.get("closed") is not None:
+                # The job is over: keep the embedded store up until the other agents have read
+                # that (they revoke their leases on the way out), or they would see it vanish.
+                self._wait_for_others_to_leave(timeout=self.settings.lease_ttl + 5.0)
             if self._lease is not None:
                 self._lease.revoke()
         except StoreError as e:
             log.info("leaving the store: %s", e)
         finally:
             self.store.close()
+
+    def _hosts_store(self) -> bool:
+        """Whether this agent's process hosts the job's (embedded) store."""
+        return bool(getattr(getattr(self.store, "inner", self.store), "is_host", False))
+
+    def _wait_for_others_to_leave(self, *, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            rev = self.store.current_revision()
+            others = [k for k in self.store.get_prefix("nodes/") if k != f"nodes/{self._node_id}"]
+            remaining = deadline - time.monotonic()
+            if not others:
+                return
+            if remaining <= 0:
+                log.warning("the job is over but %d agent(s) had not left; closing the store", len(others))
+                return
+            self.store.wait_for_change("nodes/", after_revision=rev, timeout=remaining)
 
     # -- reading the store -------------------------------------------------------------
 

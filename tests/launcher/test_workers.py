@@ -47,15 +47,17 @@ def test_module_mode_runs_a_module() -> None:
     assert proc.stdout.count("world=2 sum=3") == 2
 
 
-def test_unmodified_torchrun_script_runs_unchanged() -> None:
+def test_unmodified_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
     script = str(SCRIPTS / "torchrun_ddp_example.py")
     flags = ["--standalone", "--nproc-per-node", "2"]
     ours = run(hyperpodrun_cmd(*flags, script, "--steps", "4"))
-    theirs = run(torchrun_cmd(*flags, script, "--steps", "4"))
+    # torchrun writes both ranks to one unprefixed stdout, where lines can interleave: read its per-rank files
+    theirs = run(torchrun_cmd(*flags, "--log-dir", str(tmp_path), "--redirects", "1", script, "--steps", "4"))
     assert ours.returncode == theirs.returncode == 0, ours.stderr
     pattern = r"Finished running basic DDP example on rank (\d): checksum=(\S+)"
+    theirs_out = "".join(p.read_text() for p in tmp_path.rglob("stdout.log"))
     ours_sums = sorted(re.findall(pattern, ours.stdout))
-    assert ours_sums == sorted(re.findall(pattern, theirs.stdout)) and len(ours_sums) == 2
+    assert ours_sums == sorted(re.findall(pattern, theirs_out)) and len(ours_sums) == 2
     assert ours_sums[0][1] == ours_sums[1][1]  # DDP kept the replicas identical
 
 

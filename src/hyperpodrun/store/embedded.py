@@ -275,7 +275,8 @@ class EmbeddedStoreServer:
     # ---- serving
 
     def _accept_loop(self) -> None:
-        assert self._listener is not None and self._wake_r is not None
+        if self._listener is None or self._wake_r is None:
+            raise StoreClosedError("the embedded store server is not started")
         with selectors.DefaultSelector() as sel:
             sel.register(self._listener, selectors.EVENT_READ)
             sel.register(self._wake_r, selectors.EVENT_READ)

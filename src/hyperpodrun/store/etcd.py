@@ -246,7 +246,8 @@ class EtcdStore(Store):
             return {"Authorization": self._token} if self._token else {}
 
     def _authenticate(self) -> None:
-        assert self.config.user is not None and self.config.password is not None
+        if self.config.user is None or self.config.password is None:
+            raise StoreConfigError("etcd authentication needs both user and password in --rdzv-conf")
         try:
             reply = self._post(
                 "auth/authenticate",
