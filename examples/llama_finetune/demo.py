@@ -1,6 +1,6 @@
 """The elastic demo: one fine-tuning job that grows and shrinks on this machine, no server needed.
 
-    python examples/llama_finetune/demo.py                 # or: make demo   (2-4 minutes on 2 cores)
+    python examples/llama_finetune/demo.py                 # or: make demo   (1-4 minutes on 2 cores, depending on load)
     python examples/llama_finetune/demo.py --steps 60 --schedule join:node-2@10,leave:node-2@30
 
 The first ``hyperpodrun`` launcher (``node-1``) starts the tiny Llama fine-tune and hosts
