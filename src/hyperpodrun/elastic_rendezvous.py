@@ -373,7 +373,7 @@ class ElasticRendezvous(RendezvousHandler):
         if ev and ev["round"] == my_round and ev["id"] > self._handled_event:
             directive = self._follow_event(ev, status)
         if self._claim_decider():
-            self._decide(self._full_snapshot(), status=status)
+            self._decide(self._full_snapshot())
         return directive
 
     def report_stopped(self, event_id: int, *, ok: bool) -> None:
@@ -442,7 +442,7 @@ class ElasticRendezvous(RendezvousHandler):
             first_min_reached_at=mem.first_min_reached_at,
         )
 
-    def _decide(self, snap: dict[str, Any], status: LocalStatus | None = None) -> None:
+    def _decide(self, snap: dict[str, Any]) -> None:
         now = self.clock()
         ev, rnd = snap["event"], snap["round"]
         if ev and rnd and ev["round"] == rnd["round"] and not ev.get("complete"):
@@ -451,7 +451,7 @@ class ElasticRendezvous(RendezvousHandler):
         if rnd and rnd["state"] == "running":
             if self._round_finished(snap):
                 return
-            if self._round_failed(snap, now):
+            if self._round_failed(snap):
                 return
         if rnd and rnd["state"] == "halted" and rnd.get("failure") and self._after_failure(snap, now):
             return
@@ -487,7 +487,7 @@ class ElasticRendezvous(RendezvousHandler):
             return True
         return False
 
-    def _round_failed(self, snap: dict[str, Any], now: float) -> bool:
+    def _round_failed(self, snap: dict[str, Any]) -> bool:
         """A rank failed: halt every node now; whether it counts as a restart is judged once halted."""
         rnd = snap["round"]
         failed = self.store.get_prefix(f"failed/{rnd['round']}/")
