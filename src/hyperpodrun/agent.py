@@ -28,6 +28,7 @@ from hyperpodrun.elastic_rendezvous import Directive, DirectiveKind, ElasticRend
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.logs import LogDirectory
+from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.store import StoreError
@@ -130,6 +131,7 @@ class Agent:
         self._reaper: Reaper | None = None
         self._signal: int | None = None
         self._wake = threading.Event()
+        self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
     # -- public ------------------------------------------------------------------------
 
@@ -203,6 +205,10 @@ class Agent:
     def _loop_elastic(self, rdzv: ElasticRendezvous) -> None:
         """Rounds of an elastic job: run, follow scale events, restart at the new size."""
         rdzv.join()
+        gloo = choose_gloo_interface(rdzv.local_addr, os.environ)
+        self._rank_net_env = dict(gloo.env)
+        if gloo.message:
+            print(f"hyperpodrun: {gloo.message}", file=sys.stderr, flush=True)
         while True:
             self.state = AgentState.RENDEZVOUS
             try:
@@ -338,7 +344,7 @@ class Agent:
         self._control.reset_ranks()
         group = WorkerGroup(
             command=cfg.worker_command(),
-            base_env=base_env(cfg),
+            base_env={**base_env(cfg), **self._rank_net_env},
             rank_env=envs,
             assignment=rnd.assignment,
             logs=logs,
