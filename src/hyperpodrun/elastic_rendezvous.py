@@ -11,7 +11,7 @@ Keys under the job prefix::
     nodes/<id>            leased   {"addr", "port", "leaving", "nproc"}   one per agent
     decider               leased   <id>                                    who runs the policy
     round                          {"round", "members", "master_addr", "master_port",
-                                    "state": running|halted, "restarts", "events"}
+                                    "state": running|halted, "restarts", "events": [[at, replicas]...]}
     event                          {"id", "round", "kind": save|stop, "next", "reason", "target"}
     ack/<event>/<id>               {"step", "step_time", "cooperative"}   ranks' progress
     stopped/<event>/<id>           {"ok"}                                 ranks have exited
@@ -46,7 +46,7 @@ from typing import Any
 from hyperpodrun.config import LaunchConfig
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
 from hyperpodrun.events import EventLog, EventType
-from hyperpodrun.policy import Action, ClusterView, Decision, ElasticPolicy, NodeState, decide
+from hyperpodrun.policy import Action, ClusterView, Decision, ElasticPolicy, NodeState, ScaleEvent, decide
 from hyperpodrun.rendezvous import RendezvousHandler, RestartReason, RoundInfo, free_port
 from hyperpodrun.store import LeaseKeeper, Store, StoreError, create_store
 from hyperpodrun.store.base import parse_endpoint
@@ -436,7 +436,7 @@ class ElasticRendezvous(RendezvousHandler):
             members=members,
             alive=alive,
             lost_since=lost,
-            last_events=tuple(rnd.get("events", [])) if rnd else (),
+            last_events=tuple(ScaleEvent(at, n) for at, n in rnd.get("events", [])) if rnd else (),
             cap=snap["cap"],
             capacity_since=mem.capacity_since,
             first_min_reached_at=mem.first_min_reached_at,
@@ -590,7 +590,7 @@ class ElasticRendezvous(RendezvousHandler):
         rnd = snap["round"]
         head = snap["nodes"].get(members[0]) or {}
         events = list(rnd.get("events", [])) if rnd else []
-        events = (events + [self.clock()])[-16:]
+        events = (events + [[self.clock(), len(members)]])[-16:]  # policy.ScaleEvent(at, replicas)
         new = {
             "round": (rnd["round"] if rnd else 0) + 1, "members": members, "state": "running",
             "master_addr": head.get("addr", self.local_addr), "master_port": head.get("port") or free_port(self.local_addr),
