@@ -58,6 +58,7 @@ def _round_at(job: ElasticJob, world: int, *, after_round: int = 0) -> dict | No
     return next((p for p in _progress(job) if p["world"] == world and p["round"] > after_round), None)
 
 
+@pytest.mark.slow
 def test_job_forms_across_two_hosts_and_survives_a_graceful_leave(hosts, job: ElasticJob) -> None:
     a, b = hosts
     job.start_node("a", wrap=a.wrap)
