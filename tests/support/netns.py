@@ -66,6 +66,34 @@ class Host:
         return int(done.stdout)
 
 
+def _create(a: Host, b: Host, created: list[str]) -> None:
+    """Make both namespaces and the link, recording each namespace in ``created`` as it appears."""
+    try:
+        for host in (a, b):
+            host.hosts_file.write_text(f"127.0.0.1 localhost\n127.0.1.1 {host.hostname}\n")
+            _ip("netns", "add", host.netns)
+            created.append(host.netns)
+            _ip("-n", host.netns, "link", "set", "lo", "up")
+        # Made in a's namespace with the peer in b's: nothing ever sits in the caller's namespace.
+        _ip("-n", a.netns, "link", "add", f"{a.netns}v", "type", "veth", "peer", "name", f"{b.netns}v", "netns", b.netns)
+        for host in (a, b):
+            _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", f"{host.netns}v")
+            _ip("-n", host.netns, "link", "set", f"{host.netns}v", "up")
+    except RuntimeError as e:
+        pytest.fail(f"cannot create the two test hosts (network namespaces on a veth pair): {e}")
+
+
+def _delete(created: list[str]) -> None:
+    errors = []
+    for name in reversed(created):  # deleting a namespace deletes its end of the veth pair
+        try:
+            _ip("netns", "del", name)
+        except RuntimeError as e:
+            errors.append(str(e))
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
 @contextmanager
 def two_hosts() -> Iterator[tuple[Host, Host]]:
     """Create two namespaces on a veth pair; remove them (and so their links) on exit, even on error.
@@ -80,28 +108,12 @@ def two_hosts() -> Iterator[tuple[Host, Host]]:
     subnet = f"10.{secrets.randbelow(250) + 1}.{secrets.randbelow(250) + 1}"
     created: list[str] = []
     with tempfile.TemporaryDirectory(prefix="hyperpodrun-hosts-") as tmp:
-        a, b = hosts = tuple(
+        a, b = (
             Host(netns=f"hpr{tag}{x}", addr=f"{subnet}.{i}", hostname=f"hpr-host-{x}", hosts_file=Path(tmp) / x)
             for i, x in ((1, "a"), (2, "b"))
         )
         try:
-            for host in hosts:
-                host.hosts_file.write_text(f"127.0.0.1 localhost\n127.0.1.1 {host.hostname}\n")
-                _ip("netns", "add", host.netns)
-                created.append(host.netns)
-                _ip("-n", host.netns, "link", "set", "lo", "up")
-            # Made in a's namespace with the peer in b's: nothing ever sits in the caller's namespace.
-            _ip("-n", a.netns, "link", "add", f"{a.netns}v", "type", "veth", "peer", "name", f"{b.netns}v", "netns", b.netns)
-            for host in hosts:
-                _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", f"{host.netns}v")
-                _ip("-n", host.netns, "link", "set", f"{host.netns}v", "up")
+            _create(a, b, created)
             yield a, b
         finally:
-            errors = []
-            for name in reversed(created):  # deleting a namespace deletes its end of the veth pair
-                try:
-                    _ip("netns", "del", name)
-                except RuntimeError as e:
-                    errors.append(str(e))
-            if errors:
-                raise RuntimeError("; ".join(errors))
+            _delete(created)
