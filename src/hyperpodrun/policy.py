@@ -559,7 +559,7 @@ def _scale_up(
             recheck_at=recheck,
         )
     present = sum(1 for s in standbys if s.joined_at <= now)  # a prefix of the join order
-    target = policy.largest_allowed_at_most(min(current + present, limit.replicas))
+    target = max(s for s in sizes if s <= current + present)  # sizes[0] qualifies: its standbys are present
     if gate > now:
         return Decision(
             Action.NONE,
@@ -571,6 +571,6 @@ def _scale_up(
     return Decision(
         Action.SCALE_UP,
         view.members + newcomers,
-        f"standby(s) {_ids(newcomers)} admitted together, spare capacity available for scaling_timeout "
+        f"standby(s) {_ids(newcomers)} admitted, spare capacity available for scaling_timeout "
         f"{policy.scaling_timeout:g}s; {current} -> {target} replica(s)",
     )
