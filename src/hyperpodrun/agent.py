@@ -32,6 +32,7 @@ from hyperpodrun.config import LaunchConfig
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.logs import LogDirectory
+from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.store import StoreError
@@ -133,6 +134,7 @@ class Agent:
         self._reaper: Reaper | None = None
         self._signal: int | None = None
         self._wake = threading.Event()
+        self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
     # -- public ------------------------------------------------------------------------
 
@@ -161,6 +163,11 @@ class Agent:
         """Rounds of the job: rendezvous, run the ranks, follow the round's directive."""
         rdzv = self.rdzv
         self._guard_store(rdzv.join)
+        if rdzv.local_addr is not None:
+            gloo = choose_gloo_interface(rdzv.local_addr, os.environ)
+            self._rank_net_env = dict(gloo.env)
+            if gloo.message:
+                _say(gloo.message)
         while True:
             self.state = AgentState.RENDEZVOUS
             try:
@@ -350,7 +357,7 @@ class Agent:
         self._control.reset_ranks()
         group = WorkerGroup(
             command=cfg.worker_command(),
-            base_env=base_env(cfg),
+            base_env={**base_env(cfg), **self._rank_net_env},
             rank_env=envs,
             assignment=rnd.assignment,
             logs=logs,

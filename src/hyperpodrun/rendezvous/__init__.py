@@ -55,7 +55,7 @@ def create_rendezvous(config: LaunchConfig, events: EventLog | None = None) -> R
             master_port=config.master_port,
             max_restarts=config.max_restarts,
         )
-    from hyperpodrun.netaddr import route_address
+    from hyperpodrun.netif import route_address
     from hyperpodrun.rendezvous.decider import DeciderContext
     from hyperpodrun.rendezvous.elastic import ElasticRendezvous
     from hyperpodrun.store import create_store

@@ -96,6 +96,11 @@ class RendezvousHandler(ABC):
     def node_id(self) -> str: ...
 
     @property
+    def local_addr(self) -> str | None:
+        """This node's address on the route to the store (None: no store, e.g. static membership)."""
+        return None
+
+    @property
     def lease_lost(self) -> bool:
         """Whether this node lost its membership (elastic jobs only)."""
         return False

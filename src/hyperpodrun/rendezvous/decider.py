@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hyperpodrun.config import RestartMode
-from hyperpodrun.policy import Action, ClusterView, Decision, ElasticPolicy, NodeState, decide
+from hyperpodrun.policy import Action, ClusterView, Decision, ElasticPolicy, NodeState, ScaleEvent, decide
 from hyperpodrun.rendezvous.api import RestartReason
 from hyperpodrun.rendezvous.records import (
     AckRecord,
@@ -210,7 +210,7 @@ def _view(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext
         members=members,
         alive=alive,
         lost_since={m: t for m, t in lost_since.items() if m in members},
-        last_events=tuple(t for t, _ in rnd.events) if rnd is not None else (),
+        last_events=tuple(ScaleEvent(at, n) for at, n in rnd.events) if rnd is not None else (),
         cap=snap.cap,
         capacity_since=capacity_since,
         first_min_reached_at=first_min,
@@ -342,9 +342,7 @@ def _publish_round(
     rnd = snap.round
     head = snap.nodes[members[0]]
     master_addr, master_port = master if master[1] else (head.addr, head.port)
-    previous = len(rnd.members) if rnd is not None else 0
-    direction = (len(members) > previous) - (len(members) < previous)
-    events = ((rnd.events if rnd is not None else ()) + ((now, direction),))[-16:]
+    events = ((rnd.events if rnd is not None else ()) + ((now, len(members)),))[-16:]
     new = RoundRecord(
         round=(rnd.round if rnd is not None else 0) + 1, members=tuple(members), master_addr=master_addr,
         master_port=master_port, restarts=(rnd.restarts if rnd is not None else 0) + int(count_restart),

@@ -77,7 +77,7 @@ class ElasticRendezvous(RendezvousHandler):
     ) -> None:
         self.store = store
         self.ctx = context
-        self.local_addr = local_addr
+        self._local_addr = local_addr
         self.join_timeout = join_timeout
         self.events = events
         self.clock = clock
@@ -98,6 +98,10 @@ class ElasticRendezvous(RendezvousHandler):
     @property
     def node_id(self) -> str:
         return self._node_id
+
+    @property
+    def local_addr(self) -> str:
+        return self._local_addr
 
     @property
     def policy(self) -> ElasticPolicy:
@@ -140,7 +144,7 @@ class ElasticRendezvous(RendezvousHandler):
     def _put_node(self) -> None:
         """(Re)write this node's record with a port free now: the next round's master port if it hosts rank 0."""
         record = NodeRecord(
-            addr=self.local_addr, port=free_port(self.local_addr), nproc=self.ctx.nproc_per_node,
+            addr=self._local_addr, port=free_port(self._local_addr), nproc=self.ctx.nproc_per_node,
             pid=os.getpid(), leaving=self._leaving,
         )  # fmt: skip
         self.store.put(Keys.node(self._node_id), encode(record), lease=self._lease)
@@ -276,7 +280,7 @@ class ElasticRendezvous(RendezvousHandler):
             return
         ack = AckRecord(
             step=max(status.steps, default=0), step_time=step_time, cooperative=status.cooperative,
-            reconfigurable=status.reconfigurable, port=free_port(self.local_addr),
+            reconfigurable=status.reconfigurable, port=free_port(self._local_addr),
         )  # fmt: skip
         self._acked, self._acked_event = ack, ev.id
         self.store.put(Keys.acks(ev.id) + self._node_id, encode(ack))

@@ -132,7 +132,7 @@ class RoundRecord:
     master_addr: str = ""
     master_port: int = 0
     restarts: int = 0  # failure restarts used so far
-    events: tuple[tuple[float, int], ...] = ()  # (time, +1 grow / -1 shrink / 0 same) of membership changes
+    events: tuple[tuple[float, int], ...] = ()  # (time, replicas) of the last rounds started (anti-thrashing)
     reason: str = "start"  # RestartReason of the round's start
     why: str = ""
     halt_kind: EventKind | None = None  # what halted it (HALTED only)
