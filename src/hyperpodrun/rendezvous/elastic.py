@@ -16,7 +16,6 @@ failed rank, ranks that do not cooperate) stops the ranks at once.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -49,6 +48,7 @@ from hyperpodrun.rendezvous.records import (
     RoundRecord,
     RoundState,
     StoppedRecord,
+    cap_of,
     decode,
     decode_list,
     encode,
@@ -313,7 +313,7 @@ class ElasticRendezvous(RendezvousHandler):
         rnd = decode(RoundRecord, Keys.ROUND, _value(rnd_entry))
         ev = decode(EventRecord, Keys.EVENT, _value(ev_entry))
         cap_entry = self.store.get(Keys.CAP)
-        cap = _cap(cap_entry.value) if cap_entry is not None else None
+        cap = cap_of(cap_entry.value) if cap_entry is not None else None
         acks, stopped, done, failed = {}, {}, frozenset(), {}
         pending = ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete
         if pending and ev.target is None and ev.mode is not EventMode.STOP:
@@ -412,11 +412,3 @@ class ElasticRendezvous(RendezvousHandler):
 def _value(entry) -> bytes | None:
     return entry.value if entry is not None else None
 
-
-def _cap(raw: bytes) -> int | None:
-    """``{"cap": N}`` -> N; ``{"cap": null}`` or a malformed record -> None."""
-    try:
-        cap = json.loads(raw).get("cap")
-    except (ValueError, AttributeError):
-        return None
-    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0 else None

@@ -13,7 +13,7 @@ Shared by the member side (:mod:`.elastic`), the decider (:mod:`.decider`) and
     failed/<round>/<id>         FailedRecord    a member's rank failed
     closed                      ClosedRecord    the job is over
     history                     [HistoryEntry]  last 50 decisions (hyperpodctl status/events)
-    ctl/cap                     {"cap": N|null} operator cap (hyperpodctl cap/yield/uncap)
+    ctl/cap                     CapRecord       operator cap (hyperpodctl cap/yield/uncap)
 
 Decoding is tolerant of fields it does not know (a newer writer) and strict about the
 ones it needs: a malformed record raises :class:`RecordError` naming the key.
@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 from hyperpodrun.errors import RendezvousError
 
 __all__ = [
-    "AckRecord", "ClosedRecord", "EventKind", "EventMode", "EventRecord", "FailedRecord", "HistoryEntry",
+    "AckRecord", "CapRecord", "ClosedRecord", "EventKind", "EventMode", "EventRecord", "FailedRecord", "HistoryEntry",
     "JobOutcome", "Keys", "NodeRecord", "RecordError", "RoundRecord", "RoundState", "StoppedRecord",
-    "decode", "encode",
+    "cap_of", "decode", "encode",
 ]  # fmt: skip
 
 
@@ -193,6 +193,22 @@ class FailedRecord:
 class ClosedRecord:
     status: JobOutcome
     message: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapRecord:
+    """The operator's bound (``hyperpodctl cap/yield``): at most ``cap`` replicas; None or no key: no cap."""
+
+    cap: int | None = None
+
+
+def cap_of(raw: bytes | None) -> int | None:
+    """The cap a ``ctl/cap`` value sets; None when absent, lifted or malformed (an odd value never stops a job)."""
+    try:
+        cap = json.loads(raw).get("cap") if raw else None
+    except (ValueError, AttributeError):
+        return None
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0 else None
 
 
 @dataclass(frozen=True, kw_only=True)
