@@ -83,6 +83,7 @@ class ElasticRendezvous(RendezvousHandler):
         self.clock = clock
         self._node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
         self._mem = DeciderMemory()
+        self._last_decide = -float("inf")
         self._waiting_for = ""
         self._round: RoundRecord | None = None  # the round this node runs in
         self._handled_event = 0
@@ -205,8 +206,15 @@ class ElasticRendezvous(RendezvousHandler):
             if self._leaving and not self._is_member(rnd):
                 raise RendezvousClosedError("left the job gracefully", status="left")
             decider = self._claim_decider()
-            if decider and self._decide():
-                rnd, _, _ = self._read_round()
+            if decider:
+                # At most one decision per tick: a burst of N joins costs the decider O(N) reads, not O(N^2).
+                coalesce = self._last_decide + self.ctx.tick - time.monotonic()
+                if coalesce > 0:
+                    self.store.wait_for_change(Keys.ROUND, after_revision=rev, timeout=coalesce)
+                    continue
+                self._last_decide = time.monotonic()
+                if self._decide():
+                    rnd, _, _ = self._read_round()
             if rnd is not None and rnd.round > last and rnd.state is RoundState.RUNNING and self._node_id in rnd.members:
                 return self._enter(rnd)
             now = time.monotonic()
