@@ -35,7 +35,7 @@ from hyperpodrun.logs import LogDirectory
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
-from hyperpodrun.store import StoreError
+from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
 from elastic_events.control import ControlWriter, EventKind, RankProgress
 
@@ -134,6 +134,7 @@ class Agent:
         self._reaper: Reaper | None = None
         self._signal: int | None = None
         self._wake = threading.Event()
+        self._outage_since: float | None = None
         self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
     # -- public ------------------------------------------------------------------------
@@ -225,7 +226,7 @@ class Agent:
                     group_state=state, steps=steps, step_times=step_times,
                     failure=failures[0].summary() if failures else None,
                 )  # fmt: skip
-                directive = self._guard_store(lambda: rdzv.poll(status), group)
+                directive = self._poll_riding_out_outages(status, group)
                 if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):
                     if directive.kind in (DirectiveKind.SAVE_AND_EXIT, DirectiveKind.RECONFIGURE):
                         missed = self._publish(directive)
@@ -240,6 +241,25 @@ class Agent:
             if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
                 return self._ranks_left(group, pending, state, timed_out=state == WorkerState.HEALTHY)
             self._wake.wait(self.config.monitor_interval)
+
+    def _poll_riding_out_outages(self, status: LocalStatus, group: WorkerGroup) -> Directive | None:
+        """``poll()``; while the store is unreachable the ranks keep training (they do not need it)
+        until this node's lease expires, which ends the agent (checked by the caller)."""
+        try:
+            directive = self.rdzv.poll(status)
+        except EmbeddedStoreGoneError:
+            return self._guard_store(lambda: self.rdzv.poll(status), group)  # the job's store is gone for good
+        except StoreError as e:
+            if self._outage_since is None:
+                self._outage_since = time.monotonic()
+                _say(f"the rendezvous store is unreachable ({e}); the ranks keep training meanwhile")
+                self.events.emit(EventType.STORE_UNREACHABLE, message=str(e))
+            return None
+        if self._outage_since is not None:
+            outage, self._outage_since = time.monotonic() - self._outage_since, None
+            _say(f"the rendezvous store is back after {outage:.1f}s")
+            self.events.emit(EventType.STORE_RECOVERED, outage_s=round(outage, 3))
+        return directive
 
     def _publish(self, directive: Directive) -> list[int]:
         """Put a cooperative event on the control channel; the local ranks that had already passed its step.

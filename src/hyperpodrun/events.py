@@ -32,6 +32,8 @@ class EventType(str, Enum):
     WORKER_FAILED = "worker_failed"
     NODE_LOST = "node_lost"
     NODE_LEAVING = "node_leaving"
+    STORE_UNREACHABLE = "store_unreachable"  # the ranks keep training until the lease expires
+    STORE_RECOVERED = "store_recovered"
     STORE_LOST = "store_lost"
     JOB_SUCCEEDED = "job_succeeded"
     JOB_FAILED = "job_failed"
