@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import socket
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from hyperpodrun.errors import RendezvousError
 from hyperpodrun.rendezvous.records import EventKind
 from hyperpodrun.supervisor import GroupAssignment, WorkerState
 
@@ -40,7 +42,7 @@ class RoundInfo:
     members: tuple[str, ...]
     reason: RestartReason = RestartReason.START
     restarts: int = 0  # failure restarts used by the job so far (TORCHELASTIC_RESTART_COUNT)
-
+    admission: Directive | None = None  # admitted in place (RECONFIGURE) into a running job
 
 class DirectiveKind(str, Enum):
     """What the agent must do with its running ranks.
@@ -124,8 +126,16 @@ class RendezvousHandler(ABC):
         """Become known to the job (before the first round)."""
 
     @abstractmethod
-    def next_round(self, *, timeout: float) -> RoundInfo:
-        """Block until this node is a member of a new round; raises RendezvousTimeoutError or RendezvousClosedError."""
+    def next_round(self, *, timeout: float, prewarm: Callable[[], None] | None = None) -> RoundInfo:
+        """Block until this node is a member of a new round; raises RendezvousTimeoutError or RendezvousClosedError.
+
+        ``prewarm`` is called (once) while this node waits as a standby of a job whose ranks
+        reconfigure in place: the agent starts its ranks parked, so admission costs no process start.
+        """
+
+    def entered_in_place(self, directive: Directive) -> RoundInfo:
+        """The round a RECONFIGURE directive moved this node's running ranks into."""
+        raise RendezvousError(f"{type(self).__name__}: static membership never reconfigures in place")
 
     @abstractmethod
     def poll(self, status: LocalStatus) -> Directive | None:

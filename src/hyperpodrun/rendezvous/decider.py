@@ -149,6 +149,14 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
             message = next(iter(snap.failed.values())).message
             return _new_event(snap, rnd, now, mem, kind=EventKind.RANK_FAILURE, mode=EventMode.STOP,
                               next_members=None, reason=f"rank failure: {message}", failure=message)  # fmt: skip
+        if (
+            not rnd.inprocess
+            and ctx.restart_mode is RestartMode.AUTO
+            and all(m in snap.nodes and snap.nodes[m].reconfigurable for m in rnd.members)
+        ):  # standbys now pre-warm their ranks, so an admission costs no process start
+            marked = evolve(rnd, inprocess=True)
+            note = Note(round=rnd.round, what=f"round {rnd.round} runs in-process", reason="every rank declared the in-process API")
+            return Plan(writes=(Write(Keys.ROUND, encode(marked), snap.round_rev),), notes=(note,), memory=mem)
     if rnd is not None and rnd.state is RoundState.HALTED and rnd.halt_kind is EventKind.RANK_FAILURE:
         after = _after_failure(snap, rnd, now, ctx, mem)
         if after is not None:
@@ -245,7 +253,7 @@ def _drive_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: floa
     live = [m for m in rnd.members if m in snap.nodes]
     if ev.mode is not EventMode.STOP and ev.target is None:
         return _target_event(snap, ev, live, now, ctx, mem)
-    waiting = [m for m in live if m not in snap.stopped]
+    waiting = [m for m in live + _joiners(snap, ev, rnd) if m not in snap.stopped]
     deadline = ev.decided_at + ctx.policy.graceful_shutdown_timeout + ctx.ack_timeout
     if waiting and now < deadline:
         return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for {len(waiting)} member(s) to stop")
@@ -290,6 +298,13 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
     return _update(snap, evolve(ev, target=target, mode=mode, master_addr=master_addr, master_port=master_port), mem)
 
 
+def _joiners(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord) -> list[str]:
+    """Live standbys a RECONFIGURE event admits: they report too, once their ranks run in the new round."""
+    if ev.mode is not EventMode.RECONFIGURE or ev.target is None or not ev.next_members:
+        return []
+    return [m for m in ev.next_members if m not in rnd.members and m in snap.nodes]
+
+
 def _update(snap: JobSnapshot, ev: EventRecord, mem: DeciderMemory) -> Plan:
     return Plan(writes=(Write(Keys.EVENT, encode(ev), snap.event_rev),), memory=mem)
 
@@ -298,6 +313,15 @@ def _finish_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: flo
     """Every live member's ranks left the round: publish the next round, or halt."""
     complete = Write(Keys.EVENT, encode(evolve(ev, complete=True)), snap.event_rev)
     nxt = ev.next_members
+    if ev.mode is EventMode.RECONFIGURE and nxt and all(m in snap.nodes for m in nxt):
+        if all(m in snap.stopped and snap.stopped[m].reconfigured for m in nxt):
+            published = _publish_round(snap, nxt, now, mem, ev.reason, RestartReason.SCALE, mode=ev.mode,
+                                       master=(ev.master_addr, ev.master_port), inprocess=True)  # fmt: skip
+        else:  # some node could not move in place: every rank restarts; the skipped number tells the others
+            failed = [m for m in nxt if not (m in snap.stopped and snap.stopped[m].reconfigured)]
+            why = f"{ev.reason}; in-place reconfiguration failed on {failed}: restarting the ranks"
+            published = _publish_round(snap, nxt, now, mem, why, RestartReason.SCALE, number=ev.next_round + 1)
+        return Plan(writes=(complete, *published.writes), notes=published.notes, memory=mem)
     if nxt and all(m in snap.nodes for m in nxt):
         reason = RestartReason.FAILURE if ev.mode is EventMode.STOP else RestartReason.SCALE
         published = _publish_round(snap, nxt, now, mem, ev.reason, reason, mode=ev.mode, master=(ev.master_addr, ev.master_port))
@@ -338,15 +362,18 @@ def _publish_round(
     count_restart: bool = False,
     mode: EventMode = EventMode.RESTART,
     master: tuple[str, int] = ("", 0),
+    inprocess: bool = False,
+    number: int | None = None,
 ) -> Plan:
     rnd = snap.round
     head = snap.nodes[members[0]]
     master_addr, master_port = master if master[1] else (head.addr, head.port)
     events = ((rnd.events if rnd is not None else ()) + ((now, len(members)),))[-16:]
     new = RoundRecord(
-        round=(rnd.round if rnd is not None else 0) + 1, members=tuple(members), master_addr=master_addr,
+        round=number or (rnd.round if rnd is not None else 0) + 1, members=tuple(members), master_addr=master_addr,
         master_port=master_port, restarts=(rnd.restarts if rnd is not None else 0) + int(count_restart),
         events=events, reason=reason.value, why=why, mode=mode if mode is EventMode.RECONFIGURE else EventMode.RESTART,
+        inprocess=inprocess,
     )  # fmt: skip
     world = len(members) * head.nproc
     note = Note(round=new.round, what=f"round {new.round}: {len(members)} node(s), world {world}", reason=why)

@@ -38,6 +38,7 @@ from hyperpodrun.rendezvous.decider import DeciderContext, DeciderMemory, JobSna
 from hyperpodrun.rendezvous.records import (
     AckRecord,
     ClosedRecord,
+    EventKind,
     EventMode,
     EventRecord,
     FailedRecord,
@@ -91,6 +92,8 @@ class ElasticRendezvous(RendezvousHandler):
         self._acked_event = 0
         self._stopped_reported = 0
         self._leaving = False
+        self._reconfigurable = False  # this node's ranks declared the in-process API
+        self._in_place_event: EventRecord | None = None  # the event this node's ranks moved rounds in place for
         self._keeper: LeaseKeeper | None = None
         self._lease = None
 
@@ -146,7 +149,7 @@ class ElasticRendezvous(RendezvousHandler):
         """(Re)write this node's record with a port free now: the next round's master port if it hosts rank 0."""
         record = NodeRecord(
             addr=self._local_addr, port=free_port(self._local_addr), nproc=self.ctx.nproc_per_node,
-            pid=os.getpid(), leaving=self._leaving,
+            pid=os.getpid(), leaving=self._leaving, reconfigurable=self._reconfigurable,
         )  # fmt: skip
         self.store.put(Keys.node(self._node_id), encode(record), lease=self._lease)
 
@@ -193,11 +196,13 @@ class ElasticRendezvous(RendezvousHandler):
 
     # -- the agent's entry points --------------------------------------------------------
 
-    def next_round(self, *, timeout: float) -> RoundInfo:
-        """Wait until this node is a member of a running round newer than the last one it ran."""
+    def next_round(self, *, timeout: float, prewarm: Callable[[], None] | None = None) -> RoundInfo:
+        """Wait until this node is a member of a running round newer than the last one it ran,
+        or a RECONFIGURE event admits it into a running job in place."""
         deadline = time.monotonic() + timeout
         last = self._round.round if self._round else 0
         waited_msg = 0.0
+        prewarmed = False
         while True:
             rev = self.store.current_revision()  # before reading: a change after it wakes the wait below
             rnd, _, closed = self._read_round()
@@ -217,6 +222,12 @@ class ElasticRendezvous(RendezvousHandler):
                     rnd, _, _ = self._read_round()
             if rnd is not None and rnd.round > last and rnd.state is RoundState.RUNNING and self._node_id in rnd.members:
                 return self._enter(rnd)
+            standby_in_process = rnd is not None and rnd.inprocess and rnd.state is RoundState.RUNNING and not self._leaving
+            if standby_in_process and (admission := self._admission(rnd, self._read_event())) is not None:
+                return admission
+            if standby_in_process and prewarm is not None and not prewarmed:
+                prewarmed = True
+                prewarm()
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousTimeoutError(
@@ -228,15 +239,24 @@ class ElasticRendezvous(RendezvousHandler):
                 log.info("waiting for a round: %s", self._waiting_for or "waiting for nodes")
             # The decider wakes on any change (joins, acks); the others only when the round changes,
             # so a rendezvous of N nodes costs O(N) store operations in all, not O(N^2).
-            self.store.wait_for_change("" if decider else Keys.ROUND, after_revision=rev, timeout=self.ctx.tick * 5)
+            # A pre-warmed standby also wakes for the event that admits it (events are few: O(1) per event).
+            watch = "" if decider or standby_in_process else Keys.ROUND
+            self.store.wait_for_change(watch, after_revision=rev, timeout=self.ctx.tick * 5)
+            if standby_in_process and not decider:
+                self.store.wait_for_change(Keys.ROUND, after_revision=rev, timeout=self.ctx.tick)  # at most one read per tick
 
     def poll(self, status: LocalStatus) -> Directive | None:
         """Called every monitor tick while this node's ranks run (or have just finished)."""
-        _, ev, closed = self._read_round(with_event=True)
+        rnd, ev, closed = self._read_round(with_event=True)
         if closed is not None:
             code = 0 if closed.status is JobOutcome.SUCCEEDED else 1
             return Directive(kind=DirectiveKind.EXIT, exit_code=code, reason=closed.message)
+        if status.reconfigurable and not self._reconfigurable:
+            self._reconfigurable = True
+            self._put_node()  # once: the decider marks the round in-process when every member has
         my_round = self._round.round if self._round else 0
+        if (stop := self._left_behind(rnd, ev, my_round)) is not None:
+            return stop
         event_of_round = ev is not None and ev.round == my_round
         if status.group_state == WorkerState.SUCCEEDED and not event_of_round:
             self._put_once(Keys.done(my_round) + self._node_id, b"{}")
@@ -280,6 +300,38 @@ class ElasticRendezvous(RendezvousHandler):
                 master_addr=ev.master_addr, master_port=ev.master_port, **base,
             )  # fmt: skip
         return Directive(kind=DirectiveKind.SAVE_AND_EXIT, target_step=ev.target, world_size=world, **base)
+
+    def _admission(self, rnd: RoundRecord, ev: EventRecord | None) -> RoundInfo | None:
+        """A targeted RECONFIGURE event of the running round that admits this standby in place."""
+        if (
+            ev is None or ev.round != rnd.round or ev.complete or ev.mode is not EventMode.RECONFIGURE
+            or ev.target is None or ev.target < 0 or not ev.next_members or self._node_id not in ev.next_members
+        ):  # fmt: skip
+            return None
+        nxt = ev.next_members
+        directive = Directive(
+            kind=DirectiveKind.RECONFIGURE, event_id=ev.id, event_kind=ev.kind, reason=ev.reason, next_round=ev.next_round,
+            target_step=ev.target, world_size=len(nxt) * self.ctx.nproc_per_node, group_rank=nxt.index(self._node_id),
+            group_world_size=len(nxt), master_addr=ev.master_addr, master_port=ev.master_port,
+        )  # fmt: skip
+        self._handled_event = ev.id
+        info = self.entered_in_place(directive)
+        return dataclasses.replace(info, members=nxt, admission=directive)
+
+    def _left_behind(self, rnd: RoundRecord | None, ev: EventRecord | None, my_round: int) -> Directive | None:
+        """STOP when the job moved on without this node's running ranks: a newer round (an in-place
+        reconfiguration fell back to a restart), or an in-place round that was never published."""
+        moved_on = rnd is not None and rnd.round > my_round and rnd.state is RoundState.RUNNING
+        placed = self._in_place_event
+        unpublished = (
+            placed is not None and ev is not None and ev.id == placed.id and ev.complete
+            and not (rnd is not None and rnd.round == my_round and rnd.state is RoundState.RUNNING)
+        )  # fmt: skip
+        if not (moved_on or unpublished):
+            return None
+        self._in_place_event = None
+        why = rnd.why if rnd is not None and rnd.why else "the job moved on without this node's ranks"
+        return Directive(kind=DirectiveKind.STOP, event_id=0, reason=f"round {my_round} ended: {why}")
 
     def _ack(self, ev: EventRecord, status: LocalStatus) -> None:
         """Ack once; again when the step rate, unknown at the first ack, has become known (the decider waits for it)."""
@@ -359,10 +411,13 @@ class ElasticRendezvous(RendezvousHandler):
 
     # -- helpers -------------------------------------------------------------------------
 
+    def _read_event(self) -> EventRecord | None:
+        return decode(EventRecord, Keys.EVENT, _value(self.store.get(Keys.EVENT)))
+
     def _read_round(self, *, with_event: bool = False) -> tuple[RoundRecord | None, EventRecord | None, ClosedRecord | None]:
         """What every node reads each tick: O(1) keys, whatever the size of the job."""
         rnd = decode(RoundRecord, Keys.ROUND, _value(self.store.get(Keys.ROUND)))
-        ev = decode(EventRecord, Keys.EVENT, _value(self.store.get(Keys.EVENT))) if with_event else None
+        ev = self._read_event() if with_event else None
         closed = decode(ClosedRecord, Keys.CLOSED, _value(self.store.get(Keys.CLOSED)))
         return rnd, ev, closed
 
@@ -404,6 +459,10 @@ class ElasticRendezvous(RendezvousHandler):
             reason=RestartReason.SCALE.value, mode=EventMode.RECONFIGURE,
         )  # fmt: skip
         self._round = rnd
+        self._in_place_event = EventRecord(
+            id=directive.event_id, round=directive.next_round - 1, kind=directive.event_kind or EventKind.JOIN,
+            mode=EventMode.RECONFIGURE, next_members=None, reason=directive.reason, decided_at=0.0,
+        )  # fmt: skip
         if self.events:
             self.events.round, self.events.world_size = rnd.round, directive.world_size
         return RoundInfo(

@@ -122,6 +122,7 @@ class NodeRecord:
     nproc: int
     pid: int = 0
     leaving: bool = False
+    reconfigurable: bool = False  # every local rank declared the in-process API
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +140,7 @@ class RoundRecord:
     failure: str | None = None  # the failing rank's message (halted by RANK_FAILURE)
     halted_at: float | None = None
     mode: EventMode = EventMode.RESTART  # how the round was entered
+    inprocess: bool = False  # every member's ranks declared the in-process API: standbys pre-warm
 
 
 @dataclass(frozen=True, kw_only=True)

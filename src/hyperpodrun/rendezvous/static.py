@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 
 from hyperpodrun.rendezvous.api import (
     Directive,
@@ -48,7 +49,7 @@ class StaticRendezvous(RendezvousHandler):
     def node_id(self) -> str:
         return f"{socket.gethostname()}-node{self._node_rank}"
 
-    def next_round(self, *, timeout: float) -> RoundInfo:
+    def next_round(self, *, timeout: float, prewarm: Callable[[], None] | None = None) -> RoundInfo:
         self._round += 1
         return RoundInfo(
             round=self._round,
