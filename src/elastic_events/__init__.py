@@ -39,6 +39,12 @@ _LAZY = {
     "ByteTokenizer": "elastic_events.dataset",
     "build_token_dataset": "elastic_events.dataset",
     "load_scale_config": "elastic_events.scale_config",
+    "ElasticTraining": "elastic_events.inprocess",
+    "ElasticConfig": "elastic_events.inprocess",
+    "ElasticTrainingError": "elastic_events.inprocess",
+    "HydrationError": "elastic_events.hydration",
+    "StateMismatchError": "elastic_events.hydration",
+    "GroupError": "elastic_events.group",
 }
 
 
@@ -64,22 +70,54 @@ __all__ = [
 CONTROL_FILE_ENV = "HYPERPODRUN_CONTROL_FILE"
 RESTART_REASON_ENV = "HYPERPODRUN_RESTART_REASON"
 
-_reader: ControlReader | None = None
+
+class _FirstStep:
+    """Stands in for the reader until the first step of a round: logs ``first_step``, then steps aside."""
+
+    def __init__(self, reader: ControlReader, reason: str) -> None:
+        self.reader, self.reason = reader, reason
+
+    def check(self) -> bool:
+        global _reader
+        _reader = self.reader
+        fired = self.reader.check()
+        eventlog.emit("first_step", reason=self.reason)
+        return fired
+
+    def event(self) -> Event | None:
+        return self.reader.event()
+
+
+_reader: ControlReader | _FirstStep | None = None
 _probed = False
 
 
-def _probe() -> ControlReader | None:
+def _probe() -> ControlReader | _FirstStep | None:
     """Open the control channel once, on first use (no import-time side effects).
 
-    The first call marks the end of the round's first step: rank 0 logs ``first_step``.
+    The first call of ``elastic_event_detected()`` marks the end of the round's first
+    step: rank 0 logs ``first_step``.
     """
     global _reader, _probed
     _probed = True
     path = os.environ.get(CONTROL_FILE_ENV)
     if path:
-        _reader = ControlReader(Path(path), int(os.environ.get("LOCAL_RANK", "0")))
-        eventlog.emit("first_step", reason=restart_reason())
+        _reader = _FirstStep(ControlReader(Path(path), int(os.environ.get("LOCAL_RANK", "0"))), restart_reason())
     return _reader
+
+
+def _channel() -> ControlReader | None:
+    """The control channel's reader for the in-process API (None outside hyperpodrun)."""
+    reader = _reader if _probed else _probe()
+    return reader.reader if isinstance(reader, _FirstStep) else reader
+
+
+def _new_round(reason: str) -> None:
+    """The next ``elastic_event_detected()`` ends the first step of a new round: log it."""
+    global _reader
+    reader = _channel()
+    if reader is not None:
+        _reader = _FirstStep(reader, reason)
 
 
 def elastic_event_detected() -> bool:
