@@ -143,15 +143,42 @@ def test_survivors_at_different_steps_refuse_to_train(tmp_path, nodes) -> None:
     assert not list(out.glob("after-*")) and not list(out.glob("end-*"))
 
 
-def test_outside_a_launcher_no_event_arrives(tmp_path) -> None:
+def test_a_restart_event_saves_through_the_checkpointer_and_the_restart_resumes(tmp_path, nodes) -> None:
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    a, b = nodes("a"), nodes("b")
+    r0 = Round.new(0, world_size=2, nodes=2)
+    for rank, node in enumerate((a, b)):
+        node.start(cmd(out, 8, "--ckpt-dir", str(ckpt)), round=r0, group_rank=rank)
+        node.save_and_exit(target_step=EVENT_STEP, round=1, world_size=1)
+    assert [n.wait() for n in (a, b)] == [[0], [0]], "\n".join(n.output() for n in (a, b))
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"step_{EVENT_STEP:09d}"]
+    assert not list(out.glob("end-*"))
+    c = nodes("c")  # the restart path: a new process at the new size, resuming from storage
+    c.start(cmd(out, 8, "--ckpt-dir", str(ckpt)), round=Round.new(1, world_size=1, nodes=1), group_rank=0)
+    assert c.wait() == [0], c.output()
+    start, end = load(out, "start", "c"), load(out, "end", "c")
+    assert (start["step"], start["sampler"]["consumed"], start["extra"]["samples"]) == (EVENT_STEP, 24, 24)
+    assert (end["step"], end["sampler"]["consumed"], end["world_size"]) == (8, 48, 1)
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_outside_hyperpodrun_no_event_arrives(tmp_path, launcher) -> None:
     import subprocess
 
-    from support.launch import clean_env
+    from support.launch import clean_env, torchrun_cmd
 
     out = tmp_path / "out"
     out.mkdir()
-    env = clean_env(PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"), HYPERPODRUN_NODE_ID="solo", LOCAL_RANK="0")
-    proc = subprocess.run([sys.executable, *cmd(out, 5)], env=env, capture_output=True, text=True, timeout=120)
+    env = clean_env(PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"), HYPERPODRUN_NODE_ID="solo")
+    if launcher == "python":
+        env["LOCAL_RANK"] = "0"
+        argv = [sys.executable, *cmd(out, 5)]
+    else:
+        argv = torchrun_cmd("--standalone", "--nproc-per-node", "2", *cmd(out, 5))
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    end = torch.load(out / "end-solo-0.pt", weights_only=False)
-    assert (end["world_size"], end["step"], end["sampler"]["consumed"]) == (1, 5, 30)
+    ends = [torch.load(p, weights_only=False) for p in sorted(out.glob("end-solo-*.pt"))]
+    world = 1 if launcher == "python" else 2
+    assert [(e["world_size"], e["step"], e["sampler"]["consumed"]) for e in ends] == [(world, 5, 30)] * world
+    assert_equal_state(ends[0], ends[-1])

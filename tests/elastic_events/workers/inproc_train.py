@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from elastic_events import ElasticConfig, ElasticTraining, elastic_event_detected
+from elastic_events.checkpoint import CheckpointConfig, Checkpointer
 from elastic_events.sampler import ElasticSampler
 
 SAMPLES, FEATURES, GLOBAL_BATCH = 60, 4, 6
@@ -58,6 +59,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--ckpt-dir", type=Path, help="a Checkpointer: loaded at start, saved at a restart event")
     p.add_argument("--skew-step-of-rank", type=int, default=-1, help="this rank's step is off by one at the event")
     args = p.parse_args()
     g = torch.Generator().manual_seed(1)
@@ -69,6 +71,7 @@ def main() -> int:
         optimizer_fn=lambda model: torch.optim.AdamW(model.parameters(), lr=0.05),
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.95),
         sampler=sampler,
+        checkpointer=Checkpointer(CheckpointConfig(dir=args.ckpt_dir, timeout_s=60)) if args.ckpt_dir else None,
         config=ElasticConfig(timeout_s=60, bucket_mb=0.0001),  # 104-byte buckets: tensors split and packed
     ).start()
     dump(args, elastic, "start" if os.environ.get("HYPERPODRUN_PARKED") != "1" else "after")
