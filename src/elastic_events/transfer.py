@@ -4,10 +4,11 @@ The sender and the receivers hold lists of tensors with the same shapes and dtyp
 (the receivers' are preallocated destinations, e.g. a model's own parameters). Both
 sides compute the same :func:`plan_buckets` from the byte sizes alone:
 
-* a tensor of at least one bucket is broadcast *in place*, in slices of at most one
-  bucket of its own bytes: no copy at all;
-* smaller tensors are packed into a staging bucket of ``bucket_bytes`` (any mix of
-  dtypes: every tensor travels as its raw bytes), broadcast, and copied out.
+* a tensor of 1 MiB or more is broadcast *in place*, in slices of at most one bucket
+  of its own bytes: no copy at all;
+* smaller tensors are packed into a staging bucket (any mix of dtypes: every tensor
+  travels as its raw bytes), broadcast, and copied out: few broadcasts for many
+  small tensors.
 
 So a transfer needs at most one bucket of extra memory on either side, and the
 receivers' state is bitwise the sender's.
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
+PACK_BELOW = 2**20  # larger tensors are broadcast in place: copying them into a bucket costs more than it saves
 
 
 @dataclass(frozen=True)
@@ -46,15 +48,20 @@ class Bucket:
         return sum(p.length for p in self.pieces)
 
 
-def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
-    """How tensors of ``sizes`` bytes travel in broadcasts of at most ``bucket_bytes`` each."""
+def plan_buckets(sizes: Sequence[int], bucket_bytes: int, pack_below: int | None = None) -> list[Bucket]:
+    """How tensors of ``sizes`` bytes travel in broadcasts of at most ``bucket_bytes`` each.
+
+    Tensors of ``pack_below`` bytes or more (default: one bucket, at most 1 MiB) go in
+    place; smaller ones are packed, so that many small tensors cost few broadcasts.
+    """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    limit = min(bucket_bytes, PACK_BELOW if pack_below is None else pack_below)
     buckets: list[Bucket] = []
     packed: list[Piece] = []
     used = 0
     for index, size in enumerate(sizes):
-        if size >= bucket_bytes:
+        if size >= limit:
             for start in range(0, size, bucket_bytes):
                 length = min(bucket_bytes, size - start)
                 buckets.append(Bucket((Piece(index, start, length, 0),), direct=True))
@@ -105,10 +112,12 @@ def broadcast_tensors(
     plan = plan_buckets([v.numel() for v in views], bucket_bytes)
     staging_size = max((b.nbytes for b in plan if not b.direct), default=0)
     staging = torch.empty(staging_size, dtype=torch.uint8, device=device) if staging_size else None
+    pending = []  # in-place slices are queued back to back (no staging to reuse): the backend pipelines them
     for bucket in plan:
         if bucket.direct:
             piece = bucket.pieces[0]
-            dist.broadcast(views[piece.index][piece.start : piece.start + piece.length], src=src, group=group)
+            chunk = views[piece.index][piece.start : piece.start + piece.length]
+            pending.append(dist.broadcast(chunk, src=src, group=group, async_op=True))
             continue
         buf = staging[: bucket.nbytes]
         if sending:
@@ -118,6 +127,8 @@ def broadcast_tensors(
         if not sending:
             for p in bucket.pieces:
                 views[p.index].copy_(buf[p.offset : p.offset + p.length])
+    for request in pending:
+        request.wait()
     if not sending:
         for original, copy in zip(tensors, work):
             if copy is not original and copy.data_ptr() != original.data_ptr():
