@@ -5,7 +5,7 @@ through the node-local control channel whose path the launcher puts in
 ``HYPERPODRUN_CONTROL_FILE``; under ``torchrun`` or as a plain script every call
 here is a cheap no-op (``elastic_event_detected()`` returns False).
 
-Typical loop::
+Typical loop, restart path (the launcher restarts every rank at the new size)::
 
     from elastic_events import elastic_event_detected
 
@@ -14,6 +14,14 @@ Typical loop::
         if elastic_event_detected():   # True on every rank at the same step
             checkpointer.save(step, ...)
             return                     # the launcher restarts us at the new world size
+
+Checkpointless path (ranks keep running; see :class:`ElasticTraining` and
+``docs/checkpointless.md``)::
+
+    elastic = ElasticTraining(model_fn=..., optimizer_fn=..., sampler=sampler).start()
+    ...
+        if elastic_event_detected() and not elastic.reconfigure():
+            return                     # this node left the job
 """
 
 from __future__ import annotations
@@ -41,10 +49,10 @@ _LAZY = {
     "load_scale_config": "elastic_events.scale_config",
     "ElasticTraining": "elastic_events.inprocess",
     "ElasticConfig": "elastic_events.inprocess",
-    "ElasticTrainingError": "elastic_events.inprocess",
-    "HydrationError": "elastic_events.hydration",
-    "StateMismatchError": "elastic_events.hydration",
-    "GroupError": "elastic_events.group",
+    "ElasticTrainingError": "elastic_events.errors",
+    "HydrationError": "elastic_events.errors",
+    "StateMismatchError": "elastic_events.errors",
+    "GroupError": "elastic_events.errors",
 }
 
 
@@ -121,8 +129,10 @@ def _new_round(reason: str) -> None:
 
 
 def elastic_event_detected() -> bool:
-    """True exactly at the step where every rank of the job must save and exit for a scale event.
+    """True once per scale event, at the step where every rank of the job acts on it.
 
+    Acting means :meth:`ElasticTraining.reconfigure` (in place, or save and exit when
+    the launcher asks for a restart), or, without that API, saving and exiting.
     Call it once per training step on every rank. It costs two memory operations
     on a node-local shared-memory page (well under a microsecond of work; see
     ``benchmarks/step_overhead.py``) and never a collective. Outside hyperpodrun

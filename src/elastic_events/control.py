@@ -261,6 +261,7 @@ class ControlReader:
         self._slot = HEADER_SIZE + SLOT_SIZE * local_rank
         self.step = 0
         self._acked = _ACK.unpack_from(self._mm, self._slot + _ACK_OFFSET)[0]
+        self.fired: Event | None = None  # the event check() last returned True for
 
     def check(self) -> bool:
         """Count one step; True once per event, at the first step at or past its target step."""
@@ -275,6 +276,7 @@ class ControlReader:
         if event_id == self._acked:
             return False
         self.acknowledge(event_id)
+        self.fired = _unpack_event(mm)
         return True
 
     def acknowledge(self, event_id: int) -> None:

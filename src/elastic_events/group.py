@@ -20,12 +20,9 @@ import torch
 import torch.distributed as dist
 
 from elastic_events.control import Event
+from elastic_events.errors import GroupError
 
 ROUND_ENV = "HYPERPODRUN_ROUND"
-
-
-class GroupError(RuntimeError):
-    """The new round's process group could not be formed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +107,10 @@ def _listen_socket(addr: str, port: int) -> socket.socket:
 
 
 def init_round_group(spec: RoundSpec, *, device: torch.device, backend: str, timeout_s: float) -> dist.Store:
-    """Join ``spec``'s process group (the default group); returns the store, to keep alive with it."""
+    """Join ``spec``'s process group (the default group); returns the store, to keep alive with it.
+
+    The caller sets the round's torchrun variables (:meth:`RoundSpec.environment`).
+    """
     if dist.is_initialized():
         raise GroupError("a process group is still up: tear it down before joining a new round")
     timeout = timedelta(seconds=timeout_s)
@@ -133,7 +133,6 @@ def init_round_group(spec: RoundSpec, *, device: torch.device, backend: str, tim
             f"rank {spec.rank}: forming round {spec.round}'s group of {spec.world_size} ranks at "
             f"{spec.master_addr}:{spec.master_port} failed or timed out (limit {timeout_s:.0f}s): {exc}"
         ) from exc
-    os.environ.update(spec.environment())
     return store
 
 

@@ -25,7 +25,7 @@ What travels:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,13 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from elastic_events.errors import HydrationError, StateMismatchError
 
-class HydrationError(RuntimeError):
-    """A newcomer could not be given the training state."""
-
-
-class StateMismatchError(HydrationError):
-    """The ranks of a round hold state that does not agree; training on it would be wrong."""
+__all__ = ["HydrationError", "HydrationPlan", "RankReport", "StateMismatchError", "plan_hydration"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,8 +205,3 @@ def nonpersistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
     persistent = set(module.state_dict().keys())
     return [b for name, b in module.named_buffers() if name not in persistent]
 
-
-def sharded_state_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(
-        (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
-    )

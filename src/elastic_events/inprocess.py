@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 import elastic_events
 from elastic_events import eventlog
+from elastic_events.errors import ElasticTrainingError
 from elastic_events.control import CAP_RECONFIGURE, ControlReader, Event, EventKind, RankPhase
 from elastic_events.group import RoundSpec, backend_for, default_device, init_env_group, init_round_group, teardown_group
 from elastic_events.hydration import (
@@ -68,10 +69,6 @@ ModelFn = Callable[[], torch.nn.Module]
 WrapFn = Callable[[torch.nn.Module], torch.nn.Module]
 OptimizerFn = Callable[[torch.nn.Module], torch.optim.Optimizer]
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
-
-
-class ElasticTrainingError(RuntimeError):
-    """The in-process API was used in a way it cannot serve; the message says how."""
 
 
 @dataclass(kw_only=True)
@@ -223,7 +220,11 @@ class ElasticTraining:
             )
         module = self._model_fn()  # built while parked: admission pays group init and hydration only
         event = self._reader.wait_for_admission(timeout_s=self.config.admission_timeout_s, poll_s=self.config.poll_s)
-        self._join(event, kept=None, fresh_module=module)
+        try:
+            self._join(event, kept=None, fresh_module=module)
+        except BaseException:
+            self._phase(RankPhase.FAILED)
+            raise
         return self
 
     # ------------------------------------------------------------------- events
@@ -234,11 +235,12 @@ class ElasticTraining:
         loader iterator: the sampler was split over the new world), False when it must
         exit 0 (its node leaves, or the event is a restart and the state was saved).
         """
-        event = self._reader.event() if self._reader is not None else None
+        event = self._reader.fired if self._reader is not None else None
         if event is None:
             raise ElasticTrainingError(
                 "reconfigure() without a pending event: call it when elastic_event_detected() returns True"
             )
+        self._reader.fired = None
         if event.kind is EventKind.SAVE_AND_EXIT:
             return self._save_and_exit(event)
         if event.kind is not EventKind.RECONFIGURE:

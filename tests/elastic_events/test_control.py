@@ -38,6 +38,7 @@ def test_each_event_fires_once_and_the_next_event_fires_again(channel) -> None:
     writer.publish(event_id=1, target_step=3, kind=EventKind.RECONFIGURE, round=1, world_size=2,
                    group_rank=0, group_world_size=2, master_addr="127.0.0.1", master_port=1234)  # fmt: skip
     assert [reader.check() for _ in range(6)] == [False, False, True, False, False, False]
+    assert (reader.fired.event_id, reader.fired.master_port) == (1, 1234)
     writer.publish(event_id=2, target_step=9, kind=EventKind.RECONFIGURE, round=2, world_size=3,
                    group_rank=1, group_world_size=3, master_addr="node-a", master_port=4321)  # fmt: skip
     assert [reader.check() for _ in range(4)] == [False, False, True, False]
