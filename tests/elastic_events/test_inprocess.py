@@ -126,6 +126,30 @@ def test_a_leaving_node_exits_zero_and_survivors_reform_without_it(tmp_path, nod
     assert end["a"]["step"] == 8 and end["a"]["sampler"]["consumed"] == 8 * 6
 
 
+def test_a_joiner_counts_steps_with_its_peers_and_later_leaves_in_place(tmp_path, nodes) -> None:
+    """1 -> 2 -> 1: the joiner adopts the job's step count, so the next event fires on both at once."""
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    out.mkdir(), gate.mkdir()
+    a, b = nodes("a"), nodes("b")
+    r0, r1, r2 = (Round.new(n, world_size=w, nodes=w) for n, w in ((0, 1), (1, 2), (2, 1)))
+    a.start(cmd(out, 9, "--gate", str(gate)), round=r0, group_rank=0)
+    b.start(cmd(out, 9, "--gate", str(gate)), round=None)
+    for node, rank in ((a, 0), (b, 1)):
+        node.reconfigure(target_step=3, round=r1, group_rank=rank)
+    for node in (a, b):
+        node.wait_phase(RankPhase.READY, round=1)  # both hold at the gate: no step of round 1 yet
+    assert [p.step for p in a.progress() + b.progress()] == [3, 3]
+    for node, rank in ((a, 0), (b, -1)):
+        node.reconfigure(target_step=6, round=r2, group_rank=rank)
+    (gate / "go-1").touch()
+    (gate / "go-2").touch()
+    assert [n.wait() for n in (a, b)] == [[0], [0]], "\n".join(n.output() for n in (a, b))
+    assert "left at step 6" in b.output()
+    end = load(out, "end", "a")
+    assert (end["pid"], end["world_size"], end["round"], end["step"]) == (a.procs[0].pid, 1, 2, 9)
+    assert end["sampler"]["consumed"] == 9 * 6 and a.progress()[0].step == 9
+
+
 def test_survivors_at_different_steps_refuse_to_train(tmp_path, nodes) -> None:
     out = tmp_path / "out"
     out.mkdir()

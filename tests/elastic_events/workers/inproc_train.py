@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -54,12 +55,23 @@ def dump(args: argparse.Namespace, elastic: ElasticTraining, tag: str) -> None:
     torch.save(state, args.out / f"{tag}-{os.environ['HYPERPODRUN_NODE_ID']}-{os.environ['LOCAL_RANK']}.pt")
 
 
+def wait_for_gate(gate: Path | None, round: int) -> None:
+    if gate is None:
+        return
+    deadline = time.monotonic() + 60
+    while not (gate / f"go-{round}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {gate}/go-{round} within 60s")
+        time.sleep(0.01)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--ckpt-dir", type=Path, help="a Checkpointer: loaded at start, saved at a restart event")
+    p.add_argument("--gate", type=Path, help="after joining round R, wait for GATE/go-R (the test's next move)")
     p.add_argument("--skew-step-of-rank", type=int, default=-1, help="this rank's step is off by one at the event")
     args = p.parse_args()
     g = torch.Generator().manual_seed(1)
@@ -74,7 +86,10 @@ def main() -> int:
         checkpointer=Checkpointer(CheckpointConfig(dir=args.ckpt_dir, timeout_s=60)) if args.ckpt_dir else None,
         config=ElasticConfig(timeout_s=60, bucket_mb=0.0001),  # 104-byte buckets: tensors split and packed
     ).start()
-    dump(args, elastic, "start" if os.environ.get("HYPERPODRUN_PARKED") != "1" else "after")
+    parked = os.environ.get("HYPERPODRUN_PARKED") == "1"
+    dump(args, elastic, "after" if parked else "start")
+    if parked:
+        wait_for_gate(args.gate, elastic.round)
     while elastic.step < args.steps:
         loader = [i for i in sampler]  # this rank's micro-batches of the rest of the epoch (indices)
         for batch in sampler.steps(loader):
@@ -98,6 +113,7 @@ def main() -> int:
                     print(f"left at step {elastic.step}", flush=True)
                     return 0
                 dump(args, elastic, "after")
+                wait_for_gate(args.gate, elastic.round)
                 break
             if elastic.step >= args.steps:
                 break
