@@ -108,7 +108,9 @@ class ElasticConfig:
 
 
 def default_wrap(module: torch.nn.Module) -> torch.nn.Module:
-    """DDP over the current group (``device_ids`` on CUDA)."""
+    """DDP over the current group (``device_ids`` on CUDA); the bare model in a single process."""
+    if not dist.is_initialized():
+        return module
     device = next(module.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
@@ -129,8 +131,10 @@ class ElasticTraining:
 
     Args:
         model_fn: builds the bare model (same architecture on every rank; may build on ``meta``).
-        wrap: parallelises the bare model once a group is up (default: DDP). For FSDP2 it calls
-            ``fully_shard`` and materialises the model (``to_empty`` + init) itself.
+        wrap: prepares the bare model for the current world and returns what the loop calls
+            (default: DDP when a group is up, else the model itself). It runs at start and again
+            in every new round; for FSDP2 it calls ``fully_shard`` and materialises a ``meta``
+            model (``to_empty`` + init) itself.
         optimizer_fn: builds the optimizer of the wrapped model.
         scheduler_fn: builds the LR scheduler of an optimizer (optional).
         sampler: the data position (``state_dict``/``load_state_dict``; ``set_world`` if it
@@ -162,6 +166,7 @@ class ElasticTraining:
         self.scheduler: Any = None
         self.step = 0
         self.extra: dict[str, Any] = {}
+        self.resumed_from = "fresh"  # how start() got the state: fresh, checkpoint or peers
         self.round = int(os.environ.get("HYPERPODRUN_ROUND", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -361,6 +366,7 @@ class ElasticTraining:
         }
 
     def _load_small_state(self, state: dict[str, Any]) -> None:
+        self.resumed_from = "peers"
         self.step, self.extra, self._base_seed = state["step"], state["extra"], state["base_seed"]
         self._control_step = state["control_step"]
         if self.scheduler is not None and state["scheduler"] is not None:
@@ -445,7 +451,7 @@ class ElasticTraining:
     # ---------------------------------------------------------------- building
     def _build(self, module: torch.nn.Module) -> None:
         self.module = module
-        self.model = self._wrap(module) if self.distributed else module
+        self.model = self._wrap(module)
         self._check_materialised()
         self._build_optimizer()
 
@@ -490,3 +496,4 @@ class ElasticTraining:
         )
         if loaded is not None:
             self.step, self.extra = loaded.step, dict(loaded.extra)
+            self.resumed_from = "checkpoint"
