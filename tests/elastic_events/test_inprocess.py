@@ -127,7 +127,8 @@ def test_a_leaving_node_exits_zero_and_survivors_reform_without_it(tmp_path, nod
 
 
 def test_a_joiner_counts_steps_with_its_peers_and_later_leaves_in_place(tmp_path, nodes) -> None:
-    """1 -> 2 -> 1: the joiner adopts the job's step count, so the next event fires on both at once."""
+    """1 -> 2 -> 1: the joiner adopts the job's step count, so the next event fires on both at once,
+    and the run ends on the parameters of a fixed-size run (same samples in every step)."""
     out, gate = tmp_path / "out", tmp_path / "gate"
     out.mkdir(), gate.mkdir()
     a, b = nodes("a"), nodes("b")
@@ -148,6 +149,12 @@ def test_a_joiner_counts_steps_with_its_peers_and_later_leaves_in_place(tmp_path
     end = load(out, "end", "a")
     assert (end["pid"], end["world_size"], end["round"], end["step"]) == (a.procs[0].pid, 1, 2, 9)
     assert end["sampler"]["consumed"] == 9 * 6 and a.progress()[0].step == 9
+    fixed = nodes("fixed")  # the same 9 steps at a fixed world size of 1
+    fixed.start(cmd(out, 9), round=Round.new(0, world_size=1, nodes=1), group_rank=0)
+    assert fixed.wait() == [0], fixed.output()
+    reference = load(out, "end", "fixed")["params"]
+    for name, value in reference.items():
+        torch.testing.assert_close(end["params"][name], value, rtol=0, atol=1e-5, msg=name)
 
 
 def test_survivors_at_different_steps_refuse_to_train(tmp_path, nodes) -> None:
