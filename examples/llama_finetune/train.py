@@ -14,9 +14,11 @@ One script for a laptop CPU and for GPU nodes, fixed-size or elastic:
 
 What makes it elastic (each piece from ``elastic_events``):
 
-* ``elastic_event_detected()`` once per optimizer step on every rank; when it returns
-  True the script saves a checkpoint and exits 0, and the launcher restarts every rank
-  at the new world size with ``HYPERPODRUN_RESTART_REASON=scale``;
+* ``ElasticTraining`` owns model, optimizer, schedule, step and process group; with
+  ``elastic_event_detected()`` once per optimizer step on every rank, its
+  ``reconfigure()`` carries the rank into the new world in place (survivors keep their
+  state, newcomers receive it from peers, see ``docs/checkpointless.md``), or, when the
+  launcher asks for a restart, saves a checkpoint and the script exits 0;
 * DCP checkpoints (model, optimizer, scheduler, data position, step, RNG) loaded and
   resharded at any world size on start;
 * exactly-once data: ``ElasticSampler``'s state is the job's global position in the
@@ -28,7 +30,8 @@ What makes it elastic (each piece from ``elastic_events``):
 
 The default data is CPython's language reference (``corpus.py``), tokenised once into
 a memory-mapped file under ``--data-cache``. Under hyperpodrun, ``elastic_events`` adds the
-trainer's ``first_step``, ``checkpoint_saved`` and ``checkpoint_loaded`` records to the
+trainer's ``first_step``, ``checkpoint_saved``, ``checkpoint_loaded``, ``group_torn_down``,
+``group_up`` and ``hydrated`` records to the
 launchers' event log, so each scale event's downtime can be read off it (``demo.py``).
 The script reads top to bottom: config, setup, data, model, loop.
 """
@@ -59,7 +62,7 @@ from corpus import write_default_corpus
 from hf_checkpoint import CONFIG_FILE, HFCheckpointError, config_from_hf, load_hf_llama
 from model import IGNORE_INDEX, Llama, LlamaConfig, LlamaConfigError
 
-from elastic_events import elastic_event_detected, restart_reason
+from elastic_events import ElasticConfig, ElasticTraining, ElasticTrainingError, elastic_event_detected, restart_reason
 from elastic_events.batching import BatchPlan, global_token_count, loss_scale
 from elastic_events.checkpoint import CheckpointConfig, CheckpointError, Checkpointer
 from elastic_events.dataset import ByteTokenizer, DatasetError, Tokenizer, TokenDataset, build_token_dataset
@@ -85,6 +88,7 @@ REPORTED_ERRORS = (
     DatasetError,
     ElasticSamplerError,
     CheckpointError,
+    ElasticTrainingError,
 )
 
 
@@ -234,9 +238,18 @@ class Runtime:
         if self.distributed:
             dist.barrier()
 
+    def resized(self, elastic: ElasticTraining) -> Runtime:
+        """This runtime in ``elastic``'s current world (after start or an in-place resize)."""
+        return dataclasses.replace(
+            self, rank=elastic.rank, world_size=elastic.world_size, distributed=elastic.distributed
+        )
+
 
 def setup_runtime(cfg: TrainConfig) -> Runtime:
-    """Join the process group if launched by torchrun/hyperpodrun; pick device and dtype."""
+    """Join the process group if launched by torchrun/hyperpodrun; pick device and dtype.
+
+    A parked joiner (``HYPERPODRUN_PARKED=1``, no ``RANK`` yet) joins later, at admission.
+    """
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
@@ -340,39 +353,42 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
         raise ConfigError(f"--model: {exc}") from None
 
 
-def build_model(cfg: TrainConfig, config: LlamaConfig, rt: Runtime, *, load_pretrained: bool) -> torch.nn.Module:
-    """Llama on ``rt.device`` in fp32 (master weights), wrapped for data parallelism.
+def parallelize(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+    """The bare Llama made ready for the current world (ElasticTraining's ``wrap``).
 
-    Built on ``meta`` and materialised once (sharded first with ``--fsdp``), then
-    initialised from ``--seed`` or, for a fresh run with ``--init-from``, from the
-    Hugging Face weights (read by rank 0 and broadcast).
+    ``--fsdp``: FSDP2 ``fully_shard`` per block and root, on the current group. A model on
+    ``meta`` (a fresh build) is then materialised on ``rt.device`` in fp32 (master weights)
+    and initialised from ``--seed``; a survivor's model keeps its weights. Otherwise DDP
+    when a process group is up.
     """
-    with torch.device("meta"):
-        model = Llama(config)
-    bf16 = rt.compute_dtype == torch.bfloat16
+    distributed = dist.is_initialized()
     if cfg.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if not rt.distributed:
+        if not distributed:
             raise ConfigError("--fsdp needs a process group: launch with torchrun or hyperpodrun")
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-        kwargs = {"mp_policy": mp} if mp is not None else {}
+        bf16 = rt.compute_dtype == torch.bfloat16
+        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
         for block in model.layers:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)  # the root keeps tok_embeddings, shared by tied embeddings
-    model.to_empty(device=rt.device)
-    model.init_weights(seed=cfg.seed)
-    if load_pretrained and cfg.init_from is not None:
-        if rt.distributed:
-            full = load_hf_llama(cfg.init_from, dtype=torch.float32)[1] if rt.is_main else {}
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(model, full, options=options)
-        else:
-            model.load_state_dict(load_hf_llama(cfg.init_from, dtype=torch.float32)[1], strict=True)
-    if rt.distributed and not cfg.fsdp:
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=rt.device)
+        model.init_weights(seed=cfg.seed)
+    if distributed and not cfg.fsdp:
         ids = [rt.device.index] if rt.device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     return model
+
+
+def load_pretrained(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime) -> None:
+    """The Hugging Face weights of ``--init-from`` (read by rank 0 and broadcast)."""
+    if rt.distributed:
+        full = load_hf_llama(cfg.init_from, dtype=torch.float32)[1] if rt.is_main else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full, options=options)
+    else:
+        model.load_state_dict(load_hf_llama(cfg.init_from, dtype=torch.float32)[1], strict=True)
 
 
 @contextlib.contextmanager
@@ -387,12 +403,16 @@ def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
     yield
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime):
-    """AdamW (no decay on norm weights) and a warmup + cosine schedule to ``lr * min_lr_ratio``."""
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime) -> torch.optim.Optimizer:
+    """AdamW, no decay on norm weights; the same LR at every world size."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=rt.device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=rt.device.type == "cuda")
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup, then cosine to ``lr * min_lr_ratio``."""
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -400,7 +420,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime):
         progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def describe_plan(plan: BatchPlan) -> str:
@@ -471,44 +491,54 @@ def train(cfg: TrainConfig) -> int:
         rank=rt.rank, world_size=rt.world_size, seed=cfg.seed,
     )  # fmt: skip
 
-    # Model, optimizer, schedule; then the newest checkpoint, resharded to this world size.
+    # Model, optimizer, schedule, owned by ElasticTraining: built for this world and loaded from
+    # the newest checkpoint (resharded), or, for a parked joiner, received from its peers.
     ckpt = Checkpointer(
         CheckpointConfig(
             dir=cfg.checkpoint_dir(run_id), keep_last=cfg.keep_checkpoints,
             async_save=cfg.async_checkpoint, timeout_s=cfg.timeout_s,
         )
     )  # fmt: skip
-    resuming = ckpt.latest() is not None
-    model = build_model(cfg, config, rt, load_pretrained=not resuming)
-    optimizer, scheduler = build_optimizer(cfg, model, rt)
-    loaded = ckpt.load(model=model, optimizer=optimizer, scheduler=scheduler, data=sampler)
-    step = loaded.step if loaded is not None else 0
-    tokens_seen = int(loaded.extra.get("tokens_seen", 0)) if loaded is not None else 0
+
+    def bare_model() -> torch.nn.Module:
+        with torch.device("meta"):
+            return Llama(config)
+
+    elastic = ElasticTraining(
+        model_fn=bare_model,
+        wrap=lambda model: parallelize(cfg, model, rt),
+        optimizer_fn=lambda model: build_optimizer(cfg, model, rt),
+        scheduler_fn=lambda optimizer: build_scheduler(cfg, optimizer),
+        sampler=sampler, checkpointer=ckpt,
+        config=ElasticConfig(timeout_s=cfg.timeout_s, device=str(rt.device)),
+    ).start()  # fmt: skip
+    rt = rt.resized(elastic)
+    say = print if rt.is_main else (lambda *a, **k: None)
+    if elastic.resumed_from == "fresh" and cfg.init_from is not None:
+        load_pretrained(cfg, elastic.model, rt)
     say(
         f"world {rt.world_size} on {rt.device} ({str(rt.compute_dtype).removeprefix('torch.')}, "
         f"{'FSDP2' if cfg.fsdp else 'DDP' if rt.distributed else 'single process'}), "
         f"{config.num_params() / 1e6:.1f}M parameters, {len(dataset)} samples of {cfg.seq_len} tokens; "
         f"batch {describe_plan(sampler.plan)}; checkpoints in {ckpt.config.dir}; "
-        + (
-            f"resumed at step {step} saved at world {loaded.info.world_size} ({restart_reason()})"
-            if loaded
-            else "fresh start"
-        ),
+        + (f"resumed at step {elastic.step} from {elastic.resumed_from} ({restart_reason()})"
+           if elastic.resumed_from != "fresh" else "fresh start"),
         flush=True,
-    )
+    )  # fmt: skip
 
     loader = StatefulDataLoader(
         dataset, batch_sampler=sampler, num_workers=cfg.num_workers, pin_memory=rt.device.type == "cuda",
         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
     )  # fmt: skip
-    trained_from, event = step, False
-    while step < cfg.steps and not event:
+    trained_from, left = elastic.step, False
+    while elastic.step < cfg.steps and not left:
         for batch in sampler.steps(loader):
             t0 = time.perf_counter()
-            loss_sum, global_tokens = train_step(model, optimizer, scheduler, batch, rt, cfg)
+            loss_sum, global_tokens = train_step(elastic.model, elastic.optimizer, elastic.scheduler, batch, rt, cfg)
             sampler.mark_step()
-            step += 1
-            tokens_seen += global_tokens
+            elastic.step += 1
+            step = elastic.step
+            elastic.extra["tokens_seen"] = elastic.extra.get("tokens_seen", 0) + global_tokens
             if cfg.sample_log is not None:
                 ids = torch.cat([mb["sample_id"] for mb in batch.micro_batches]).tolist()
                 record = {"step": step, "rank": rt.rank, "world_size": rt.world_size, "epoch": batch.epoch}
@@ -522,7 +552,7 @@ def train(cfg: TrainConfig) -> int:
                 metrics = {
                     "ts": time.time(), "step": step, "loss": loss_sum.item() / global_tokens,
                     "world_size": rt.world_size, "tokens_per_s": global_tokens / step_time,
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": elastic.scheduler.get_last_lr()[0],
                 }  # fmt: skip
                 say(
                     f"step {step:5d}/{cfg.steps} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:9.0f} tok/s | "
@@ -531,27 +561,28 @@ def train(cfg: TrainConfig) -> int:
                 )
                 if cfg.metrics is not None and rt.is_main:
                     append_jsonl(cfg.metrics, metrics)
-            event = elastic_event_detected()  # once per optimizer step, on every rank
-            if event or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-                ckpt.save(step, model=model, optimizer=optimizer, scheduler=scheduler, data=sampler,
-                          extra={"tokens_seen": tokens_seen})  # fmt: skip
-                if event:
-                    ckpt.wait()
-                    say(
-                        f"elastic event at step {step}: checkpoint saved, exiting for a restart at the new size",
-                        flush=True,
-                    )
-            if event or step == cfg.steps:
-                break
+            resized = False
+            if elastic_event_detected():  # once per optimizer step, on every rank
+                if not elastic.reconfigure():  # this node leaves, or a restart: the state was saved
+                    say(f"elastic event at step {step}: leaving (a restart resumes from the checkpoint)", flush=True)
+                    left = True
+                    break
+                rt, resized = rt.resized(elastic), True
+                say = print if rt.is_main else (lambda *a, **k: None)
+                say(f"elastic event at step {step}: world {rt.world_size} in place, batch {describe_plan(sampler.plan)}",
+                    flush=True)  # fmt: skip
+            if step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+                elastic.save_checkpoint()
+            if step == cfg.steps or resized:
+                break  # resized: the sampler splits batches over the new world, take a new loader iterator
     ckpt.close()
-    if not event and cfg.save_final is not None:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not left and cfg.save_final is not None:
+        full = get_model_state_dict(elastic.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rt.is_main:
             torch.save(full, cfg.save_final)
-    if not event:
-        say(f"done: {step} steps, {tokens_seen} tokens", flush=True)
-    if rt.distributed:
-        dist.destroy_process_group()
+    if not left:
+        say(f"done: {elastic.step} steps, {elastic.extra.get('tokens_seen', 0)} tokens", flush=True)
+    elastic.close()
     return 0
 
 

@@ -5,7 +5,7 @@ through the node-local control channel whose path the launcher puts in
 ``HYPERPODRUN_CONTROL_FILE``; under ``torchrun`` or as a plain script every call
 here is a cheap no-op (``elastic_event_detected()`` returns False).
 
-Typical loop::
+Typical loop, restart path (the launcher restarts every rank at the new size)::
 
     from elastic_events import elastic_event_detected
 
@@ -14,6 +14,14 @@ Typical loop::
         if elastic_event_detected():   # True on every rank at the same step
             checkpointer.save(step, ...)
             return                     # the launcher restarts us at the new world size
+
+Checkpointless path (ranks keep running; see :class:`ElasticTraining` and
+``docs/checkpointless.md``)::
+
+    elastic = ElasticTraining(model_fn=..., optimizer_fn=..., sampler=sampler).start()
+    ...
+        if elastic_event_detected() and not elastic.reconfigure():
+            return                     # this node left the job
 """
 
 from __future__ import annotations
@@ -39,6 +47,12 @@ _LAZY = {
     "ByteTokenizer": "elastic_events.dataset",
     "build_token_dataset": "elastic_events.dataset",
     "load_scale_config": "elastic_events.scale_config",
+    "ElasticTraining": "elastic_events.inprocess",
+    "ElasticConfig": "elastic_events.inprocess",
+    "ElasticTrainingError": "elastic_events.errors",
+    "HydrationError": "elastic_events.errors",
+    "StateMismatchError": "elastic_events.errors",
+    "GroupError": "elastic_events.errors",
 }
 
 
@@ -64,27 +78,61 @@ __all__ = [
 CONTROL_FILE_ENV = "HYPERPODRUN_CONTROL_FILE"
 RESTART_REASON_ENV = "HYPERPODRUN_RESTART_REASON"
 
-_reader: ControlReader | None = None
+
+class _FirstStep:
+    """Stands in for the reader until the first step of a round: logs ``first_step``, then steps aside."""
+
+    def __init__(self, reader: ControlReader, reason: str) -> None:
+        self.reader, self.reason = reader, reason
+
+    def check(self) -> bool:
+        global _reader
+        _reader = self.reader
+        fired = self.reader.check()
+        eventlog.emit("first_step", reason=self.reason)
+        return fired
+
+    def event(self) -> Event | None:
+        return self.reader.event()
+
+
+_reader: ControlReader | _FirstStep | None = None
 _probed = False
 
 
-def _probe() -> ControlReader | None:
+def _probe() -> ControlReader | _FirstStep | None:
     """Open the control channel once, on first use (no import-time side effects).
 
-    The first call marks the end of the round's first step: rank 0 logs ``first_step``.
+    The first call of ``elastic_event_detected()`` marks the end of the round's first
+    step: rank 0 logs ``first_step``.
     """
     global _reader, _probed
     _probed = True
     path = os.environ.get(CONTROL_FILE_ENV)
     if path:
-        _reader = ControlReader(Path(path), int(os.environ.get("LOCAL_RANK", "0")))
-        eventlog.emit("first_step", reason=restart_reason())
+        _reader = _FirstStep(ControlReader(Path(path), int(os.environ.get("LOCAL_RANK", "0"))), restart_reason())
     return _reader
 
 
-def elastic_event_detected() -> bool:
-    """True exactly at the step where every rank of the job must save and exit for a scale event.
+def _channel() -> ControlReader | None:
+    """The control channel's reader for the in-process API (None outside hyperpodrun)."""
+    reader = _reader if _probed else _probe()
+    return reader.reader if isinstance(reader, _FirstStep) else reader
 
+
+def _new_round(reason: str) -> None:
+    """The next ``elastic_event_detected()`` ends the first step of a new round: log it."""
+    global _reader
+    reader = _channel()
+    if reader is not None:
+        _reader = _FirstStep(reader, reason)
+
+
+def elastic_event_detected() -> bool:
+    """True once per scale event, at the step where every rank of the job acts on it.
+
+    Acting means :meth:`ElasticTraining.reconfigure` (in place, or save and exit when
+    the launcher asks for a restart), or, without that API, saving and exiting.
     Call it once per training step on every rank. It costs two memory operations
     on a node-local shared-memory page (well under a microsecond of work; see
     ``benchmarks/step_overhead.py``) and never a collective. Outside hyperpodrun

@@ -291,6 +291,7 @@ class Checkpointer:
         self.config = config
         self._group = process_group
         self._comm: _Comm | None = None
+        self._comm_world: Any = None
         self._pending: _PendingSave | None = None
 
     def latest(self) -> CheckpointInfo | None:
@@ -449,7 +450,10 @@ class Checkpointer:
 
     def _get_comm(self) -> _Comm:
         distributed = dist.is_available() and dist.is_initialized()
-        if self._comm is None or (distributed and not isinstance(self._comm, _GroupComm)):
+        world = dist.group.WORLD if distributed else None
+        stale = self._comm_world is not world  # the default group was rebuilt (in-process reconfiguration)
+        if self._comm is None or stale or (distributed and not isinstance(self._comm, _GroupComm)):
+            self._comm_world = world
             if distributed:
                 timeout = timedelta(seconds=self.config.timeout_s)
                 group = self._group or dist.new_group(backend="gloo", timeout=timeout)

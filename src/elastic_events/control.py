@@ -1,4 +1,4 @@
-"""The node-local control channel between a hyperpodrun agent and its ranks.
+"""The node-local control channel between a hyperpodrun agent and its ranks (layout v2).
 
 A small shared-memory file (``HYPERPODRUN_CONTROL_FILE``), created by the agent,
 mapped by every local rank. No signal is sent to the ranks' process groups (that
@@ -6,26 +6,39 @@ kills dataloader workers) and nothing listens on a socket.
 
 Layout (little-endian, fixed offsets)::
 
-    header (64 bytes)
+    header (256 bytes, written by the agent only)
       0  u32  magic 'HPRC'
-      4  u32  layout version
+      4  u32  layout version (2)
       8  u64  event id          (0: no event yet; increases by one per event)
      16  i64  target step       (-1: nothing pending) -- written LAST by the agent
      24  u32  event kind        (EventKind)
      28  u32  reserved
      32  u64  round the event leads to
      40  i64  new world size    (-1 unknown)
-     48  ..   reserved (new rank assignment for in-place reconfiguration goes here)
-    slot of local rank r at 64 + 64*r (written by that rank only)
-      0  i64  step              (number of elastic_event_detected() calls so far)
+     48  i32  this node's group rank in the new round (-1: this node leaves the job)
+     52  i32  group world size (nodes) of the new round
+     56  u32  master port of the new round
+     60  u32  reserved
+     64  char[128] master address of the new round (utf-8, NUL-padded)
+    192  ..   reserved
+    slot of local rank r at 256 + 64*r (written by that rank only)
+      0  i64  step              (elastic_event_detected() calls; continues across reconfigurations)
       8  f64  unix time of the last call
-     16  u64  id of the last event the rank acknowledged (returned True for)
+     16  u64  id of the last event the rank acknowledged (returned True for, or was admitted by)
+     24  u32  capabilities      (bit 0 CAP_RECONFIGURE: the script uses the in-process API)
+     28  u32  phase             (RankPhase)
+     32  u64  round the rank is in
+     40  i64  step of the last in-memory snapshot (-1 none)
+     48  f64  unix time of the last phase change
+     56  ..   reserved
 
-A rank's check is two ``struct`` operations on mapped memory: it records its
-step and reads the target step; it returns True exactly when its step equals the
-target. The agents choose the target step ahead of the fastest rank of the job
-(see ``hyperpodrun.events_protocol``), so every rank of every node returns True at
-the same step without a per-step collective.
+A rank's check is two ``struct`` operations on mapped memory while nothing is
+pending: it records its step and reads the target step. It returns True once per
+event, at the first step at or past the target step (so a rank that was already
+past the target when the event was published still sees it, one step late). The
+agents choose the target step ahead of the fastest rank of the job (see
+``hyperpodrun.events_protocol``), so every rank of every node returns True at the
+same step without a per-step collective.
 """
 
 from __future__ import annotations
@@ -34,22 +47,38 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
 MAGIC = 0x43525048  # 'HPRC'
-VERSION = 1
-HEADER_SIZE = 64
+VERSION = 2
+HEADER_SIZE = 256
 SLOT_SIZE = 64
 NO_TARGET = -1
+MASTER_ADDR_SIZE = 128
+CAP_RECONFIGURE = 1
 
-_HEADER = struct.Struct("<IIQqIIQq")  # magic, version, event_id, target, kind, reserved, round, world
+# magic, version, event_id, target, kind, reserved, round, world, group_rank, group_world, port, reserved, addr
+_HEADER = struct.Struct(f"<IIQqIIQqiiII{MASTER_ADDR_SIZE}s")
 _TARGET = struct.Struct("<q")
 _TARGET_OFFSET = 16
-_SLOT = struct.Struct("<qdQ")  # step, time, acked event
+_EVENT_ID_OFFSET = 8
+# step, time, acked event, capabilities, phase, round, snapshot step, phase time
+_SLOT = struct.Struct("<qdQIIQqd")
 _STEP = struct.Struct("<qd")  # the per-call part of a slot
 _ACK = struct.Struct("<Q")
+_ACK_OFFSET = 16
+_CAPS = struct.Struct("<I")
+_CAPS_OFFSET = 24
+_PHASE = struct.Struct("<I")
+_PHASE_OFFSET = 28
+_ROUND = struct.Struct("<Q")
+_ROUND_OFFSET = 32
+_SNAPSHOT_OFFSET = 40
+_PHASE_TIME = struct.Struct("<d")
+_PHASE_TIME_OFFSET = 48
 
 
 class EventKind(IntEnum):
@@ -57,11 +86,27 @@ class EventKind(IntEnum):
 
     NONE = 0
     SAVE_AND_EXIT = 1  # save a checkpoint and exit 0; the agent restarts the ranks at the new size
-    RECONFIGURE = 2  # reserved: rebuild the process group in place (checkpointless operation)
+    RECONFIGURE = 2  # rebuild the process group in place for the event's round (checkpointless)
+
+
+class RankPhase(IntEnum):
+    """Where a rank is in its life, as the agent reads it from the rank's slot."""
+
+    STARTING = 0
+    RUNNING = 1
+    PARKED = 2  # a pre-warmed joiner waiting for admission
+    RECONFIGURING = 3
+    READY = 4  # reconfigured into the event's round, about to take its first step there
+    LEAVING = 5
+    FAILED = 6
 
 
 class ControlChannelError(RuntimeError):
     """The control file is missing, foreign or of another layout version."""
+
+
+class AdmissionTimeoutError(ControlChannelError, TimeoutError):
+    """A parked rank was not admitted into a round within its timeout."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +116,15 @@ class Event:
     kind: EventKind
     round: int
     world_size: int
+    group_rank: int = -1  # this node's group rank in the new round; -1: the node leaves
+    group_world_size: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+
+    @property
+    def leaves(self) -> bool:
+        """Whether this node is not part of the event's round."""
+        return self.group_rank < 0
 
 
 @dataclass(frozen=True)
@@ -78,10 +132,33 @@ class RankProgress:
     step: int
     time: float
     acked_event: int
+    capabilities: int = 0
+    phase: RankPhase = RankPhase.STARTING
+    round: int = 0
+    snapshot_step: int = -1
+    phase_time: float = 0.0
+
+    @property
+    def reconfigurable(self) -> bool:
+        return bool(self.capabilities & CAP_RECONFIGURE)
 
 
 def channel_size(nproc: int) -> int:
     return HEADER_SIZE + SLOT_SIZE * nproc
+
+
+def _unpack_event(mm: mmap.mmap) -> Event | None:
+    _, _, event_id, target, kind, _, rnd, world, grank, gworld, port, _, addr = _HEADER.unpack_from(mm, 0)
+    if target == NO_TARGET:
+        return None
+    master = addr.rstrip(b"\0").decode("utf-8", errors="replace")
+    return Event(event_id, target, EventKind(kind), rnd, world, grank, gworld, master, port)
+
+
+def _empty_slot() -> bytes:
+    slot = bytearray(SLOT_SIZE)
+    _SLOT.pack_into(slot, 0, 0, 0.0, 0, 0, RankPhase.STARTING, 0, -1, 0.0)
+    return bytes(slot)
 
 
 class ControlWriter:
@@ -97,17 +174,46 @@ class ControlWriter:
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        _HEADER.pack_into(self._mm, 0, MAGIC, VERSION, 0, NO_TARGET, EventKind.NONE, 0, 0, -1)
+        _HEADER.pack_into(self._mm, 0, MAGIC, VERSION, 0, NO_TARGET, EventKind.NONE, 0, 0, -1, -1, 0, 0, 0, b"")
+        self.reset_ranks()
         self._event_id = 0
 
     def reset_ranks(self) -> None:
-        """Zero every rank slot and clear the pending event (before starting a new group)."""
-        self._mm[HEADER_SIZE:] = bytes(SLOT_SIZE * self.nproc)
+        """Reset every rank slot and clear the pending event (before starting a new group)."""
+        self._mm[HEADER_SIZE:] = _empty_slot() * self.nproc
         _TARGET.pack_into(self._mm, _TARGET_OFFSET, NO_TARGET)
 
-    def publish(self, *, event_id: int, target_step: int, kind: EventKind, round: int, world_size: int) -> None:
-        """Announce an event; the target step is written last so a reader never sees half an event."""
-        _HEADER.pack_into(self._mm, 0, MAGIC, VERSION, event_id, NO_TARGET, kind, 0, round, world_size)
+    def publish(
+        self,
+        *,
+        event_id: int,
+        target_step: int,
+        kind: EventKind,
+        round: int,
+        world_size: int,
+        group_rank: int = -1,
+        group_world_size: int = 0,
+        master_addr: str = "",
+        master_port: int = 0,
+    ) -> None:
+        """Announce an event; the target step is written last so a reader never sees half an event.
+
+        ``group_rank`` .. ``master_port`` describe the event's round for ``RECONFIGURE``
+        (``group_rank`` -1: this node leaves); ``SAVE_AND_EXIT`` needs none of them.
+        """
+        addr = master_addr.encode("utf-8")
+        if len(addr) > MASTER_ADDR_SIZE:
+            raise ValueError(f"master_addr is {len(addr)} bytes in utf-8, at most {MASTER_ADDR_SIZE} fit")
+        if not 0 <= master_port <= 0xFFFF:
+            raise ValueError(f"master_port must be in 0..65535, got {master_port}")
+        if target_step < 0:
+            raise ValueError(f"target_step must be >= 0, got {target_step}")
+        if kind is EventKind.RECONFIGURE and group_rank >= 0 and not (addr and master_port):
+            raise ValueError("a RECONFIGURE event for a node in the new round needs master_addr and master_port")
+        _HEADER.pack_into(
+            self._mm, 0, MAGIC, VERSION, event_id, NO_TARGET, kind, 0, round, world_size,
+            group_rank, group_world_size, master_port, 0, addr,
+        )  # fmt: skip
         _TARGET.pack_into(self._mm, _TARGET_OFFSET, target_step)
         self._event_id = event_id
 
@@ -115,13 +221,14 @@ class ControlWriter:
         _TARGET.pack_into(self._mm, _TARGET_OFFSET, NO_TARGET)
 
     def event(self) -> Event | None:
-        _, _, event_id, target, kind, _, rnd, world = _HEADER.unpack_from(self._mm, 0)
-        if target == NO_TARGET:
-            return None
-        return Event(event_id, target, EventKind(kind), rnd, world)
+        return _unpack_event(self._mm)
 
     def progress(self) -> list[RankProgress]:
-        return [RankProgress(*_SLOT.unpack_from(self._mm, HEADER_SIZE + SLOT_SIZE * r)) for r in range(self.nproc)]
+        out = []
+        for r in range(self.nproc):
+            step, t, acked, caps, phase, rnd, snap, phase_t = _SLOT.unpack_from(self._mm, HEADER_SIZE + SLOT_SIZE * r)
+            out.append(RankProgress(step, t, acked, caps, RankPhase(phase), rnd, snap, phase_t))
+        return out
 
     def close(self) -> None:
         self._mm.close()
@@ -141,30 +248,92 @@ class ControlReader:
             raise ControlChannelError(f"cannot open control file {path}: {e.strerror}") from None
         try:
             size = os.fstat(fd).st_size
-            if size < channel_size(local_rank + 1):
-                raise ControlChannelError(f"control file {path} has no slot for local rank {local_rank}")
+            if size < HEADER_SIZE:
+                raise ControlChannelError(f"control file {path} is not a hyperpodrun v{VERSION} control channel")
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         magic, version = struct.unpack_from("<II", self._mm, 0)
         if magic != MAGIC or version != VERSION:
             raise ControlChannelError(f"control file {path} is not a hyperpodrun v{VERSION} control channel")
+        if size < channel_size(local_rank + 1):
+            raise ControlChannelError(f"control file {path} has no slot for local rank {local_rank}")
         self._slot = HEADER_SIZE + SLOT_SIZE * local_rank
         self.step = 0
+        self._acked = _ACK.unpack_from(self._mm, self._slot + _ACK_OFFSET)[0]
+        self.fired: Event | None = None  # the event check() last returned True for
 
     def check(self) -> bool:
-        """Count one step; True when this step is the target step of a pending event."""
+        """Count one step; True once per event, at the first step at or past its target step."""
         step = self.step + 1
         self.step = step
         mm = self._mm
         _STEP.pack_into(mm, self._slot, step, time.time())
-        if _TARGET.unpack_from(mm, _TARGET_OFFSET)[0] != step:
+        target = _TARGET.unpack_from(mm, _TARGET_OFFSET)[0]
+        if target < 0 or target > step:
             return False
-        _ACK.pack_into(mm, self._slot + 16, _ACK.unpack_from(mm, 8)[0])
+        event_id = _ACK.unpack_from(mm, _EVENT_ID_OFFSET)[0]
+        if event_id == self._acked:
+            return False
+        self.acknowledge(event_id)
+        self.fired = _unpack_event(mm)
         return True
 
+    def acknowledge(self, event_id: int) -> None:
+        """Mark ``event_id`` as seen: :meth:`check` will not return True for it."""
+        self._acked = event_id
+        _ACK.pack_into(self._mm, self._slot + _ACK_OFFSET, event_id)
+
+    def set_step(self, step: int) -> None:
+        """Continue counting from ``step`` (a joiner adopts its peers' count at admission)."""
+        self.step = step
+        _STEP.pack_into(self._mm, self._slot, step, time.time())
+
+    def declare(self, capabilities: int) -> None:
+        """Add ``capabilities`` (e.g. :data:`CAP_RECONFIGURE`) to what the agent sees of this rank."""
+        caps = _CAPS.unpack_from(self._mm, self._slot + _CAPS_OFFSET)[0]
+        _CAPS.pack_into(self._mm, self._slot + _CAPS_OFFSET, caps | capabilities)
+
+    def set_phase(self, phase: RankPhase, *, round: int | None = None) -> None:
+        """Record a phase change (round first, phase last: a reader never sees READY with a stale round)."""
+        if round is not None:
+            _ROUND.pack_into(self._mm, self._slot + _ROUND_OFFSET, round)
+        _PHASE_TIME.pack_into(self._mm, self._slot + _PHASE_TIME_OFFSET, time.time())
+        _PHASE.pack_into(self._mm, self._slot + _PHASE_OFFSET, phase)
+
+    def progress(self) -> RankProgress:
+        """This rank's own slot, as the agent reads it."""
+        step, t, acked, caps, phase, rnd, snap, phase_t = _SLOT.unpack_from(self._mm, self._slot)
+        return RankProgress(step, t, acked, caps, RankPhase(phase), rnd, snap, phase_t)
+
     def event(self) -> Event | None:
-        _, _, event_id, target, kind, _, rnd, world = _HEADER.unpack_from(self._mm, 0)
-        if target == NO_TARGET:
-            return None
-        return Event(event_id, target, EventKind(kind), rnd, world)
+        return _unpack_event(self._mm)
+
+    def wait_for_admission(
+        self,
+        *,
+        timeout_s: float,
+        poll_s: float = 0.005,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> Event:
+        """Park until a ``RECONFIGURE`` event places this node in a round (``group_rank >= 0``).
+
+        Marks the rank PARKED and polls the header every ``poll_s``; the admitting event
+        is acknowledged (so :meth:`check` does not return True for it later). Raises
+        :class:`AdmissionTimeoutError` after ``timeout_s``.
+        """
+        self.set_phase(RankPhase.PARKED)
+        deadline = clock() + timeout_s
+        while True:
+            event = self.event()
+            if event is not None and event.kind is EventKind.RECONFIGURE and not event.leaves:
+                if event.event_id != self._acked:
+                    self.acknowledge(event.event_id)
+                    return event
+            if clock() >= deadline:
+                raise AdmissionTimeoutError(
+                    f"parked rank was not admitted into a round within {timeout_s:.0f}s "
+                    "(no RECONFIGURE event placing this node appeared on the control channel)"
+                )
+            sleep(poll_s)

@@ -384,6 +384,22 @@ class ElasticSampler(Sampler[list[int]]):
         self._set_position(state["epoch"], state["consumed"])
         self._generation += 1
 
+    def set_world(self, *, rank: int, world_size: int) -> None:
+        """Split the following global batches over a new world (an in-process resize).
+
+        The trained position is kept; iterators created before the call become invalid:
+        build a fresh loader iterator after it.
+        """
+        try:
+            plan = plan_global_batch(
+                global_batch=self.global_batch, micro_batch=self.micro_batch, world_size=world_size, rank=rank
+            )
+        except BatchPlanError as exc:
+            raise SamplerConfigError(str(exc)) from exc
+        self._full_plan = plan
+        self._set_position(self._epoch, self._consumed)
+        self._generation += 1
+
     def _set_position(self, epoch: int, consumed: int) -> None:
         self._epoch, self._consumed = self._normalize(epoch, consumed)
         self._drawn = (self._epoch, self._consumed)

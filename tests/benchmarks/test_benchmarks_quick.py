@@ -244,6 +244,15 @@ def test_step_overhead_smoke(out_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_hydration_smoke(out_dir: Path) -> None:
+    s = run_smoke("hydration", out_dir)["summary"]
+    for key in ("state_mb", "hydration_mb_per_s", "broadcast_mb_per_s", "ratio_to_broadcast"):
+        assert positive(s[key]), (key, s[key])
+    assert s["ratio_to_broadcast"] == pytest.approx(s["hydration_mb_per_s"] / s["broadcast_mb_per_s"], rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_checkpoint_smoke(out_dir: Path) -> None:
     data = run_smoke("checkpoint", out_dir)
     states = data["samples"]["states"]

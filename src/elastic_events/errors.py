@@ -1,0 +1,19 @@
+"""Errors of in-process reconfiguration (``ElasticTraining``): one base, one class per failure."""
+
+from __future__ import annotations
+
+
+class ElasticTrainingError(RuntimeError):
+    """The in-process API could not carry the rank into the next round; the message says why."""
+
+
+class GroupError(ElasticTrainingError):
+    """The new round's process group could not be formed."""
+
+
+class HydrationError(ElasticTrainingError):
+    """A newcomer could not be given the training state."""
+
+
+class StateMismatchError(HydrationError):
+    """The ranks of a round hold state that does not agree; training on it would be wrong."""

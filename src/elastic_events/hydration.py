@@ -1,0 +1,207 @@
+"""Peer hydration: newcomers of a round receive the training state from a survivor, never from storage.
+
+Once the new round's group is up, every rank reports what it holds
+(:class:`RankReport`: whether it survived the last round with its state, its step,
+a structure digest and, for replicated models, a checksum of its parameters), and
+:func:`plan_hydration` -- a pure function of the reports -- picks the source or
+raises :class:`StateMismatchError` (survivors at different steps, replicas that
+differ, models of another shape): state that does not agree is never trained on.
+
+What travels:
+
+* replicated models (plain, DDP): the source streams the parameters, all buffers and
+  the optimizer state into the newcomers' own tensors with
+  :func:`~elastic_events.transfer.broadcast_tensors` (bounded buckets), over a
+  subgroup of the source and the newcomers;
+* sharded models (FSDP2): before the old group is torn down its members gather each
+  full tensor onto the rank that becomes rank 0 of the new round
+  (:func:`gather_full_state`); in the new round every rank rebuilds its model on the
+  new mesh and receives, parameter by parameter, only its own shards
+  (``set_model_state_dict(..., broadcast_from_rank0=True)``);
+* small state (scheduler, sampler position, step, user extras, control-channel step,
+  base seed) as one pickled object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from elastic_events.errors import HydrationError, StateMismatchError
+
+__all__ = ["HydrationError", "HydrationPlan", "RankReport", "StateMismatchError", "plan_hydration"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankReport:
+    """What one rank holds when a new round's group has formed."""
+
+    rank: int
+    survivor: bool  # trained in the previous round and kept its state
+    source_ready: bool  # holds a complete state it can send (a replica, or a gathered full state)
+    step: int  # training step (-1 for a newcomer)
+    structure: str  # digest of the names, global shapes and dtypes of parameters and buffers
+    checksum: str | None  # digest of the parameter values (replicated survivors only)
+    sharded: bool | None  # None: not known yet (a newcomer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HydrationPlan:
+    source: int | None  # None: no rank holds a complete state (storage is the fallback)
+    newcomers: tuple[int, ...]
+    survivors: tuple[int, ...]
+    sharded: bool
+    step: int
+
+
+def plan_hydration(reports: Sequence[RankReport]) -> HydrationPlan:
+    """Who sends the state to whom; raises :class:`StateMismatchError` when the state disagrees."""
+    reports = sorted(reports, key=lambda r: r.rank)
+    first = reports[0]
+    for r in reports[1:]:
+        if r.structure != first.structure:
+            raise StateMismatchError(
+                f"rank {r.rank}'s model has other parameter names, shapes or dtypes than rank {first.rank}'s: "
+                "every rank must build the same model"
+            )
+    survivors = [r for r in reports if r.survivor]
+    newcomers = tuple(r.rank for r in reports if not r.survivor)
+    steps = sorted({r.step for r in survivors})
+    if len(steps) > 1:
+        detail = ", ".join(f"rank {r.rank} at step {r.step}" for r in survivors)
+        raise StateMismatchError(f"survivors hold different steps ({detail}): refusing to train on mismatched state")
+    modes = {r.sharded for r in survivors}
+    if len(modes) > 1:
+        raise StateMismatchError("some survivors hold a sharded (FSDP2) model and others a replicated one")
+    sharded = bool(modes.pop()) if modes else False
+    if not sharded:
+        sums = {r.checksum for r in survivors}
+        if len(sums) > 1:
+            detail = ", ".join(f"rank {r.rank}: {r.checksum}" for r in survivors)
+            raise StateMismatchError(f"survivors' model replicas differ at step {steps[0]} ({detail})")
+    sources = [r.rank for r in reports if r.source_ready]
+    return HydrationPlan(
+        source=sources[0] if sources else None,
+        newcomers=newcomers,
+        survivors=tuple(r.rank for r in survivors),
+        sharded=sharded,
+        step=steps[0] if steps else -1,
+    )
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def model_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters, then all buffers (persistent or not), in a fixed order."""
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def structure_digest(module: torch.nn.Module) -> str:
+    spec = [(name, tuple(t.shape), str(t.dtype)) for name, t in model_tensors(module)]  # DTensor: global shape
+    return hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def value_checksum(module: torch.nn.Module) -> str:
+    """A cheap digest of the parameter values: one float64 sum per tensor, one device sync."""
+    sums = [t.detach().double().sum() for _, t in model_tensors(module) if t.is_floating_point() and t.numel()]
+    if not sums:
+        return "empty"
+    return hashlib.sha256(torch.stack(sums).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------- optimizer state
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor left out of a pickled skeleton; it travels separately."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_accelerator: bool
+
+
+def split_tensors(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``obj`` with every tensor replaced by a :class:`TensorSpec`, and the tensors in order."""
+    found: list[torch.Tensor] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+            return TensorSpec(len(found) - 1, tuple(x.shape), x.dtype, x.device.type != "cpu")
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(obj), found
+
+
+def allocate_tensors(skeleton: Any, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
+    """The receiving side of :func:`split_tensors`: empty tensors where the specs are."""
+    made: list[torch.Tensor] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, TensorSpec):
+            t = torch.empty(x.shape, dtype=x.dtype, device=device if x.on_accelerator else "cpu")
+            made.append(t)
+            return t
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(skeleton), made
+
+
+# ------------------------------------------------------------------- sharded models
+
+
+@dataclass
+class FullState:
+    """A sharded model's full state, held by one rank between two rounds (CPU memory)."""
+
+    model: dict[str, Any] = field(default_factory=dict)
+    optimizer: dict[str, Any] = field(default_factory=dict)
+
+
+def _full_tree(tree: Any, keep: bool) -> Any:
+    """Every DTensor of ``tree`` all-gathered (a collective per tensor, in order); CPU copies kept if ``keep``."""
+    if isinstance(tree, DTensor):
+        full = tree.full_tensor()
+        return full.cpu() if keep else None
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().clone() if keep else None
+    if isinstance(tree, dict):
+        return {k: _full_tree(v, keep) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_full_tree(v, keep) for v in tree]
+    return tree
+
+
+def gather_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, holder: int) -> FullState | None:
+    """On the old group: every rank takes part, only ``holder`` keeps the full state (one tensor at a time)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    keep = dist.get_rank() == holder
+    model_sd = _full_tree(get_model_state_dict(model), keep)
+    optim_sd = _full_tree(get_optimizer_state_dict(model, optimizer), keep) if optimizer is not None else {}
+    return FullState(model=model_sd, optimizer=optim_sd) if keep else None
+
+
+def nonpersistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Buffers a state dict leaves out (e.g. rotary tables): they travel with the model tensors."""
+    persistent = set(module.state_dict().keys())
+    return [b for name, b in module.named_buffers() if name not in persistent]
+

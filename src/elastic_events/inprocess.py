@@ -1,0 +1,499 @@
+"""Checkpointless scale events: ranks keep running through a world-size change.
+
+:class:`ElasticTraining` owns what a rank trains with -- the model (and the wrapper
+that parallelises it), optimizer, LR scheduler, sampler, step and small extras --
+and the process group. A script needs a handful of lines::
+
+    elastic = ElasticTraining(
+        model_fn=lambda: Net(),                       # the bare model (``meta`` is fine)
+        optimizer_fn=lambda model: AdamW(model.parameters()),
+        sampler=sampler, checkpointer=ckpt,           # both optional
+    ).start()                                         # group up; parked joiner: admitted and hydrated
+    while elastic.step < steps:
+        for batch in sampler.steps(loader):
+            train_step(elastic.model, elastic.optimizer, batch)
+            sampler.mark_step(); elastic.step += 1
+            if elastic_event_detected():
+                if not elastic.reconfigure():         # left the job, or saved for a restart
+                    return 0
+                break                                 # new world: new loader iterator
+
+At a ``RECONFIGURE`` event the rank tears its process group down and joins the new
+round's (see :mod:`elastic_events.group`), newcomers receive the state from a
+survivor (:mod:`elastic_events.hydration`), the model is wrapped again (DDP) or
+re-sharded onto the new mesh (FSDP2), the sampler is split over the new world and
+every rank re-derives its RNG stream from ``(base seed, step, rank)``. A leaving
+rank returns False and should exit 0. At a ``SAVE_AND_EXIT`` event (a job where some
+rank does not use this API, or ``--restart-mode process``) it saves through the
+checkpointer and returns False. Under ``torchrun`` or as a plain script no event
+ever arrives and every call is what it would be without elasticity.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import elastic_events
+from elastic_events import eventlog
+from elastic_events.errors import ElasticTrainingError
+from elastic_events.control import CAP_RECONFIGURE, ControlReader, Event, EventKind, RankPhase
+from elastic_events.group import RoundSpec, backend_for, default_device, init_env_group, init_round_group, teardown_group
+from elastic_events.hydration import (
+    FullState,
+    RankReport,
+    allocate_tensors,
+    gather_full_state,
+    model_tensors,
+    nonpersistent_buffers,
+    plan_hydration,
+    split_tensors,
+    structure_digest,
+    value_checksum,
+)
+from elastic_events.rng import derive_rank_seed, seed_all
+from elastic_events.transfer import broadcast_tensors
+
+PARKED_ENV = "HYPERPODRUN_PARKED"
+
+ModelFn = Callable[[], torch.nn.Module]
+WrapFn = Callable[[torch.nn.Module], torch.nn.Module]
+OptimizerFn = Callable[[torch.nn.Module], torch.optim.Optimizer]
+SchedulerFn = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass(kw_only=True)
+class _Kept:
+    """What a survivor takes from its old round into the new one (besides its live objects)."""
+
+    step: int
+    sharded: bool
+    structure: str
+    checksum: str | None
+    full: FullState | None = None  # a sharded model's full state, on the new round's rank 0
+    small: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticConfig:
+    """How :class:`ElasticTraining` waits and moves state."""
+
+    timeout_s: float = 600.0  # forming a group, hydration and every collective of a round
+    admission_timeout_s: float = 86_400.0  # how long a parked joiner waits to be admitted
+    poll_s: float = 0.005  # a parked joiner's look at the control channel
+    bucket_mb: float = 64.0  # largest broadcast of the state transfer
+    device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
+    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "admission_timeout_s", "poll_s", "bucket_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
+
+
+def default_wrap(module: torch.nn.Module) -> torch.nn.Module:
+    """DDP over the current group (``device_ids`` on CUDA); the bare model in a single process."""
+    if not dist.is_initialized():
+        return module
+    device = next(module.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for _, t in model_tensors(module))
+
+
+class ElasticTraining:
+    """A rank's training state and process group, kept alive through scale events.
+
+    Args:
+        model_fn: builds the bare model (same architecture on every rank; may build on ``meta``).
+        wrap: prepares the bare model for the current world and returns what the loop calls
+            (default: DDP when a group is up, else the model itself). It runs at start and again
+            in every new round; for FSDP2 it calls ``fully_shard`` and materialises a ``meta``
+            model (``to_empty`` + init) itself.
+        optimizer_fn: builds the optimizer of the wrapped model.
+        scheduler_fn: builds the LR scheduler of an optimizer (optional).
+        sampler: the data position (``state_dict``/``load_state_dict``; ``set_world`` if it
+            splits batches over ranks, like :class:`~elastic_events.sampler.ElasticSampler`).
+        checkpointer: a :class:`~elastic_events.checkpoint.Checkpointer`: loaded from at
+            start, written at a ``SAVE_AND_EXIT`` event; storage is the fallback only.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_fn: ModelFn,
+        wrap: WrapFn | None = None,
+        optimizer_fn: OptimizerFn | None = None,
+        scheduler_fn: SchedulerFn | None = None,
+        sampler: Any = None,
+        checkpointer: Any = None,
+        config: ElasticConfig | None = None,
+    ) -> None:
+        if not callable(model_fn):
+            raise ElasticTrainingError(f"model_fn must be callable, got {type(model_fn).__name__}")
+        self.config = config or ElasticConfig()
+        self._model_fn, self._wrap = model_fn, wrap or default_wrap
+        self._optimizer_fn, self._scheduler_fn = optimizer_fn, scheduler_fn
+        self.sampler, self.checkpointer = sampler, checkpointer
+        self.module: torch.nn.Module | None = None  # the bare model (for FSDP2: the sharded model itself)
+        self.model: torch.nn.Module | None = None  # what the loop calls: wrapped when a group is up
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.step = 0
+        self.extra: dict[str, Any] = {}
+        self.resumed_from = "fresh"  # how start() got the state: fresh, checkpoint or peers
+        self.round = int(os.environ.get("HYPERPODRUN_ROUND", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.device = torch.device(self.config.device) if self.config.device else default_device(self.local_rank)
+        self.backend = self.config.backend or backend_for(self.device)
+        self._base_seed = torch.initial_seed()
+        self._store: Any = None
+        self._reader: ControlReader | None = None
+        self._started = False
+
+    # ------------------------------------------------------------------ the world
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.distributed else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if self.distributed else 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # --------------------------------------------------------------------- start
+    def start(self) -> ElasticTraining:
+        """Join the group and build the state: from the environment (torchrun, hyperpodrun,
+        plain python), or, for a parked joiner (``HYPERPODRUN_PARKED=1``), at admission
+        into a round, with the state received from its peers."""
+        if self._started:
+            raise ElasticTrainingError("start() was already called")
+        self._started = True
+        atexit.register(self.close)  # stores and groups must not outlive the interpreter's shutdown
+        self._reader = elastic_events._channel()
+        if self._reader is not None:
+            self._reader.declare(CAP_RECONFIGURE)
+        if os.environ.get(PARKED_ENV) == "1":
+            return self._start_parked()
+        if "RANK" in os.environ and "WORLD_SIZE" not in os.environ:
+            raise ElasticTrainingError("RANK is set but WORLD_SIZE is not: launch with torchrun or hyperpodrun")
+        init_env_group(device=self.device, backend=self.backend, timeout_s=self.config.timeout_s)
+        self._build(self._model_fn())
+        if self.checkpointer is not None and self.checkpointer.latest() is not None:
+            self._load_checkpoint()
+        self._set_world()
+        self._phase(RankPhase.RUNNING)
+        return self
+
+    def _start_parked(self) -> ElasticTraining:
+        if self._reader is None:
+            raise ElasticTrainingError(
+                f"{PARKED_ENV}=1 needs the control channel (HYPERPODRUN_CONTROL_FILE): only hyperpodrun parks ranks"
+            )
+        module = self._model_fn()  # built while parked: admission pays group init and hydration only
+        event = self._reader.wait_for_admission(timeout_s=self.config.admission_timeout_s, poll_s=self.config.poll_s)
+        try:
+            self._join(event, kept=None, fresh_module=module)
+        except BaseException:
+            self._phase(RankPhase.FAILED)
+            raise
+        return self
+
+    # ------------------------------------------------------------------- events
+    def reconfigure(self) -> bool:
+        """Act on the event ``elastic_event_detected()`` just returned True for.
+
+        Returns True when this rank goes on training in the new round (rebuild the
+        loader iterator: the sampler was split over the new world), False when it must
+        exit 0 (its node leaves, or the event is a restart and the state was saved).
+        """
+        event = self._reader.fired if self._reader is not None else None
+        if event is None:
+            raise ElasticTrainingError(
+                "reconfigure() without a pending event: call it when elastic_event_detected() returns True"
+            )
+        self._reader.fired = None
+        if event.kind is EventKind.SAVE_AND_EXIT:
+            return self._save_and_exit(event)
+        if event.kind is not EventKind.RECONFIGURE:
+            raise ElasticTrainingError(f"event {event.event_id} has unknown kind {event.kind!r}")
+        self._phase(RankPhase.RECONFIGURING)
+        try:
+            return self._reconfigure(event)
+        except BaseException:
+            self._phase(RankPhase.FAILED)
+            raise
+
+    def _save_and_exit(self, event: Event) -> bool:
+        if self.checkpointer is None:
+            print(
+                f"rank {self.rank}: restart event {event.event_id} at step {self.step} and no checkpointer: "
+                "the restarted job starts without this state", file=sys.stderr, flush=True,
+            )  # fmt: skip
+        else:
+            self.save_checkpoint()
+            self.checkpointer.wait()
+        return False
+
+    def _reconfigure(self, event: Event) -> bool:
+        t0 = time.monotonic()
+        kept = self._release(event)
+        if event.leaves:
+            self._phase(RankPhase.LEAVING)
+            return False
+        self._join(event, kept=kept, fresh_module=None, torn_down_s=time.monotonic() - t0)
+        return True
+
+    def _release(self, event: Event) -> _Kept:
+        """Leave the old round: note what this rank keeps, drop what referred to the old group, tear it down."""
+        sharded = self.distributed and _is_sharded(self.model)
+        kept = _Kept(
+            step=self.step,
+            sharded=sharded,
+            structure=structure_digest(self.module),
+            checksum=None if sharded else value_checksum(self.module),
+        )
+        if sharded:
+            # The shards of a leaving rank exist nowhere else: gather the full state onto the rank
+            # that becomes rank 0 of the new round, before the old group goes.
+            new_rank = -1 if event.leaves else event.group_rank * self.local_world_size + self.local_rank
+            ranks: list[int] = [0] * self.world_size
+            dist.all_gather_object(ranks, new_rank)
+            if 0 not in ranks:
+                raise ElasticTrainingError(f"no rank of round {self.round} becomes rank 0 of round {event.round}")
+            kept.full = gather_full_state(self.model, self.optimizer, holder=ranks.index(0))
+            if kept.full is not None:
+                kept.small = self._small_state()
+            self.module = self.model = self.optimizer = self.scheduler = None  # rebuilt on the new mesh
+        else:
+            self.model = self.module  # the DDP wrapper belongs to the old group
+        gc.collect()  # nothing of the old group may outlive it
+        teardown_group()
+        self._store = None
+        return kept
+
+    # ----------------------------------------------------------------- a round
+    def _join(
+        self,
+        event: Event,
+        *,
+        kept: _Kept | None,
+        fresh_module: torch.nn.Module | None,
+        torn_down_s: float = 0.0,
+    ) -> None:
+        """Form the event's group, bring every rank to the same state, mark READY."""
+        spec = RoundSpec.from_event(event, local_rank=self.local_rank, local_world_size=self.local_world_size)
+        os.environ.update(spec.environment())
+        t0 = time.monotonic()
+        eventlog.emit("group_torn_down", event_id=event.event_id, step=self.step, seconds=torn_down_s)
+        self._store = init_round_group(spec, device=self.device, backend=self.backend, timeout_s=self.config.timeout_s)
+        self.round = event.round
+        eventlog.emit("group_up", event_id=event.event_id, seconds=time.monotonic() - t0)
+        t1 = time.monotonic()
+        survivor = kept is not None
+        report = RankReport(
+            rank=spec.rank,
+            survivor=survivor,
+            source_ready=survivor and (not kept.sharded or kept.full is not None),
+            step=kept.step if survivor else -1,
+            structure=kept.structure if survivor else structure_digest(fresh_module),
+            checksum=kept.checksum if survivor else None,
+            sharded=kept.sharded if survivor else None,
+        )
+        reports: list[Any] = [None] * spec.world_size
+        dist.all_gather_object(reports, report)
+        plan = plan_hydration(reports)
+        if plan.source is None:
+            self._rebuild_from_storage(fresh_module)
+        elif plan.sharded:
+            self._reshard(plan.source, kept, fresh_module)
+        else:
+            self._replicate(plan.source, plan.newcomers, fresh_module)
+            if survivor:
+                self.model = self._wrap(self.module)  # DDP over the new group (newcomers wrapped above)
+        self._set_world()
+        seed_all(derive_rank_seed(self._base_seed, self.step, self.rank))
+        if self._reader is not None and not survivor:
+            self._reader.set_step(self._control_step)
+        self._phase(RankPhase.READY)
+        elastic_events._new_round("reconfigure" if survivor else "admitted")
+        eventlog.emit(
+            "hydrated", event_id=event.event_id, step=self.step, seconds=time.monotonic() - t1,
+            newcomers=len(plan.newcomers), from_rank=plan.source, sharded=plan.sharded,
+        )  # fmt: skip
+
+    def _small_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "extra": self.extra,
+            "base_seed": self._base_seed,
+            "control_step": self._reader.step if self._reader is not None else 0,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+        }
+
+    def _load_small_state(self, state: dict[str, Any]) -> None:
+        self.resumed_from = "peers"
+        self.step, self.extra, self._base_seed = state["step"], state["extra"], state["base_seed"]
+        self._control_step = state["control_step"]
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.sampler is not None and state["sampler"] is not None:
+            self.sampler.load_state_dict(state["sampler"])
+
+    def _replicate(self, source: int, newcomers: tuple[int, ...], fresh_module: torch.nn.Module | None) -> None:
+        """Replicated model: the source streams everything to the newcomers; survivors re-wrap."""
+        if not newcomers:
+            return
+        members = sorted((source, *newcomers))
+        group = None if len(members) == self.world_size else dist.new_group(members, timeout=self._timeout())
+        if self.rank not in members:
+            return
+        sending = self.rank == source
+        if not sending:
+            self.module = fresh_module
+            if _on_meta(self.module):
+                self.module.to_empty(device=self.device)
+        skeleton, optim_tensors = None, []
+        if sending and self.optimizer is not None:
+            skeleton, optim_tensors = split_tensors(self.optimizer.state_dict())
+        box = [(skeleton, self._small_state()) if sending else None]
+        dist.broadcast_object_list(box, src=source, group=group)
+        skeleton, small = box[0]
+        optim_state = None
+        if not sending and skeleton is not None:
+            optim_state, optim_tensors = allocate_tensors(skeleton, self.device)
+        tensors = [t for _, t in model_tensors(self.module)]
+        broadcast_tensors(
+            [*tensors, *optim_tensors], src=source, group=group, device=self._comm_device(),
+            bucket_bytes=self.config.bucket_bytes,
+        )  # fmt: skip
+        if not sending:
+            self.model = self._wrap(self.module)
+            self._build_optimizer()
+            if optim_state is not None:
+                self.optimizer.load_state_dict(optim_state)
+            self._load_small_state(small)
+
+    def _reshard(self, source: int, kept: _Kept | None, fresh_module: torch.nn.Module | None) -> None:
+        """Sharded model: everyone rebuilds on the new mesh and takes its shards of the full state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if source != 0:
+            raise ElasticTrainingError(f"the full state of the sharded model is on rank {source}, not on rank 0")
+        full = kept.full if kept is not None else None
+        box = [kept.small if full is not None else None]
+        self.module = fresh_module if fresh_module is not None else self._model_fn()
+        self.model = self._wrap(self.module)
+        self._check_materialised()
+        self._build_optimizer()
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.model, full.model if full else {}, options=options)
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, full.optimizer if full else {}, options=options)
+        if kept is not None:
+            kept.full = full = None
+        buffers = nonpersistent_buffers(self.model)
+        broadcast_tensors(buffers, src=0, device=self._comm_device(), bucket_bytes=self.config.bucket_bytes)
+        dist.broadcast_object_list(box, src=0)
+        self._load_small_state(box[0])
+
+    def _rebuild_from_storage(self, fresh_module: torch.nn.Module | None) -> None:
+        """No rank holds a complete state: every rank builds its model and loads the newest checkpoint."""
+        self._build(fresh_module if fresh_module is not None else self._model_fn())
+        self._control_step = 0
+        if self.checkpointer is not None and self.checkpointer.latest() is not None:
+            self._load_checkpoint()
+
+    def close(self) -> None:
+        """Leave the process group at the end of training (also run at interpreter exit)."""
+        if self.distributed:
+            teardown_group()
+        self._store = None
+
+    # ---------------------------------------------------------------- building
+    def _build(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.model = self._wrap(module)
+        self._check_materialised()
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        self.optimizer = self._optimizer_fn(self.model) if self._optimizer_fn is not None else None
+        if self._scheduler_fn is not None and self.optimizer is not None:
+            self.scheduler = self._scheduler_fn(self.optimizer)
+
+    def _check_materialised(self) -> None:
+        if _on_meta(self.model):
+            raise ElasticTrainingError(
+                "the model is still on the meta device after wrap(): materialise it there (to_empty + init)"
+            )
+
+    def _set_world(self) -> None:
+        if self.sampler is not None and hasattr(self.sampler, "set_world"):
+            self.sampler.set_world(rank=self.rank, world_size=self.world_size)
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def _timeout(self):
+        from datetime import timedelta
+
+        return timedelta(seconds=self.config.timeout_s)
+
+    def _phase(self, phase: RankPhase) -> None:
+        if self._reader is not None:
+            self._reader.set_phase(phase, round=self.round)
+
+    # -------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> None:
+        """Save the state at :attr:`step` through the checkpointer (collective)."""
+        self.checkpointer.save(
+            self.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            data=self.sampler, extra=self.extra,
+        )  # fmt: skip
+
+    def _load_checkpoint(self) -> None:
+        loaded = self.checkpointer.load(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, data=self.sampler
+        )
+        if loaded is not None:
+            self.step, self.extra = loaded.step, dict(loaded.extra)
+            self.resumed_from = "checkpoint"

@@ -1,0 +1,81 @@
+"""Who hydrates whom, and what state is refused (pure), and the tensor/skeleton split of optimizer state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_events.hydration import (
+    RankReport,
+    StateMismatchError,
+    TensorSpec,
+    allocate_tensors,
+    plan_hydration,
+    split_tensors,
+    structure_digest,
+    value_checksum,
+)
+
+
+def survivor(rank: int, step: int = 10, checksum: str = "c0", *, sharded: bool = False, ready: bool = True) -> RankReport:
+    return RankReport(rank=rank, survivor=True, source_ready=ready, step=step, structure="s",
+                      checksum=None if sharded else checksum, sharded=sharded)  # fmt: skip
+
+
+def newcomer(rank: int, structure: str = "s") -> RankReport:
+    return RankReport(rank=rank, survivor=False, source_ready=False, step=-1, structure=structure, checksum=None, sharded=None)
+
+
+def test_the_lowest_ready_survivor_sends_to_the_newcomers() -> None:
+    plan = plan_hydration([newcomer(3), survivor(1), survivor(0), newcomer(2)])
+    assert (plan.source, plan.newcomers, plan.survivors, plan.sharded, plan.step) == (0, (2, 3), (0, 1), False, 10)
+
+
+def test_sharded_state_comes_from_the_rank_holding_the_full_state() -> None:
+    reports = [survivor(0, sharded=True), survivor(1, sharded=True, ready=False), newcomer(2)]
+    plan = plan_hydration(reports)
+    assert (plan.source, plan.sharded, plan.newcomers) == (0, True, (2,))
+
+
+def test_without_survivors_there_is_no_source() -> None:
+    plan = plan_hydration([newcomer(0), newcomer(1)])
+    assert (plan.source, plan.survivors, plan.step) == (None, (), -1)
+
+
+@pytest.mark.parametrize(
+    ("reports", "message"),
+    [
+        ([survivor(0, 10), survivor(1, 11), newcomer(2)], r"survivors hold different steps \(rank 0 at step 10, rank 1 at step 11\)"),
+        ([survivor(0, checksum="a"), survivor(1, checksum="b")], "survivors' model replicas differ at step 10"),
+        ([survivor(0), newcomer(1, structure="other")], "rank 1's model has other parameter names"),
+        ([survivor(0, sharded=True), survivor(1)], "some survivors hold a sharded"),
+    ],
+)
+def test_state_that_does_not_agree_is_refused(reports, message) -> None:
+    with pytest.raises(StateMismatchError, match=message):
+        plan_hydration(reports)
+
+
+def test_digests_see_shapes_and_values() -> None:
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    assert structure_digest(a) == structure_digest(b) != structure_digest(torch.nn.Linear(2, 3))
+    assert value_checksum(a) != value_checksum(b)
+    b.load_state_dict(a.state_dict())
+    assert value_checksum(a) == value_checksum(b)
+
+
+def test_optimizer_state_splits_into_a_skeleton_and_tensors() -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    skeleton, tensors = split_tensors(opt.state_dict())
+    assert isinstance(skeleton["state"][0]["exp_avg"], TensorSpec) and len(tensors) == 6
+    rebuilt, empty = allocate_tensors(skeleton, torch.device("cpu"))
+    for dst, src in zip(empty, tensors):
+        dst.copy_(src)
+    other = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.5)
+    other.load_state_dict(rebuilt)
+    assert other.param_groups[0]["lr"] == 0.1
+    assert torch.equal(other.state_dict()["state"][1]["exp_avg_sq"], opt.state_dict()["state"][1]["exp_avg_sq"])

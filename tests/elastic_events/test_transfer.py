@@ -1,0 +1,82 @@
+"""Chunked transfer: the bucket plan (pure) and a real two-rank gloo broadcast of mixed tensors."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.cluster import free_port
+from support.launch import clean_env
+
+from elastic_events.transfer import plan_buckets
+
+WORKER = Path(__file__).resolve().parent / "workers" / "transfer_check.py"
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def covered(sizes: list[int], bucket: int) -> dict[int, list[tuple[int, int]]]:
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for b in plan_buckets(sizes, bucket):
+        assert 0 < b.nbytes <= bucket
+        if b.direct:
+            assert len(b.pieces) == 1 and sizes[b.pieces[0].index] >= bucket
+        offsets = [p.offset for p in b.pieces]
+        assert offsets == sorted(offsets) and all(p.offset + p.length <= bucket for p in b.pieces)
+        for p in b.pieces:
+            spans.setdefault(p.index, []).append((p.start, p.start + p.length))
+    return spans
+
+
+def test_plan_packs_small_tensors_and_slices_large_ones() -> None:
+    plan = plan_buckets([10, 250, 60, 30, 100, 0, 45], 100)
+    shapes = [(b.direct, [(p.index, p.start, p.length, p.offset) for p in b.pieces]) for b in plan]
+    assert shapes == [
+        (True, [(1, 0, 100, 0)]), (True, [(1, 100, 100, 0)]), (True, [(1, 200, 50, 0)]),
+        (True, [(4, 0, 100, 0)]),
+        (False, [(0, 0, 10, 0), (2, 0, 60, 10), (3, 0, 30, 70)]),
+        (False, [(6, 0, 45, 0)]),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_moves_every_byte_once_within_the_bucket(seed: int) -> None:
+    rng = random.Random(seed)
+    bucket = rng.randint(1, 64)
+    sizes = [rng.choice([0, 1, rng.randint(1, 200)]) for _ in range(rng.randint(0, 30))]
+    spans = covered(sizes, bucket)
+    for index, size in enumerate(sizes):
+        ends = [0]
+        for start, end in sorted(spans.get(index, [])):
+            assert start == ends[-1], f"tensor {index}: bytes {ends[-1]}..{start} missed or sent twice"
+            ends.append(end)
+        assert ends[-1] == size
+
+
+def test_plan_rejects_an_empty_bucket() -> None:
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 1"):
+        plan_buckets([1], 0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_receivers_get_every_tensor_bitwise_with_one_bucket_of_staging(world: int) -> None:
+    port, bucket = free_port(), 256
+    env = clean_env(PYTHONPATH=str(SRC))
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(bucket)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for r in range(world)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["same"] for r in results), results
+    nbytes = 15 * 4 + 7 * 2 + 4 * 8 + 9 + 8 + 24 * 4 + 1000 * 4 + 0 + 6 * 2
+    assert {r["nbytes"] for r in results} == {nbytes}
+    assert {r["staging"] for r in results} <= set(range(1, bucket + 1))
+    assert {r["broadcasts"] for r in results} == {len(plan_buckets([60, 14, 32, 9, 8, 96, 4000, 0, 12], bucket))}
