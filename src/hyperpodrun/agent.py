@@ -36,8 +36,8 @@ from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
-from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
-from elastic_events.control import ControlWriter, EventKind, RankProgress
+from hyperpodrun.supervisor import GroupAssignment, WorkerGroup, WorkerState, become_subreaper
+from elastic_events.control import ControlWriter, EventKind, RankPhase, RankProgress
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,20 @@ def worker_env(
     return env
 
 
+#: What a parked rank must not see: it learns its rank, world and master at admission.
+ROUND_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def parked_env(env: dict[str, str]) -> dict[str, str]:
+    """A pre-warmed joiner's environment: no round yet (``HYPERPODRUN_PARKED=1``)."""
+    return {**{k: v for k, v in env.items() if k not in ROUND_VARIABLES}, "HYPERPODRUN_PARKED": "1"}
+
+
+def _parked_round(nproc: int) -> RoundInfo:
+    return RoundInfo(round=0, assignment=GroupAssignment(group_rank=0, group_world_size=1, nproc_per_node=nproc,
+                     master_addr="", master_port=0), members=())  # fmt: skip
+
+
 def base_env(config: LaunchConfig) -> dict[str, str]:
     env = dict(os.environ)
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
@@ -135,6 +149,7 @@ class Agent:
         self._signal: int | None = None
         self._wake = threading.Event()
         self._outage_since: float | None = None
+        self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
         self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
     # -- public ------------------------------------------------------------------------
@@ -148,8 +163,9 @@ class Agent:
         try:
             self._loop()
         finally:
-            if self._group is not None and self._group.state == WorkerState.HEALTHY:
-                self._group.stop(grace=self.config.shutdown_timeout)
+            for group in (self._group, self._parked):
+                if group is not None and group.state == WorkerState.HEALTHY:
+                    group.stop(grace=self.config.shutdown_timeout)
             self._restore_signal_handlers(previous)
             if self._reaper is not None:
                 self._reaper.close()
@@ -172,7 +188,7 @@ class Agent:
         while True:
             self.state = AgentState.RENDEZVOUS
             try:
-                rnd = self._guard_store(lambda: rdzv.next_round(timeout=self.rdzv_timeout))
+                rnd = self._guard_store(lambda: rdzv.next_round(timeout=self.rdzv_timeout, prewarm=self._prewarm))
             except RendezvousClosedError as e:
                 self._finish_closed(str(e), succeeded=e.status != "failed", left=e.status == "left")
                 return
@@ -184,20 +200,41 @@ class Agent:
                     f"round {rnd.round}: {len(rnd.members)} node(s), world size {rnd.assignment.world_size}, "
                     f"this node is group rank {rnd.assignment.group_rank} ({rnd.reason.value})"
                 )
-            group = self._start_group(rnd, rnd.reason)
+            if rnd.admission is not None:  # admitted in place: the (pre-warmed) ranks join the running job
+                group, pending = self._admit(rnd), rnd.admission
+            else:
+                self._drop_parked()
+                group, pending = self._start_group(rnd, rnd.reason), None
             self.state = AgentState.RUNNING
-            directive = self._monitor(group)
+            while True:
+                directive, in_place = self._monitor(group, pending)
+                if not in_place:
+                    break
+                pending = None
+                if rnd.admission is None or directive.event_id != rnd.admission.event_id:
+                    rnd = rdzv.entered_in_place(directive)  # a member's ranks moved rounds in place
+                group.assignment = rnd.assignment
+                self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
+                self.events.emit(EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value, in_place=True)
+                _say(
+                    f"round {rnd.round}: ranks reconfigured in place, world size {rnd.assignment.world_size}, "
+                    f"this node is group rank {rnd.assignment.group_rank}"
+                )
             if directive.kind == DirectiveKind.EXIT:
                 if not rdzv.elastic:  # an elastic job's outcome is logged once, by its decider
                     self.events.emit(EventType.JOB_SUCCEEDED if directive.exit_code == 0 else EventType.JOB_FAILED, reason=directive.reason)
                 self._finish_closed(directive.reason, succeeded=directive.exit_code == 0)
                 return
 
-    def _monitor(self, group: WorkerGroup) -> Directive:
-        """Watch the ranks and the rendezvous until the round ends for this node."""
+    def _monitor(self, group: WorkerGroup, pending: Directive | None) -> tuple[Directive, bool]:
+        """Watch the ranks and the rendezvous until the round ends for this node.
+
+        Returns the directive that ended it and whether the ranks moved to the next round in
+        place (RECONFIGURE: every local rank reports READY in it). ``pending``: an admission
+        already published to parked ranks.
+        """
         rdzv = self.rdzv
-        pending: Directive | None = None
-        deadline = 0.0
+        deadline = time.monotonic() + rdzv.graceful_timeout
         next_poll = 0.0
         failure_logged = False
         rates = StepRates(self.config.nproc_per_node)
@@ -220,10 +257,12 @@ class Agent:
             now = time.monotonic()
             if now >= next_poll or state != WorkerState.HEALTHY:
                 next_poll = now + rdzv.tick
-                steps, step_times = rates.update(self._control.progress())
+                progress = self._control.progress()
+                steps, step_times = rates.update(progress)
                 failures = group.failures() if state == WorkerState.FAILED else []
                 status = LocalStatus(
                     group_state=state, steps=steps, step_times=step_times,
+                    reconfigurable=all(p.reconfigurable for p in progress),
                     failure=failures[0].summary() if failures else None,
                 )  # fmt: skip
                 directive = self._poll_riding_out_outages(status, group)
@@ -237,9 +276,14 @@ class Agent:
                             directive, kind=DirectiveKind.STOP,
                             reason=f"{directive.reason}; local rank(s) {missed} passed step {directive.target_step} before it was published",
                         )  # fmt: skip
-                    return self._stop_now(group, directive)
+                    return self._stop_now(group, directive), False
+            if pending is not None and state == WorkerState.HEALTHY and self._moved_in_place(pending):
+                self._control.clear()
+                self.events.emit(EventType.WORKERS_RECONFIGURED, event_id=pending.event_id, round=pending.next_round, world_size=pending.world_size)
+                self._guard_store(lambda: rdzv.report_stopped(pending.event_id, ok=True, reconfigured=True), group)
+                return pending, True
             if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
-                return self._ranks_left(group, pending, state, timed_out=state == WorkerState.HEALTHY)
+                return self._ranks_left(group, pending, state, timed_out=state == WorkerState.HEALTHY), False
             self._wake.wait(self.config.monitor_interval)
 
     def _poll_riding_out_outages(self, status: LocalStatus, group: WorkerGroup) -> Directive | None:
@@ -269,12 +313,17 @@ class Agent:
         The check after publishing closes the window between the agent's progress read and
         the write.
         """
+        reconfigure = directive.kind == DirectiveKind.RECONFIGURE
         self._control.publish(
             event_id=directive.event_id,
             target_step=directive.target_step,
-            kind=EventKind.SAVE_AND_EXIT,
+            kind=EventKind.RECONFIGURE if reconfigure else EventKind.SAVE_AND_EXIT,
             round=directive.next_round,
             world_size=directive.world_size,
+            group_rank=directive.group_rank,
+            group_world_size=directive.group_world_size,
+            master_addr=directive.master_addr if reconfigure else "",
+            master_port=directive.master_port if reconfigure else 0,
         )
         progress = self._control.progress()
         missed = missed_target(progress, directive.event_id, directive.target_step)
@@ -287,6 +336,42 @@ class Agent:
                 steps=[p.step for p in progress], reason=directive.reason,
             )  # fmt: skip
         return missed
+
+    def _moved_in_place(self, pending: Directive) -> bool:
+        """Every local rank runs in the RECONFIGURE event's round (a leaving node's ranks never do)."""
+        if pending.kind != DirectiveKind.RECONFIGURE or pending.group_rank < 0:
+            return False
+        return all(
+            p.round == pending.next_round and p.phase in (RankPhase.READY, RankPhase.RUNNING) for p in self._control.progress()
+        )
+
+    def _prewarm(self) -> None:
+        """A standby of an in-process job: start the ranks parked (imported, model built, waiting for admission)."""
+        if self._parked is None:
+            self._parked = self._start_group(None, RestartReason.SCALE)
+            _say("standby: ranks started parked; admission will cost group init and hydration only")
+
+    def _admit(self, rnd: RoundInfo) -> WorkerGroup:
+        """Publish the admitting event to the parked ranks (started now when this node was not pre-warmed)."""
+        group = self._parked if self._parked is not None and self._parked.poll() == WorkerState.HEALTHY else None
+        if group is None:
+            self._drop_parked()
+            group = self._start_group(None, RestartReason.SCALE)
+        self._parked = None
+        group.assignment = rnd.assignment
+        admission = rnd.admission
+        self._control.publish(
+            event_id=admission.event_id, target_step=admission.target_step, kind=EventKind.RECONFIGURE,
+            round=admission.next_round, world_size=admission.world_size, group_rank=admission.group_rank,
+            group_world_size=admission.group_world_size, master_addr=admission.master_addr, master_port=admission.master_port,
+        )  # fmt: skip
+        self.events.emit(EventType.WORKERS_SIGNALLED, event_id=admission.event_id, kind="admit", target_step=admission.target_step)
+        return group
+
+    def _drop_parked(self) -> None:
+        if self._parked is not None:
+            self._parked.stop(grace=self.config.shutdown_timeout)
+            self._parked = None
 
     def _stop_now(self, group: WorkerGroup, directive: Directive) -> Directive:
         """STOP or EXIT: stop the ranks at once and tell the rendezvous."""
@@ -349,7 +434,8 @@ class Agent:
         if left:
             print("hyperpodrun: left the job gracefully", file=sys.stderr, flush=True)
 
-    def _start_group(self, rnd: RoundInfo, reason: RestartReason) -> WorkerGroup:
+    def _start_group(self, rnd: RoundInfo | None, reason: RestartReason) -> WorkerGroup:
+        """Start the local ranks for ``rnd``; ``None``: parked (no rank, world or master until admitted)."""
         attempt_dir = self._logs.new_attempt(self._attempt)
         self._attempt += 1
         cfg = self.config
@@ -364,7 +450,7 @@ class Agent:
             )
             envs[local_rank] = worker_env(
                 cfg,
-                rnd,
+                rnd or _parked_round(cfg.nproc_per_node),
                 local_rank,
                 run_id=self.run_id,
                 restart_count=self.restart_count,
@@ -374,17 +460,20 @@ class Agent:
                 node_id=self.rdzv.node_id,
                 event_log=self.events.path,
             )
+            if rnd is None:
+                envs[local_rank] = parked_env(envs[local_rank])
         self._control.reset_ranks()
         group = WorkerGroup(
             command=cfg.worker_command(),
             base_env={**base_env(cfg), **self._rank_net_env},
             rank_env=envs,
-            assignment=rnd.assignment,
+            assignment=(rnd or _parked_round(cfg.nproc_per_node)).assignment,
             logs=logs,
             reaper=self._reaper,
         )
         group.start()
-        self._group = group
+        if rnd is not None:
+            self._group = group
         self.events.emit(
             EventType.WORKERS_STARTED,
             reason=reason.value,

@@ -29,6 +29,7 @@ class EventType(str, Enum):
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_LOADED = "checkpoint_loaded"
     WORKERS_STOPPED = "workers_stopped"
+    WORKERS_RECONFIGURED = "workers_reconfigured"  # every local rank runs in the next round, in place
     WORKER_FAILED = "worker_failed"
     NODE_LOST = "node_lost"
     NODE_LEAVING = "node_leaving"

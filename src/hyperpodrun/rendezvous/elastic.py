@@ -16,6 +16,7 @@ failed rank, ranks that do not cooperate) stops the ranks at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
