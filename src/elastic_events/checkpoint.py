@@ -46,7 +46,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -85,17 +85,20 @@ from elastic_events.checkpoint_layout import (
     _fsync_dir,
     _read_metadata,
     _scan,
+    recover_interrupted,
     _shard_problems,
     _to_bytes,
     _write_marker,
     list_checkpoints,
+    prune,
     verify_checkpoint,
 )
 from elastic_events.rng import (
-    RngState,
     capture_rng_state,
     derive_rank_seed,
     restore_rng_state,
+    rng_from_plain,
+    rng_to_plain,
     seed_all,
 )
 
@@ -295,6 +298,7 @@ class Checkpointer:
 
     def latest(self) -> CheckpointInfo | None:
         """The newest checkpoint with a marker (local and cheap; :meth:`load` verifies fully)."""
+        recover_interrupted(self.config.dir)
         found = list_checkpoints(self.config.dir)
         return found[0] if found else None
 
@@ -402,6 +406,9 @@ class Checkpointer:
         self.wait()
         comm = self._get_comm()
         targets = _Targets(model, optimizer, scheduler, data)
+        if comm.rank == 0:
+            for path in recover_interrupted(self.config.dir):
+                logger.warning("restored %s, left as .old-* by a save interrupted between its renames", path)
         listing = _scan(self.config.dir) if comm.rank == 0 else None
         complete, partial = comm.broadcast(listing, what="list checkpoints")
         self._check_visible(comm, [name for _, name in complete])
@@ -462,7 +469,7 @@ class Checkpointer:
     def _state_to_save(step: int, comm: _Comm, targets: _Targets, extra: dict[str, Any] | None) -> dict[str, Any]:
         state = targets.tensor_state()
         rng = capture_rng_state()
-        state[f"rng_rank_{comm.rank}"] = _to_bytes(vars(rng))
+        state[f"rng_rank_{comm.rank}"] = _to_bytes(rng_to_plain(rng))
         if comm.rank == 0:
             global_state = {"step": step, "extra": extra, "rng_base_seed": rng.base_seed}
             state[_GLOBAL_KEY] = _to_bytes({**global_state, **targets.global_state()})
@@ -476,15 +483,18 @@ class Checkpointer:
             if problems := _shard_problems(pending.tmp, _read_metadata(pending.tmp)):
                 detail = f"rank 0 ({socket.gethostname()}) cannot see files other ranks wrote: {'; '.join(problems)}"
                 raise SharedStorageError(pending.tmp, detail)
-            _write_marker(pending.tmp, pending.info)
-            final = pending.info.path
+            recover_interrupted(self.config.dir)
+            sequence = 1 + max((info.sequence for info in list_checkpoints(self.config.dir)), default=0)
+            info = replace(pending.info, sequence=sequence)
+            _write_marker(pending.tmp, info)
+            final = info.path
             replaced = final.with_name(final.name + ".old-" + pending.tmp.name.rsplit("-", 1)[1])
             if final.exists():  # the same step saved again, e.g. right after a resume
                 os.replace(final, replaced)
-            os.replace(pending.tmp, final)
+            os.replace(pending.tmp, final)  # a crash before this leaves .old-*: recover_interrupted
             _fsync_dir(final.parent)
             shutil.rmtree(replaced, ignore_errors=True)
-            self._prune()
+            prune(self.config.dir, keep_last=self.config.keep_last, saved=final)
             eventlog.emit("checkpoint_saved", step=pending.info.step, path=str(final))
         except CheckpointError as exc:
             pending.commit_error = exc
@@ -492,22 +502,6 @@ class Checkpointer:
             pending.commit_error = CheckpointError(f"committing {pending.tmp} failed: {_describe(exc)}")
         finally:
             pending.committed.set()
-
-    def _prune(self) -> None:
-        """Keep the newest ``keep_last`` checkpoints with a marker; drop older dirs and partial saves."""
-        complete, partial = _scan(self.config.dir)
-        for name in partial:  # saves are serialised: none of these is in flight
-            shutil.rmtree(self.config.dir / name, ignore_errors=True)
-        if self.config.keep_last is None:
-            return
-        kept = 0
-        for _, name in complete:
-            path = self.config.dir / name
-            if kept >= self.config.keep_last:
-                logger.info("removing old checkpoint %s (keep_last=%d)", path, self.config.keep_last)
-                shutil.rmtree(path, ignore_errors=True)
-            elif (path / MARKER_NAME).is_file():
-                kept += 1
 
     def _confirm(self, pending: _PendingSave, comm: _Comm) -> None:
         """Every rank checks that it sees the saved files; all ranks raise the same error."""
@@ -575,7 +569,7 @@ class Checkpointer:
             raise IncompatibleCheckpointError(f"checkpoint {info.path} does not fit: {_describe(exc)}") from exc
         own_rng = state.get(f"rng_rank_{comm.rank}")
         if own_rng is not None:
-            restore_rng_state(RngState(**_from_bytes(own_rng)))
+            restore_rng_state(rng_from_plain(_from_bytes(own_rng)))
             return "restored"
         seed_all(derive_rank_seed(saved["rng_base_seed"], info.step, comm.rank))
         return "reseeded"
