@@ -30,6 +30,7 @@ from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.logs import LogDirectory
 from hyperpodrun.rendezvous import RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
+from hyperpodrun.security import scrub_secrets
 from hyperpodrun.store import StoreError
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
 from elastic_events.control import ControlWriter, EventKind, RankProgress
@@ -93,7 +94,7 @@ def worker_env(
 
 
 def base_env(config: LaunchConfig) -> dict[str, str]:
-    env = dict(os.environ)
+    env = scrub_secrets(os.environ)  # the ranks never talk to the store: no credentials for them
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: avoid oversubscribing the node's cores
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in config.signals_to_handle)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.policy import ElasticPolicy
+from hyperpodrun.security import run_id_problem
 
 RDZV_BACKENDS = ("static", "c10d", "embedded", "etcd", "etcd-v2", "etcd-v3")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -177,6 +178,8 @@ class LaunchConfig:
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
 
     def __post_init__(self) -> None:
+        if self.rdzv_id != "none" and (problem := run_id_problem(self.rdzv_id)):
+            raise ConfigError(problem)  # before it names a log folder or store keys
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
             raise ConfigError(f"nnodes: invalid range {self.min_nodes}:{self.max_nodes}")
         if self.nproc_per_node < 1:

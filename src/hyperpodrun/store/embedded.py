@@ -13,27 +13,40 @@ agent that hosts the store. Use etcd for jobs that must survive any node.
 
 from __future__ import annotations
 
-import base64
 import errno
-import json
 import logging
 import math
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from hyperpodrun.security import STORE_SECRET_ENV
+from hyperpodrun.store.auth import is_loopback, publish_local_secret, read_local_secret
 from hyperpodrun.store.memory import KeyValueState
+from hyperpodrun.store.wire import (
+    PROTOCOL_VERSION,
+    arg,
+    b64,
+    ProtocolError,
+    recv_frame,
+    send_frame,
+    unb64,
+    new_nonce,
+    proof,
+    proofs_match,
+)
 from hyperpodrun.store.base import (
     Entry,
     Lease,
     LeaseExpiredError,
     Store,
     StoreAddressInUseError,
+    StoreAuthError,
     StoreClosedError,
     StoreConfigError,
     StoreError,
@@ -57,9 +70,7 @@ logger = logging.getLogger(__name__)
 
 #: torchrun's default rendezvous port, used when ``--rdzv-endpoint`` names no port.
 DEFAULT_PORT = 29400
-PROTOCOL_VERSION = 1
-_MAX_FRAME = 64 * 1024 * 1024
-_HEADER = struct.Struct("!I")
+_HANDSHAKE_TIMEOUT = 10.0
 
 
 class EmbeddedHostNotLocalError(StoreConfigError):
@@ -77,67 +88,6 @@ class EmbeddedStoreGoneError(StoreUnavailableError):
         )
 
 
-# --------------------------------------------------------------------------- wire format
-
-
-class _ProtocolError(ConnectionError):
-    """The peer sent something that is not a frame of this protocol."""
-
-
-def _send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
-    data = json.dumps(message, separators=(",", ":")).encode()
-    if len(data) > _MAX_FRAME:
-        raise StoreError(f"embedded store message of {len(data)} bytes exceeds {_MAX_FRAME} bytes")
-    sock.sendall(_HEADER.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            if buf:
-                raise _ProtocolError("connection closed in the middle of a frame")
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv_frame(sock: socket.socket) -> dict[str, Any] | None:
-    """The next message, or ``None`` if the peer closed the connection between frames."""
-    header = _recv_exact(sock, _HEADER.size)
-    if header is None:
-        return None
-    (length,) = _HEADER.unpack(header)
-    if length > _MAX_FRAME:
-        raise _ProtocolError(f"frame of {length} bytes exceeds {_MAX_FRAME} bytes")
-    body = _recv_exact(sock, length)
-    if body is None:
-        raise _ProtocolError("connection closed after a frame header")
-    try:
-        message = json.loads(body)
-    except ValueError as e:
-        raise _ProtocolError(f"frame is not JSON: {e}") from e
-    if not isinstance(message, dict):
-        raise _ProtocolError("frame is not a JSON object")
-    return message
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text.encode("ascii"), validate=True)
-
-
-def _arg(request: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    value = request.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ValueError(f"request field {name!r} is missing or of the wrong type")
-    return value
-
-
 # --------------------------------------------------------------------------- server
 
 
@@ -148,15 +98,32 @@ class EmbeddedStoreServer:
     a free port (see :attr:`endpoint`). :meth:`start` raises
     :class:`~hyperpodrun.store.base.StoreAddressInUseError` when the address is taken,
     typically by another agent hosting the store, so the caller can become a client.
+
+    With a ``secret``, every connection must prove it knows it before any other request
+    (see :mod:`hyperpodrun.store.wire`); ``publish_secret`` also writes it where this
+    user's other agents on this host find it (:mod:`hyperpodrun.store.auth`).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        secret: bytes | None = None,
+        publish_secret: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not host:
             raise StoreConfigError("EmbeddedStoreServer host must be non-empty")
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise StoreConfigError(f"EmbeddedStoreServer port must be in [0, 65535], got {port!r}")
+        if publish_secret and not secret:
+            raise StoreConfigError("EmbeddedStoreServer publish_secret needs a secret")
         self.host = host
         self.port = port
+        self._secret = secret
+        self._publish_secret = publish_secret
+        self._published: Path | None = None
         self._state = KeyValueState(clock=clock)
         self._listener: socket.socket | None = None
         self._wake_r: socket.socket | None = None  # wakes the accept loop on close()
@@ -167,28 +134,27 @@ class EmbeddedStoreServer:
         self._accept_thread: threading.Thread | None = None
         self._closed = False
         self._handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
-            "hello": lambda r: {"protocol": PROTOCOL_VERSION},
             "revision": lambda r: self._state.revision(),
             "get": self._op_get,
             "get_prefix": self._op_get_prefix,
             "put": lambda r: self._state.put(
-                _arg(r, "key", str), _unb64(_arg(r, "value", str)), lease_id=_arg(r, "lease", int)
+                arg(r, "key", str), unb64(arg(r, "value", str)), lease_id=arg(r, "lease", int)
             ),
             "cas": lambda r: self._state.compare_and_swap(
-                _arg(r, "key", str),
-                _unb64(_arg(r, "value", str)),
-                expected_revision=_arg(r, "expected", int),
-                lease_id=_arg(r, "lease", int),
+                arg(r, "key", str),
+                unb64(arg(r, "value", str)),
+                expected_revision=arg(r, "expected", int),
+                lease_id=arg(r, "lease", int),
             ),
-            "delete": lambda r: self._state.delete(_arg(r, "key", str)),
-            "delete_prefix": lambda r: self._state.delete_prefix(_arg(r, "prefix", str)),
+            "delete": lambda r: self._state.delete(arg(r, "key", str)),
+            "delete_prefix": lambda r: self._state.delete_prefix(arg(r, "prefix", str)),
             "grant": self._op_grant,
-            "keepalive": lambda r: self._state.refresh_lease(_arg(r, "lease", int)),
-            "revoke": lambda r: self._state.revoke_lease(_arg(r, "lease", int)),
+            "keepalive": lambda r: self._state.refresh_lease(arg(r, "lease", int)),
+            "revoke": lambda r: self._state.revoke_lease(arg(r, "lease", int)),
             "wait": lambda r: self._state.wait_for_change(
-                _arg(r, "prefix", str),
-                after_revision=_arg(r, "after", int),
-                timeout=float(_arg(r, "timeout", (int, float))),
+                arg(r, "prefix", str),
+                after_revision=arg(r, "after", int),
+                timeout=float(arg(r, "timeout", (int, float))),
             ),
         }
 
@@ -204,6 +170,11 @@ class EmbeddedStoreServer:
     def endpoint(self) -> str:
         return format_endpoint(*self.address)
 
+    @property
+    def secret(self) -> bytes | None:
+        """The secret every connection must prove (its host agent's own clients use it)."""
+        return self._secret
+
     def start(self) -> EmbeddedStoreServer:
         if self._listener is not None or self._closed:
             raise StoreError("an EmbeddedStoreServer can be started only once")
@@ -218,10 +189,13 @@ class EmbeddedStoreServer:
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind(sockaddr)
+            if self._publish_secret and self._secret:  # before anyone can connect
+                self._published = publish_local_secret(self.host, listener.getsockname()[1], self._secret)
             listener.listen(128)
             listener.setblocking(False)
         except OSError as e:
             listener.close()
+            self._unpublish()
             if e.errno == errno.EADDRINUSE:
                 raise StoreAddressInUseError(wanted) from e
             if e.errno == errno.EADDRNOTAVAIL:
@@ -262,9 +236,15 @@ class EmbeddedStoreServer:
         for sock in (self._listener, self._wake_r, self._wake_w):
             if sock is not None:
                 sock.close()
+        self._unpublish()
         stuck = [t.name for t in threads if t.is_alive()]
         if stuck or (self._accept_thread is not None and self._accept_thread.is_alive()):
             raise StoreTimeoutError(f"stopping the embedded store threads {stuck}", timeout)
+
+    def _unpublish(self) -> None:
+        if self._published is not None:
+            self._published.unlink(missing_ok=True)
+            self._published = None
 
     def __enter__(self) -> EmbeddedStoreServer:
         return self.start()
@@ -305,17 +285,44 @@ class EmbeddedStoreServer:
             self._threads.add(thread)
         thread.start()
 
+    def _handshake(self, conn: socket.socket) -> bool:
+        """Answer ``hello`` and, with a secret, check the client's proof; False drops it."""
+        hello = recv_frame(conn)
+        if hello is None:
+            return False
+        if hello.get("op") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
+            send_frame(conn, {"error": {"kind": "protocol", "message": f"expected hello of protocol {PROTOCOL_VERSION}"}})
+            return False
+        if self._secret is None:
+            send_frame(conn, {"ok": {"protocol": PROTOCOL_VERSION, "auth": False}})
+            return True
+        client_nonce, server_nonce = str(hello.get("nonce", "")), new_nonce()
+        mine = proof(self._secret, "server", client_nonce, server_nonce)
+        send_frame(conn, {"ok": {"protocol": PROTOCOL_VERSION, "auth": True, "nonce": server_nonce, "proof": mine}})
+        answer = recv_frame(conn)
+        expected = proof(self._secret, "client", client_nonce, server_nonce)
+        if answer is None or answer.get("op") != "auth" or not proofs_match(expected, answer.get("proof")):
+            logger.warning("embedded store refused a connection from %s: wrong or no secret", _peer(conn))
+            send_frame(conn, {"error": {"kind": "auth", "message": "wrong store secret"}})
+            return False
+        send_frame(conn, {"ok": True})
+        return True
+
     def _serve(self, conn: socket.socket) -> None:
         try:
+            conn.settimeout(_HANDSHAKE_TIMEOUT)  # a silent peer must not hold a thread
+            if not self._handshake(conn):
+                return
+            conn.settimeout(None)
             while True:
-                request = _recv_frame(conn)
+                request = recv_frame(conn)
                 if request is None:
                     return
                 response = self._dispatch(request)
                 if response is None:
                     return
-                _send_frame(conn, response)
-        except OSError as e:  # includes _ProtocolError: drop the connection
+                send_frame(conn, response)
+        except OSError as e:  # includes ProtocolError: drop the connection
             if not self._closed:
                 logger.debug("embedded store connection dropped: %s", e)
         finally:
@@ -338,16 +345,23 @@ class EmbeddedStoreServer:
             return {"error": {"kind": "bad_request", "message": str(e)}}
 
     def _op_get(self, request: dict[str, Any]) -> list[Any] | None:
-        entry = self._state.get(_arg(request, "key", str))
-        return None if entry is None else [_b64(entry.value), entry.revision]
+        entry = self._state.get(arg(request, "key", str))
+        return None if entry is None else [b64(entry.value), entry.revision]
 
     def _op_get_prefix(self, request: dict[str, Any]) -> list[list[Any]]:
-        entries = self._state.get_prefix(_arg(request, "prefix", str))
-        return [[k, _b64(e.value), e.revision] for k, e in entries.items()]
+        entries = self._state.get_prefix(arg(request, "prefix", str))
+        return [[k, b64(e.value), e.revision] for k, e in entries.items()]
 
     def _op_grant(self, request: dict[str, Any]) -> list[Any]:
-        lease_id, ttl = self._state.grant_lease(float(_arg(request, "ttl", (int, float))))
+        lease_id, ttl = self._state.grant_lease(float(arg(request, "ttl", (int, float))))
         return [lease_id, ttl]
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        return format_endpoint(*conn.getpeername()[:2])
+    except OSError:
+        return "a closed connection"
 
 
 # --------------------------------------------------------------------------- client
@@ -365,13 +379,31 @@ class _EmbeddedLease(Lease):
         self._client._call({"op": "revoke", "lease": self._id})
 
 
+class _Dropped(Exception):
+    """Internal: the connection broke; ``sent`` says whether the whole request went out."""
+
+    def __init__(self, sent: bool, cause: BaseException | None) -> None:
+        super().__init__(str(cause))
+        self.sent, self.cause = sent, cause
+
+
+#: Requests that may be sent again after a dropped connection even if the first copy
+#: reached the server: reads, waits, lease keep-alives, and compare-and-swap (the same
+#: expected revision cannot match twice; see :meth:`EmbeddedStoreClient.compare_and_swap`).
+_RESENDABLE = frozenset({"get", "get_prefix", "revision", "wait", "keepalive", "cas"})
+
+
 class EmbeddedStoreClient(Store):
     """A :class:`Store` backed by an :class:`EmbeddedStoreServer` at ``endpoint``.
 
     The constructor connects, retrying for up to ``connect_timeout`` seconds (the host
     agent may start a little later), and raises :class:`StoreUnavailableError` if nothing
-    answers. Once connected, losing the server raises :class:`EmbeddedStoreGoneError`.
-    A client given ``server`` owns it and stops it on :meth:`close`.
+    answers. Every connection proves it knows ``secret`` (for a loopback endpoint without
+    one: the secret a local host agent published, if any). A dropped connection is
+    replaced once for requests that are safe to resend (see ``_RESENDABLE``, and any
+    request that never fully went out); if the server cannot be reached again, requests
+    raise :class:`EmbeddedStoreGoneError`. A client given ``server`` owns it and stops it
+    on :meth:`close`.
     """
 
     def __init__(
@@ -380,6 +412,7 @@ class EmbeddedStoreClient(Store):
         *,
         connect_timeout: float = 5.0,
         request_timeout: float = 10.0,
+        secret: bytes | None = None,
         server: EmbeddedStoreServer | None = None,
     ) -> None:
         _check_timeout("connect_timeout", connect_timeout)
@@ -389,6 +422,7 @@ class EmbeddedStoreClient(Store):
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.server = server
+        self._secret = secret
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
         self._socks: set[socket.socket] = set()
@@ -403,6 +437,7 @@ class EmbeddedStoreClient(Store):
     # ---- connections
 
     def _open(self, timeout: float) -> socket.socket:
+        """A new connection that has passed the handshake (OSError if it could not)."""
         sock = socket.create_connection((self._host, self._port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
@@ -411,7 +446,45 @@ class EmbeddedStoreClient(Store):
         if closing:  # close() ran before it could see this connection
             self._discard(sock)
             raise StoreClosedError(f"embedded store client for {self.endpoint} is closed")
+        try:
+            sock.settimeout(min(self.request_timeout, max(timeout, 0.1)))
+            self._handshake(sock)
+        except OSError as e:
+            self._discard(sock)
+            if isinstance(e, ProtocolError):
+                raise
+            raise ProtocolError(f"no handshake: {os.strerror(e.errno).lower() if e.errno else e or type(e).__name__}") from e
+        except BaseException:
+            self._discard(sock)
+            raise
         return sock
+
+    def _handshake(self, sock: socket.socket) -> None:
+        client_nonce = new_nonce()
+        send_frame(sock, {"op": "hello", "protocol": PROTOCOL_VERSION, "nonce": client_nonce})
+        reply = recv_frame(sock)
+        if reply is None:
+            raise ProtocolError("the server closed the connection during the handshake")
+        hello = reply.get("ok")
+        if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL_VERSION:
+            raise StoreError(
+                f"{self.endpoint} is not a hyperpodrun embedded store of protocol "
+                f"{PROTOCOL_VERSION} (it answered {reply!r:.200})"
+            )
+        if not hello.get("auth"):
+            return
+        secret = self._secret or (read_local_secret(self._host, self._port) if is_loopback(self._host) else None)
+        if secret is None:
+            raise StoreAuthError(
+                f"the embedded store at {self.endpoint} requires the job's shared secret: "
+                f"set --rdzv-conf secret_file=PATH or {STORE_SECRET_ENV} on every node"
+            )
+        server_nonce = str(hello.get("nonce", ""))
+        if not proofs_match(proof(secret, "server", client_nonce, server_nonce), hello.get("proof")):
+            raise StoreAuthError(f"the embedded store at {self.endpoint} does not know this job's secret (wrong secret?)")
+        send_frame(sock, {"op": "auth", "proof": proof(secret, "client", client_nonce, server_nonce)})
+        if (answer := recv_frame(sock)) is None or answer.get("ok") is not True:
+            raise StoreAuthError(f"the embedded store at {self.endpoint} refused this job's secret (wrong secret?)")
 
     def _connect_first(self) -> socket.socket:
         deadline = time.monotonic() + self.connect_timeout
@@ -419,7 +492,11 @@ class EmbeddedStoreClient(Store):
         while True:
             remaining = deadline - time.monotonic()
             try:
-                sock = self._open(max(remaining, 0.01))
+                return self._open(max(remaining, 0.01))
+            except ProtocolError as e:  # something answered, but not as an embedded store
+                raise StoreUnavailableError(
+                    self.endpoint, f"{self.endpoint} does not answer as an embedded store: {e}"
+                ) from e
             except OSError as e:
                 reason = os.strerror(e.errno) if e.errno else (str(e) or type(e).__name__)
                 if remaining <= 0 or self._closed.wait(min(backoff, remaining)):
@@ -429,32 +506,17 @@ class EmbeddedStoreClient(Store):
                         f"{self.connect_timeout:g}s: {reason.lower()} (is the hosting agent running?)",
                     ) from e
                 backoff = min(backoff * 2, 0.5)
-                continue
-            try:  # the handshake shares the connect deadline
-                sock.settimeout(min(self.request_timeout, max(deadline - time.monotonic(), 0.1)))
-                _send_frame(sock, {"op": "hello", "protocol": PROTOCOL_VERSION})
-                reply = _recv_frame(sock)
-            except OSError as e:
-                self._discard(sock)
-                raise StoreUnavailableError(
-                    self.endpoint, f"{self.endpoint} does not answer as an embedded store: {e}"
-                ) from e
-            if not reply or reply.get("ok", {}).get("protocol") != PROTOCOL_VERSION:
-                self._discard(sock)
-                raise StoreError(
-                    f"{self.endpoint} is not a hyperpodrun embedded store of protocol "
-                    f"{PROTOCOL_VERSION} (it answered {reply!r:.200})"
-                )
-            return sock
 
-    def _acquire(self) -> socket.socket:
+    def _acquire(self, *, fresh: bool = False) -> socket.socket:
         with self._lock:
             if self._closed.is_set():
                 raise StoreClosedError(f"embedded store client for {self.endpoint} is closed")
-            if self._idle:
+            if self._idle and not fresh:
                 return self._idle.pop()
         try:
             return self._open(self.request_timeout)
+        except StoreError:
+            raise
         except OSError as e:
             raise EmbeddedStoreGoneError(self.endpoint) from e
 
@@ -470,46 +532,63 @@ class EmbeddedStoreClient(Store):
             self._socks.discard(sock)
         sock.close()
 
-    def _call(self, request: dict[str, Any], *, wait: float = 0.0) -> Any:
-        sock = self._acquire()
+    def _exchange(self, request: dict[str, Any], *, wait: float, fresh: bool) -> dict[str, Any]:
+        sock = self._acquire(fresh=fresh)
         timeout = self.request_timeout + wait
+        sent = False
         try:
             sock.settimeout(timeout)
-            _send_frame(sock, request)
-            response = _recv_frame(sock)
+            send_frame(sock, request)
+            sent = True
+            response = recv_frame(sock)
         except TimeoutError as e:
             self._discard(sock)
             raise StoreTimeoutError(f"{request['op']} request to the embedded store at {self.endpoint}", timeout) from e
         except OSError as e:
             self._discard(sock)
-            if self._closed.is_set():
-                raise StoreClosedError(f"embedded store client for {self.endpoint} is closed") from e
-            raise EmbeddedStoreGoneError(self.endpoint) from e
+            raise _Dropped(sent, e) from e
         if response is None:
             self._discard(sock)
-            if self._closed.is_set():
-                raise StoreClosedError(f"embedded store client for {self.endpoint} is closed")
-            raise EmbeddedStoreGoneError(self.endpoint)
+            raise _Dropped(True, None)
         self._release(sock)
+        return response
+
+    def _call_resent(self, request: dict[str, Any], *, wait: float = 0.0) -> tuple[Any, bool]:
+        """The request's result, and whether it had to be sent a second time."""
+        resent = False
+        while True:
+            try:
+                response = self._exchange(request, wait=wait, fresh=resent)
+                break
+            except _Dropped as e:
+                if self._closed.is_set():
+                    raise StoreClosedError(f"embedded store client for {self.endpoint} is closed") from e.cause
+                if resent or (e.sent and request["op"] not in _RESENDABLE):
+                    raise EmbeddedStoreGoneError(self.endpoint) from e.cause
+                logger.info("embedded store connection to %s dropped during %s; resending", self.endpoint, request["op"])
+                resent = True
         if "error" in response:
             error = response["error"]
             if error.get("kind") == "lease_expired":
                 raise LeaseExpiredError(int(error.get("lease", 0)))
             raise StoreError(f"embedded store at {self.endpoint} rejected {request['op']}: {error.get('message')}")
-        return response.get("ok")
+        return response.get("ok"), resent
+
+    def _call(self, request: dict[str, Any], *, wait: float = 0.0) -> Any:
+        return self._call_resent(request, wait=wait)[0]
 
     # ---- Store
 
     def get(self, key: str) -> Entry | None:
         result = self._call({"op": "get", "key": key})
-        return None if result is None else Entry(_unb64(result[0]), int(result[1]))
+        return None if result is None else Entry(unb64(result[0]), int(result[1]))
 
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
         result = self._call({"op": "get_prefix", "prefix": prefix})
-        return {k: Entry(_unb64(v), int(rev)) for k, v, rev in result}
+        return {k: Entry(unb64(v), int(rev)) for k, v, rev in result}
 
     def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
-        return int(self._call({"op": "put", "key": key, "value": _b64(value), "lease": _lease_id(lease)}))
+        return int(self._call({"op": "put", "key": key, "value": b64(value), "lease": _lease_id(lease)}))
 
     def compare_and_swap(
         self, key: str, value: bytes, *, expected_revision: int, lease: Lease | None = None
@@ -519,11 +598,16 @@ class EmbeddedStoreClient(Store):
         request = {
             "op": "cas",
             "key": key,
-            "value": _b64(value),
+            "value": b64(value),
             "expected": expected_revision,
             "lease": _lease_id(lease),
         }
-        return bool(self._call(request))
+        swapped, resent = self._call_resent(request)
+        if swapped or not resent:
+            return bool(swapped)
+        # Resent after a dropped connection: the first copy may have been the one applied.
+        entry = self.get(key)
+        return entry is not None and entry.value == value and entry.revision > expected_revision
 
     def delete(self, key: str) -> bool:
         return bool(self._call({"op": "delete", "key": key}))

@@ -81,6 +81,8 @@ class EtcdConfig:
     connect_timeout: float = 5.0
     request_timeout: float = 10.0
     api_path: str = "/v3/"
+    insecure: bool = False
+    """Allow a password over plain http (anyone on the path can read it)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str) or not self.endpoints:
@@ -103,6 +105,11 @@ class EtcdConfig:
             raise StoreConfigError(f"{missing} is required when {'user' if missing == 'password' else 'password'} is given")
         if self.user == "":
             raise StoreConfigError("user must be non-empty")
+        if self.password is not None and self.scheme == "http" and not self.insecure:
+            raise StoreConfigError(
+                "--rdzv-conf password: refusing to send the etcd password over plain http; "
+                "use TLS (cacert=... or protocol=https) or accept the risk with insecure=true"
+            )
         _check_timeout("connect_timeout", self.connect_timeout)
         _check_timeout("request_timeout", self.request_timeout)
         if not (self.api_path.startswith("/") and self.api_path.endswith("/")):
