@@ -90,6 +90,7 @@ from elastic_events.checkpoint_layout import (
     _to_bytes,
     _write_marker,
     list_checkpoints,
+    prepare_directory,
     prune,
     verify_checkpoint,
 )
@@ -295,6 +296,7 @@ class Checkpointer:
         self._group = process_group
         self._comm: _Comm | None = None
         self._pending: _PendingSave | None = None
+        prepare_directory(config.dir)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest checkpoint with a marker (local and cheap; :meth:`load` verifies fully)."""
@@ -412,9 +414,7 @@ class Checkpointer:
         listing = _scan(self.config.dir) if comm.rank == 0 else None
         complete, partial = comm.broadcast(listing, what="list checkpoints")
         self._check_visible(comm, [name for _, name in complete])
-        if comm.rank == 0:
-            for name in partial:
-                self._warn(self.config.dir / name, "partial save (never completed); ignored")
+        warned = [(self.config.dir / name, "partial save (never completed); ignored") for name in partial]
         if step is not None:
             complete = [(s, name) for s, name in complete if s == step]
             if not complete:
@@ -439,15 +439,15 @@ class Checkpointer:
                     extra = state[_GLOBAL_KEY]["extra"] or {}
                     eventlog.emit("checkpoint_loaded", step=info.step, path=str(info.path), saved_world_size=info.world_size)
                     skipped = tuple(p for p, _ in failures)
+                    self._warn_all(comm, warned + failures)
                     return LoadedState(
                         info=info, step=info.step, world_size=comm.world_size, extra=extra, rng=rng, skipped=skipped
                     )
             failures.append((path, reasons[0]))
-            if comm.rank == 0:
-                self._warn(path, reasons[0])
             if step is not None:
                 raise CheckpointCorruptError(path, reasons[0])
         if not failures:
+            self._warn_all(comm, warned)
             return None
         damaged = "; ".join(f"{path}: {reason}" for path, reason in failures)
         raise CheckpointError(f"no usable checkpoint in {self.config.dir}, every one is damaged: {damaged}")
@@ -575,5 +575,8 @@ class Checkpointer:
         return "reseeded"
 
     @staticmethod
-    def _warn(path: Path, reason: str) -> None:
-        warnings.warn(f"skipping checkpoint {path}: {reason}", CheckpointWarning, stacklevel=3)
+    def _warn_all(comm: _Comm, skipped: list[tuple[Path, str]]) -> None:
+        """Rank 0 reports what a load that went on skipped (a failed load's error names it all)."""
+        if comm.rank == 0:
+            for path, reason in skipped:
+                warnings.warn(f"skipping checkpoint {path}: {reason}", CheckpointWarning, stacklevel=4)

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,25 @@ def _scan(root: Path) -> tuple[list[tuple[int, str]], list[str]]:
         return [], []
     complete = sorted(((int(m.group(1)), n) for n in names if (m := _COMPLETE_RE.match(n))), reverse=True)
     return complete, sorted(n for n in names if _PARTIAL_RE.match(n))
+
+
+def prepare_directory(root: Path) -> None:
+    """Create ``root`` if needed and check that this process can write there, so that an
+    unusable checkpoint directory fails at start, not at the first save hours later."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CheckpointError(f"checkpoint directory {root} exists and is not a directory") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot create checkpoint directory {root}: {exc.strerror or exc}") from None
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} exists and is not a directory")
+    probe = root / f".write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint directory {root} is not writable: {exc.strerror or exc}") from None
 
 
 def save_order(info: CheckpointInfo) -> tuple[int, float, int]:

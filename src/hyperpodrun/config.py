@@ -238,7 +238,11 @@ class LaunchConfig:
         if self.no_python:
             if shutil.which(self.entrypoint) is None and not Path(self.entrypoint).is_file():
                 raise ConfigError(f"--no-python: executable {self.entrypoint!r} not found")
+            if shutil.which(self.entrypoint) is None and not os.access(self.entrypoint, os.X_OK):
+                raise ConfigError(f"--no-python: {self.entrypoint!r} is not executable (chmod +x it)")
             return
+        if Path(self.entrypoint).is_dir():
+            raise ConfigError(f"training script {self.entrypoint!r} is a directory (use -m to run a package)")
         if not Path(self.entrypoint).is_file():
             raise ConfigError(f"training script {self.entrypoint!r} not found")
 

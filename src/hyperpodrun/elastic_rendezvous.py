@@ -48,6 +48,7 @@ from hyperpodrun.errors import RendezvousClosedError, RendezvousError, Rendezvou
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.policy import Action, ClusterView, Decision, ElasticPolicy, NodeState, decide
 from hyperpodrun.rendezvous import RendezvousHandler, RestartReason, RoundInfo, free_port
+from hyperpodrun.job_settings import check_join, job_settings
 from hyperpodrun.store import LeaseKeeper, Store, StoreError, create_store
 from hyperpodrun.store.base import parse_endpoint
 from hyperpodrun.supervisor import GroupAssignment, WorkerState
@@ -228,9 +229,11 @@ class ElasticRendezvous(RendezvousHandler):
                 "(or delete the old job's keys, e.g. etcdctl del --prefix /hyperpodrun/v1/<id>/)",
                 status="failed",
             )
+        settings = job_settings(nproc_per_node=self.nproc, policy=self.policy, max_world_size=self.max_world_size)
+        check_join(self.store, self._node_id, settings, _loads)  # issue 12: refuse a node that differs
         record = {
             "addr": self.local_addr, "port": free_port(self.local_addr), "leaving": False,
-            "pid": os.getpid(), "nproc": self.nproc,
+            "pid": os.getpid(), "nproc": self.nproc, "settings": settings,
         }  # fmt: skip
         self.store.put(f"nodes/{self._node_id}", _dumps(record), lease=self._lease)
         self._keeper = LeaseKeeper(self._lease, on_lost=lambda e: log.warning("membership lease lost: %s", e)).start()
