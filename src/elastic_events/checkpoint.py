@@ -123,11 +123,21 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _GLOBAL_KEY = "global"
+_FULL_BELOW = 1 << 20  # bytes
 _SINGLE_PROCESS_NOTICE = "torch.distributed is disabled, unavailable or uninitialized"
 _RngOutcome = Literal["restored", "reseeded"]
 
 
 # --------------------------------------------------------------------------- data
+
+
+def _space_hint(path: Path) -> str:
+    """Why a write failed when the file system is full (torch's own error may not say)."""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return ""
+    return f" (the file system of {path.parent} is full: {free} bytes free)" if free < _FULL_BELOW else ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,7 +358,7 @@ class Checkpointer:
                 else:
                     dcp.save(state, storage_writer=writer, **comm.dcp_kwargs)
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"writing step {step} to {tmp} failed: {_describe(exc)}") from exc
+            raise CheckpointError(f"writing step {step} to {tmp} failed: {_describe(exc)}{_space_hint(tmp)}") from exc
         if pending.future is None:
             if comm.rank == 0:
                 self._commit(pending)
@@ -372,7 +382,9 @@ class Checkpointer:
             message = f"async write of step {step} to {pending.tmp} took over {limit:.0f}s"
             raise CheckpointTimeoutError(message) from None
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"async write of step {step} to {pending.tmp} failed: {_describe(exc)}") from exc
+            raise CheckpointError(
+                f"async write of step {step} to {pending.tmp} failed: {_describe(exc)}{_space_hint(pending.tmp)}"
+            ) from exc
         if comm.rank == 0 and not pending.committed.wait(limit):
             raise CheckpointTimeoutError(f"committing step {step} ({pending.tmp}) took over {limit:.0f}s")
         self._confirm(pending, comm)

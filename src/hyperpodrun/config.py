@@ -192,6 +192,8 @@ class LaunchConfig:
             raise ConfigError(
                 "--rdzv-backend etcd-v2: the etcd v2 API is not supported; use --rdzv-backend etcd (v3 API)"
             )
+        if self.rdzv_backend in ("etcd", "etcd-v3") and not self.rdzv_endpoint.strip():
+            raise ConfigError("--rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
         if self.monitor_interval <= 0:

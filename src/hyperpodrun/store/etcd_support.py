@@ -73,6 +73,7 @@ class EtcdConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise StoreConfigError(f"{name}: file {path!r} does not exist")
+        _check_tls_files(self.cacert, self.cert, self.key)
         if (self.user is None) != (self.password is None):
             missing = "password" if self.password is None else "user"
             raise StoreConfigError(f"{missing} is required when {'user' if missing == 'password' else 'password'} is given")
@@ -93,6 +94,21 @@ class EtcdConfig:
         if self.protocol is not None:
             return self.protocol
         return "https" if (self.cacert or self.cert) else "http"
+
+
+def _check_tls_files(cacert: str | None, cert: str | None, key: str | None) -> None:
+    """Load the TLS files once now, so a wrong file is named before any connection."""
+    context = ssl.create_default_context()
+    try:
+        if cacert is not None:
+            context.load_verify_locations(cafile=cacert)
+    except (ssl.SSLError, ValueError) as e:
+        raise StoreConfigError(f"cacert: {cacert!r} is not a PEM CA certificate file ({e})") from None
+    try:
+        if cert is not None:
+            context.load_cert_chain(cert, key)
+    except (ssl.SSLError, ValueError) as e:
+        raise StoreConfigError(f"cert/key: {cert!r} and {key!r} are not a matching PEM certificate and key ({e})") from None
 
 
 class EtcdApiError(StoreError):
