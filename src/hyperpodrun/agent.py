@@ -7,10 +7,14 @@ States (``AgentState``) and transitions::
                  |           |--(rank failed, none left)------> FAILED
                  |           |--(signal)----------------------> STOPPED
                  '-----------'--(membership change: scale)----> RENDEZVOUS   (elastic only)
+
+One loop serves static and elastic jobs: the :class:`RendezvousHandler` decides, the agent
+carries out its :class:`Directive` (stop now, save and exit at a step, exit).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -19,16 +23,17 @@ import tempfile
 import sys
 import threading
 import time
+from collections import deque
 from enum import Enum
 from pathlib import Path
 from types import FrameType
 
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.elastic_rendezvous import Directive, DirectiveKind, ElasticRendezvous, LocalStatus
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.logs import LogDirectory
-from hyperpodrun.rendezvous import RendezvousHandler, RestartReason, RoundInfo
+from hyperpodrun.netif import choose_gloo_interface
+from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.security import scrub_secrets
 from hyperpodrun.store import StoreError
@@ -37,7 +42,6 @@ from elastic_events.control import ControlWriter, EventKind, RankProgress
 
 log = logging.getLogger(__name__)
 
-RDZV_TIMEOUT_DEFAULT = 900.0
 
 
 class AgentState(str, Enum):
@@ -112,7 +116,7 @@ class Agent:
         run_id: str,
         events: EventLog,
         logs: LogDirectory,
-        rdzv_timeout: float = RDZV_TIMEOUT_DEFAULT,
+        rdzv_timeout: float,
     ) -> None:
         self.config = config
         self.rdzv = rendezvous
@@ -131,6 +135,7 @@ class Agent:
         self._reaper: Reaper | None = None
         self._signal: int | None = None
         self._wake = threading.Event()
+        self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
     # -- public ------------------------------------------------------------------------
 
@@ -156,93 +161,57 @@ class Agent:
     # -- main loop ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        if isinstance(self.rdzv, ElasticRendezvous):
-            self._loop_elastic(self.rdzv)
-            return
-        reason = RestartReason.START
-        while True:
-            self.state = AgentState.RENDEZVOUS
-            rnd = self.rdzv.next_round(timeout=self.rdzv_timeout)
-            self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
-            self.events.emit(EventType.RENDEZVOUS_DONE, members=list(rnd.members))
-            group = self._start_group(rnd, reason)
-            self.state = AgentState.RUNNING
-            outcome = self._monitor(group)
-            if outcome == WorkerState.SUCCEEDED:
-                self.state = AgentState.SUCCEEDED
-                self.events.emit(EventType.JOB_SUCCEEDED)
-                return
-            # A rank failed: stop its siblings, then restart or give up.
-            failures = group.failures()
-            group.stop(grace=self.config.shutdown_timeout)
-            failures = failures or group.failures()
-            root = failures[0]
-            self.events.emit(
-                EventType.WORKER_FAILED,
-                rank=root.global_rank,
-                exitcode=root.exitcode,
-                signal=root.signal_name,
-                message=root.message,
-                log_file=str(root.log_file),
-            )
-            if self.restart_count >= self.config.max_restarts:
-                self.state = AgentState.FAILED
-                self.events.emit(EventType.JOB_FAILED, reason=root.summary())
-                suffix = f" (after {self.restart_count} restart{'s' * (self.restart_count != 1)})"
-                raise WorkerFailedError(root.summary() + (suffix if self.restart_count else ""))
-            self.restart_count += 1
-            reason = RestartReason.FAILURE
-            print(
-                f"hyperpodrun: {root.summary()}; restarting the workers "
-                f"({self.restart_count}/{self.config.max_restarts})",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    # -- elastic loop --------------------------------------------------------------------
-
-    def _loop_elastic(self, rdzv: ElasticRendezvous) -> None:
-        """Rounds of an elastic job: run, follow scale events, restart at the new size."""
-        rdzv.join()
+        """Rounds of the job: rendezvous, run the ranks, follow the round's directive."""
+        rdzv = self.rdzv
+        self._guard_store(rdzv.join)
+        if rdzv.local_addr is not None:
+            gloo = choose_gloo_interface(rdzv.local_addr, os.environ)
+            self._rank_net_env = dict(gloo.env)
+            if gloo.message:
+                _say(gloo.message)
         while True:
             self.state = AgentState.RENDEZVOUS
             try:
-                rnd = self._guard_store(lambda: rdzv.next_round(timeout=rdzv.settings.join_timeout))
+                rnd = self._guard_store(lambda: rdzv.next_round(timeout=self.rdzv_timeout))
             except RendezvousClosedError as e:
                 self._finish_closed(str(e), succeeded=e.status != "failed", left=e.status == "left")
                 return
             self.restart_count = rnd.restarts
             self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
             self.events.emit(EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value)
-            print(
-                f"hyperpodrun: round {rnd.round}: {len(rnd.members)} node(s), world size "
-                f"{rnd.assignment.world_size}, this node is group rank {rnd.assignment.group_rank} ({rnd.reason.value})",
-                file=sys.stderr,
-                flush=True,
-            )
+            if rdzv.elastic:
+                _say(
+                    f"round {rnd.round}: {len(rnd.members)} node(s), world size {rnd.assignment.world_size}, "
+                    f"this node is group rank {rnd.assignment.group_rank} ({rnd.reason.value})"
+                )
             group = self._start_group(rnd, rnd.reason)
             self.state = AgentState.RUNNING
-            directive = self._monitor_elastic(rdzv, group)
+            directive = self._monitor(group)
             if directive.kind == DirectiveKind.EXIT:
+                if not rdzv.elastic:  # an elastic job's outcome is logged once, by its decider
+                    self.events.emit(EventType.JOB_SUCCEEDED if directive.exit_code == 0 else EventType.JOB_FAILED, reason=directive.reason)
                 self._finish_closed(directive.reason, succeeded=directive.exit_code == 0)
                 return
 
-    def _monitor_elastic(self, rdzv: ElasticRendezvous, group: WorkerGroup) -> Directive:
-        """Watch the ranks and the store until the round ends for this node."""
+    def _monitor(self, group: WorkerGroup) -> Directive:
+        """Watch the ranks and the rendezvous until the round ends for this node."""
+        rdzv = self.rdzv
         pending: Directive | None = None
         deadline = 0.0
-        rates = _StepRates(self.config.nproc_per_node)
         next_poll = 0.0
+        failure_logged = False
+        rates = StepRates(self.config.nproc_per_node)
         while True:
             state = group.poll()
-            if state == WorkerState.FAILED and pending is None:
-                group.stop(grace=self.config.shutdown_timeout)  # siblings of a failed rank stop now
+            if state == WorkerState.FAILED and pending is None and not failure_logged:
+                failure_logged = True
+                self._log_failure(group)  # its siblings stop now: they must not hang in a collective
             if self._signal is not None:
-                if self._signal == signal.SIGTERM:
+                if self._signal == signal.SIGTERM and rdzv.elastic:
                     self._signal = None
                     self._wake.clear()
-                    print("hyperpodrun: SIGTERM: leaving the job at the next agreed step", file=sys.stderr, flush=True)
-                    self._guard_store(rdzv.request_leave)
+                    _say("SIGTERM: leaving the job at the next agreed step")
+                    self._guard_store(rdzv.request_leave, group)
                 else:
                     self._on_signal(group, self._signal)
             if rdzv.lease_lost:
@@ -250,48 +219,98 @@ class Agent:
                 raise RendezvousError("this node lost its membership lease (store unreachable for a whole lease ttl)")
             now = time.monotonic()
             if now >= next_poll or state != WorkerState.HEALTHY:
-                next_poll = now + rdzv.settings.tick
+                next_poll = now + rdzv.tick
                 steps, step_times = rates.update(self._control.progress())
-                failure = group.failures()[0].summary() if state == WorkerState.FAILED and group.failures() else None
-                status = LocalStatus(group_state=state, steps=steps, step_times=step_times, failure=failure)
+                failures = group.failures() if state == WorkerState.FAILED else []
+                status = LocalStatus(
+                    group_state=state, steps=steps, step_times=step_times,
+                    failure=failures[0].summary() if failures else None,
+                )  # fmt: skip
                 directive = self._guard_store(lambda: rdzv.poll(status), group)
-                if directive is not None and directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP):
-                    self.events.emit(EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value, reason=directive.reason)
-                    group.stop(grace=self.config.shutdown_timeout)
-                    self.events.emit(EventType.WORKERS_STOPPED, event_id=directive.event_id)
-                    if directive.kind == DirectiveKind.STOP:
-                        self._guard_store(lambda: rdzv.report_stopped(directive.event_id, ok=False))
-                    self._control.clear()
-                    return directive
-                if directive is not None and pending is None:
-                    pending = directive
-                    deadline = now + rdzv.policy.graceful_shutdown_timeout
-                    self._control.publish(
-                        event_id=directive.event_id,
-                        target_step=directive.target_step,
-                        kind=EventKind.SAVE_AND_EXIT,
-                        round=self.events.round + 1,
-                        world_size=directive.world_size,
-                    )
-                    self.events.emit(
-                        EventType.WORKERS_SIGNALLED, event_id=directive.event_id, target_step=directive.target_step,
-                        steps=list(steps), reason=directive.reason,
-                    )  # fmt: skip
+                if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):
+                    if directive.kind in (DirectiveKind.SAVE_AND_EXIT, DirectiveKind.RECONFIGURE):
+                        missed = self._publish(directive)
+                        if not missed:
+                            pending, deadline = directive, now + rdzv.graceful_timeout
+                            continue
+                        directive = dataclasses.replace(
+                            directive, kind=DirectiveKind.STOP,
+                            reason=f"{directive.reason}; local rank(s) {missed} passed step {directive.target_step} before it was published",
+                        )  # fmt: skip
+                    return self._stop_now(group, directive)
             if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
-                if state == WorkerState.HEALTHY:
-                    print(
-                        f"hyperpodrun: ranks did not exit within the graceful shutdown timeout "
-                        f"({rdzv.policy.graceful_shutdown_timeout:g}s); killing them",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                group.stop(grace=self.config.shutdown_timeout)
-                ok = state == WorkerState.SUCCEEDED
-                self.events.emit(EventType.WORKERS_STOPPED, event_id=pending.event_id, ok=ok)
-                self._control.clear()
-                self._guard_store(lambda: rdzv.report_stopped(pending.event_id, ok=ok))
-                return pending
+                return self._ranks_left(group, pending, state, timed_out=state == WorkerState.HEALTHY)
             self._wake.wait(self.config.monitor_interval)
+
+    def _publish(self, directive: Directive) -> list[int]:
+        """Put a cooperative event on the control channel; the local ranks that had already passed its step.
+
+        A rank checks the channel once per step, so one that was past the target when the
+        target was written never acts at it with the others: the event must stop instead.
+        The check after publishing closes the window between the agent's progress read and
+        the write.
+        """
+        self._control.publish(
+            event_id=directive.event_id,
+            target_step=directive.target_step,
+            kind=EventKind.SAVE_AND_EXIT,
+            round=directive.next_round,
+            world_size=directive.world_size,
+        )
+        progress = self._control.progress()
+        missed = missed_target(progress, directive.event_id, directive.target_step)
+        if missed:
+            self._control.clear()
+        else:
+            self.events.emit(
+                EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value,
+                event_kind=_value(directive.event_kind), target_step=directive.target_step,
+                steps=[p.step for p in progress], reason=directive.reason,
+            )  # fmt: skip
+        return missed
+
+    def _stop_now(self, group: WorkerGroup, directive: Directive) -> Directive:
+        """STOP or EXIT: stop the ranks at once and tell the rendezvous."""
+        if directive.kind == DirectiveKind.STOP:
+            what = _value(directive.event_kind) or "stop"
+            _say(f"{what}: {directive.reason}; stopping the ranks" if self.rdzv.elastic else directive.reason)
+        self.events.emit(
+            EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value,
+            event_kind=_value(directive.event_kind), reason=directive.reason,
+        )  # fmt: skip
+        group.stop(grace=self.config.shutdown_timeout)
+        self.events.emit(EventType.WORKERS_STOPPED, event_id=directive.event_id)
+        if directive.kind == DirectiveKind.STOP:
+            self._guard_store(lambda: self.rdzv.report_stopped(directive.event_id, ok=False))
+        self._control.clear()
+        return directive
+
+    def _ranks_left(self, group: WorkerGroup, pending: Directive, state: WorkerState, *, timed_out: bool) -> Directive:
+        """The ranks of a cooperative event have exited (or not, within the graceful timeout)."""
+        if timed_out:
+            _say(f"ranks did not exit within the graceful shutdown timeout ({self.rdzv.graceful_timeout:g}s); killing them")
+        group.stop(grace=self.config.shutdown_timeout)
+        ok = state == WorkerState.SUCCEEDED
+        self.events.emit(EventType.WORKERS_STOPPED, event_id=pending.event_id, ok=ok)
+        self._control.clear()
+        self._guard_store(lambda: self.rdzv.report_stopped(pending.event_id, ok=ok))
+        return pending
+
+    def _log_failure(self, group: WorkerGroup) -> None:
+        failures = group.failures()
+        group.stop(grace=self.config.shutdown_timeout)
+        failures = failures or group.failures()
+        if not failures:
+            return
+        root = failures[0]
+        self.events.emit(
+            EventType.WORKER_FAILED,
+            rank=root.global_rank,
+            exitcode=root.exitcode,
+            signal=root.signal_name,
+            message=root.message,
+            log_file=str(root.log_file),
+        )
 
     def _guard_store(self, fn, group: WorkerGroup | None = None):
         """Run a store operation; a lost store stops the ranks and ends the agent with its message."""
@@ -339,7 +358,7 @@ class Agent:
         self._control.reset_ranks()
         group = WorkerGroup(
             command=cfg.worker_command(),
-            base_env=base_env(cfg),
+            base_env={**base_env(cfg), **self._rank_net_env},
             rank_env=envs,
             assignment=rnd.assignment,
             logs=logs,
@@ -355,16 +374,6 @@ class Agent:
             log_dir=str(attempt_dir),
         )
         return group
-
-    def _monitor(self, group: WorkerGroup) -> WorkerState:
-        """Wait until the group finishes or fails, or a signal arrives."""
-        while True:
-            state = group.poll()
-            if state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
-                return state
-            if self._signal is not None:
-                self._on_signal(group, self._signal)
-            self._wake.wait(self.config.monitor_interval)
 
     # -- signals -----------------------------------------------------------------------
 
@@ -400,18 +409,38 @@ class Agent:
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
-class _StepRates:
-    """Seconds per step of each local rank, from successive control-channel readings."""
+class StepRates:
+    """Seconds per step of each local rank, from successive control-channel readings.
+
+    A rank's rate is the fastest of its recent intervals: one slow step (a checkpoint, an
+    evaluation) must not make the agent think ranks are slow, or the target step it agrees
+    on would be too close and a fast rank would pass it before learning it.
+    """
+
+    WINDOW = 8
 
     def __init__(self, nproc: int) -> None:
         self._last: list[RankProgress | None] = [None] * nproc
-        self._rate = [0.0] * nproc
+        self._recent: list[deque[float]] = [deque(maxlen=self.WINDOW) for _ in range(nproc)]
 
     def update(self, progress: list[RankProgress]) -> tuple[tuple[int, ...], tuple[float, ...]]:
         for r, p in enumerate(progress):
             last = self._last[r]
             if last is not None and p.step > last.step and p.time > last.time:
-                self._rate[r] = (p.time - last.time) / (p.step - last.step)
+                self._recent[r].append((p.time - last.time) / (p.step - last.step))
             if last is None or p.step != last.step:
                 self._last[r] = p
-        return tuple(p.step for p in progress), tuple(self._rate)
+        return tuple(p.step for p in progress), tuple(min(q, default=0.0) for q in self._recent)
+
+
+def missed_target(progress: list[RankProgress], event_id: int, target_step: int) -> list[int]:
+    """Local ranks that are at or past ``target_step`` without having acted on ``event_id``."""
+    return [r for r, p in enumerate(progress) if p.step >= target_step and p.acked_event != event_id]
+
+
+def _value(enum_or_none) -> str | None:
+    return enum_or_none.value if enum_or_none is not None else None
+
+
+def _say(message: str) -> None:
+    print(f"hyperpodrun: {message}", file=sys.stderr, flush=True)

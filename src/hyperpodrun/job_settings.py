@@ -10,6 +10,7 @@ one line naming the first setting that differs.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,13 +70,16 @@ def _show(value: Any) -> str:
     return "unset" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def check_join(store: Any, node_id: str, mine: Mapping[str, Any], decode: Any) -> None:
+def check_join(store: Any, node_id: str, mine: Mapping[str, Any]) -> None:
     """Raise :class:`JobSettingsMismatchError` if a node already in the store differs."""
     others = {}
     for key, entry in store.get_prefix("nodes/").items():
         node = key.removeprefix("nodes/")
-        record = decode(entry.value) or {}
-        if node != node_id and isinstance(record.get("settings"), dict):
-            others[node] = {"nproc": record.get("nproc"), **record["settings"]}
+        try:
+            record = json.loads(entry.value)
+        except ValueError:
+            continue  # not ours to judge here; the rendezvous reports unreadable records
+        if node != node_id and isinstance(record, dict) and isinstance(record.get("settings"), dict):
+            others[node] = record["settings"]
     if problem := settings_conflict(mine, others):
         raise JobSettingsMismatchError(problem)

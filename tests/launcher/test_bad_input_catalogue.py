@@ -26,8 +26,9 @@ from support.launch import SCRIPTS
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer, list_checkpoints, verify_checkpoint
 from elastic_events.sampler import ElasticSampler
 from hyperpodrun import agent, cli, ctl
-from hyperpodrun.elastic_rendezvous import ElasticRendezvous, RendezvousSettings
 from hyperpodrun.policy import ElasticPolicy
+from hyperpodrun.rendezvous.decider import DeciderContext
+from hyperpodrun.rendezvous.elastic import ElasticRendezvous
 from hyperpodrun.store import create_store
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "llama_finetune"
@@ -92,11 +93,11 @@ def running_job(*, nproc: int, min_replicas: int, max_replicas: int) -> Callable
         stack: contextlib.ExitStack = ctx.fixture("exit_stack")
         store = create_store("c10d", "127.0.0.1:0", run_id="dup", conf={}, host=True, timeout=10.0)
         ctx.values["store"] = store.inner.endpoint
-        other = ElasticRendezvous(
-            store, policy=ElasticPolicy(min_replicas=min_replicas, max_replicas=max_replicas),
-            nproc_per_node=nproc, local_addr="127.0.0.1", max_restarts=0, settings=RendezvousSettings(),
-            node_id="node-a",
+        context = DeciderContext(
+            policy=ElasticPolicy(min_replicas=min_replicas, max_replicas=max_replicas), nproc_per_node=nproc,
+            max_restarts=0, lease_ttl=10.0, ack_timeout=30.0, propagation=1.0, tick=0.2,
         )  # fmt: skip
+        other = ElasticRendezvous(store, context=context, local_addr="127.0.0.1", join_timeout=60.0, node_id="node-a")
         other.join()
         stack.callback(other.shutdown, succeeded=False)
 
@@ -183,6 +184,7 @@ CATALOGUE: dict[str, Case] = {
     "backend-unknown": Case(H, ("--rdzv-backend", "zookeeper", "{script}"), "unknown backend 'zookeeper'"),
     "backend-etcd-v2": Case(H, ("--rdzv-backend", "etcd-v2", "{script}"), "etcd v2 API is not supported"),
     "rdzv-conf-malformed": Case(H, ("--rdzv-conf", "timeout", "{script}"), "--rdzv-conf: expected key=value"),
+    "rdzv-conf-typo": Case(H, (*ELASTIC, "--rdzv-conf", "lease_tll=5", "{script}"), "--rdzv-conf: unknown key 'lease_tll'"),
     "redirects-out-of-range": Case(H, ("--redirects", "7", "{script}"), "--redirects: expected 0, 1, 2 or 3"),
     "tee-rank-out-of-range": Case(H, ("--nproc-per-node", "2", "--tee", "5:1", "{script}"), "local rank 5 out of range"),
     "max-restarts-negative": Case(H, ("--max-restarts", "-1", "{script}"), "--max-restarts: must be >= 0"),
@@ -204,6 +206,7 @@ CATALOGUE: dict[str, Case] = {
     "script-not-executable": Case(H, ("--no-python", "{tool}"), "is not executable (chmod +x it)", not_executable),
     "executable-missing": Case(H, ("--no-python", "no-such-binary-xyz"), "executable 'no-such-binary-xyz' not found"),
     # policy files
+    "policy-file-with-static-backend": Case(H, ("--elastic-policy", "{policy}", "{script}"), "need a store-backed rendezvous", policy("minReplicas: 1\nmaxReplicas: 2\n")),
     "policy-file-missing": Case(H, (*ELASTIC, "--elastic-policy", "/nonexistent.yaml", "{script}"), "cannot read elastic policy file /nonexistent.yaml"),
     "policy-min-above-max": Case(H, ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"), "max_replicas", policy("minReplicas: 4\nmaxReplicas: 2\n")),
     "policy-unknown-key": Case(H, ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"), "unknown key 'minReplica'", policy("minReplica: 1\nmaxReplicas: 2\n")),
@@ -218,7 +221,7 @@ CATALOGUE: dict[str, Case] = {
     "embedded-two-endpoints": Case(H, (*ELASTIC, "--rdzv-endpoint", "127.0.0.1:1,127.0.0.1:2", "{script}"), "takes one --rdzv-endpoint"),
     "embedded-off-loopback-without-secret": Case(H, (*ELASTIC, "--rdzv-endpoint", "192.0.2.1:29400", "{script}"), "needs a shared secret"),
     "embedded-secret-file-world-readable": Case(H, (*ELASTIC, "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", "secret_file={secret}", "{script}"), "is accessible to other users", world_readable_secret),
-    "store-key-typo": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "passwd=x", "--nnodes", "1:2", "{script}"), "did you mean 'password'?"),
+    "store-key-typo": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "passwd=x", "--nnodes", "1:2", "{script}"), "unknown key 'passwd' for --rdzv-backend etcd"),
     # TLS and credentials
     "tls-cacert-missing": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "cacert=/nonexistent/ca.pem", "--nnodes", "1:2", "{script}"), "cacert: file '/nonexistent/ca.pem' does not exist"),
     "tls-cert-without-key": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "cert={script}", "--nnodes", "1:2", "{script}"), "key is required when cert is given"),

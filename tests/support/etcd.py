@@ -4,6 +4,7 @@
         store = EtcdStore(EtcdConfig(endpoints=(etcd.endpoint,)))
 
 TLS: ``EtcdServer(tls=make_tls_files(tmp_path))`` serves https with a throwaway CA.
+On a test host in a network namespace (support.netns): ``EtcdServer(host=h)``.
 
 Trouble on demand: :meth:`EtcdServer.kill` / :meth:`EtcdServer.restart` stop etcd and start
 it again on the same port and data (what an etcd restart does to clients), and
@@ -23,8 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import requests
+
+if TYPE_CHECKING:
+    from support.netns import Host
 
 __all__ = ["EtcdServer", "EtcdTls", "free_port", "make_tls_files"]
 
@@ -87,9 +92,15 @@ def make_tls_files(directory: Path, *, client_cert_auth: bool = False) -> EtcdTl
 
 
 class EtcdServer:
-    """A single-member etcd in a temporary data directory (in /dev/shm when available)."""
+    """A single-member etcd in a temporary data directory (in /dev/shm when available).
 
-    def __init__(self, *, tls: EtcdTls | None = None, start_timeout: float = 30.0, attempts: int = 3) -> None:
+    With ``host``, etcd runs in that test host's network namespace and serves clients on its
+    address (peers on the namespace's loopback); health checks and :meth:`etcdctl` run there too.
+    """
+
+    def __init__(
+        self, *, tls: EtcdTls | None = None, start_timeout: float = 30.0, attempts: int = 3, host: Host | None = None
+    ) -> None:
         binary = shutil.which("etcd") or "/usr/bin/etcd"
         if not os.access(binary, os.X_OK):
             raise RuntimeError("etcd is not installed: apt-get install etcd-server (the tests need a real etcd)")
@@ -97,6 +108,7 @@ class EtcdServer:
         self.tls = tls
         self.start_timeout = start_timeout
         self.attempts = attempts
+        self.host = host
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
@@ -109,7 +121,7 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host.addr if self.host else '127.0.0.1'}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -121,8 +133,8 @@ class EtcdServer:
         self._dir = tempfile.mkdtemp(prefix="hyperpodrun-etcd-", dir=shm)
         last_error = ""
         for attempt in range(self.attempts):
-            self.port = free_port()
-            peer = f"http://127.0.0.1:{free_port()}"
+            self.port = self.host.free_port() if self.host else free_port()
+            peer = f"http://127.0.0.1:{self.host.free_port() if self.host else free_port()}"
             args = [
                 self.binary,
                 "--name", "test",
@@ -140,7 +152,7 @@ class EtcdServer:
                 args += ["--trusted-ca-file", self.tls.cacert]
                 if self.tls.client_cert_auth:
                     args.append("--client-cert-auth")
-            self._args, self._log_path = args, os.path.join(self._dir, f"etcd{attempt}.log")
+            self._args, self._log_path = self._in_host(args), os.path.join(self._dir, f"etcd{attempt}.log")
             self._spawn()
             if self._wait_healthy():
                 return self
@@ -186,22 +198,34 @@ class EtcdServer:
 
     def _wait_healthy(self) -> bool:
         assert self._proc is not None
-        verify: str | bool = self.tls.cacert if self.tls else False
-        cert = (self.tls.client_cert, self.tls.client_key) if self.tls else None
         deadline = time.monotonic() + self.start_timeout
         backoff = 0.02
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 return False
-            try:
-                reply = requests.get(f"{self.url}/health", verify=verify, cert=cert, timeout=2.0)
-                if reply.ok and reply.json().get("health") == "true":
-                    return True
-            except (requests.RequestException, ValueError):
-                pass
+            if self._healthy():
+                return True
             time.sleep(backoff)  # polling an external process; nothing to wait on instead
             backoff = min(backoff * 2, 0.25)
         return False
+
+    def _healthy(self) -> bool:
+        if self.host is not None:  # not reachable from this namespace: ask from inside the host's
+            try:
+                self.etcdctl("endpoint", "health")
+                return True
+            except RuntimeError:
+                return False
+        verify: str | bool = self.tls.cacert if self.tls else False
+        cert = (self.tls.client_cert, self.tls.client_key) if self.tls else None
+        try:
+            reply = requests.get(f"{self.url}/health", verify=verify, cert=cert, timeout=2.0)
+            return reply.ok and reply.json().get("health") == "true"
+        except (requests.RequestException, ValueError):
+            return False
+
+    def _in_host(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.host.netns, *argv] if self.host else argv
 
     def etcdctl(self, *args: str, env: dict[str, str] | None = None) -> str:
         """Run ``etcdctl`` (v3 API) against this server; returns its stdout."""
@@ -210,7 +234,7 @@ class EtcdServer:
             command += [f"--cacert={self.tls.cacert}", f"--cert={self.tls.client_cert}", f"--key={self.tls.client_key}"]
         run_env = {**os.environ, "ETCDCTL_API": "3", **(env or {})}
         done = subprocess.run(
-            [*command, *args], capture_output=True, text=True, timeout=30, env=run_env, check=False
+            self._in_host([*command, *args]), capture_output=True, text=True, timeout=30, env=run_env, check=False
         )
         if done.returncode != 0:
             raise RuntimeError(f"etcdctl {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")

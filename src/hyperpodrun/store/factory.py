@@ -24,6 +24,7 @@ import difflib
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from hyperpodrun.security import STORE_SECRET_ENV
 from hyperpodrun.store.auth import is_loopback, new_secret, resolve_store_secret
@@ -39,22 +40,46 @@ from hyperpodrun.store.embedded import DEFAULT_PORT as EMBEDDED_DEFAULT_PORT
 from hyperpodrun.store.embedded import EmbeddedHostNotLocalError, EmbeddedStoreClient, EmbeddedStoreServer
 from hyperpodrun.store.etcd import EtcdConfig, EtcdStore
 
-__all__ = ["BACKENDS", "STORE_CONF_KEYS", "check_store_conf", "create_store", "resolve_backend"]
+__all__ = ["BACKENDS", "BACKEND_SPECS", "BackendSpec", "STORE_CONF_KEYS", "backend_spec", "check_store_conf", "create_store", "resolve_backend"]
 
-#: ``--rdzv-backend`` spellings and the store implementation each one selects.
-BACKENDS: Mapping[str, str] = {
-    "etcd": "etcd",
-    "etcd-v3": "etcd",
-    "embedded": "embedded",
-    "c10d": "embedded",
-    "static": "embedded",
-}
+@dataclass(frozen=True, kw_only=True)
+class BackendSpec:
+    """One ``--rdzv-backend`` value: the store it selects and what that store takes."""
 
-#: ``--rdzv-conf`` keys the store consumes, and the backend each applies to. Other keys
-#: belong to the rendezvous and are left alone, unless they look like a misspelt store key.
+    name: str
+    kind: str  # "etcd" or "embedded": the store implementation
+    default_port: int
+    conf_keys: tuple[str, ...] = ()  # --rdzv-conf keys the store consumes
+    hosted: bool = False  # the store lives inside one agent (the job ends with that agent)
+
+
+#: ``--rdzv-conf`` keys the stores consume, per backend kind (see docs/security.md for
+#: ``insecure`` and ``secret_file``).
 _ETCD_KEYS: tuple[str, ...] = ("cacert", "cert", "key", "protocol", "user", "password", "insecure")
 _EMBEDDED_KEYS: tuple[str, ...] = ("secret_file",)
 STORE_CONF_KEYS: tuple[str, ...] = _ETCD_KEYS + _EMBEDDED_KEYS
+
+_ETCD = dict(kind="etcd", default_port=2379, conf_keys=_ETCD_KEYS)
+_EMBEDDED = dict(kind="embedded", default_port=EMBEDDED_DEFAULT_PORT, conf_keys=_EMBEDDED_KEYS, hosted=True)
+
+#: ``--rdzv-backend`` spellings and the store each one selects.
+BACKEND_SPECS: Mapping[str, BackendSpec] = {
+    "etcd": BackendSpec(name="etcd", **_ETCD),
+    "etcd-v3": BackendSpec(name="etcd-v3", **_ETCD),
+    "embedded": BackendSpec(name="embedded", **_EMBEDDED),
+    "c10d": BackendSpec(name="c10d", **_EMBEDDED),
+    "static": BackendSpec(name="static", **_EMBEDDED),
+}
+BACKENDS: Mapping[str, str] = {name: spec.kind for name, spec in BACKEND_SPECS.items()}
+
+
+def backend_spec(backend: str) -> BackendSpec:
+    """The :class:`BackendSpec` of a ``--rdzv-backend`` value (either spelling, any case)."""
+    spec = BACKEND_SPECS.get(backend.strip().lower().replace("_", "-"))
+    if spec is None:
+        raise StoreConfigError(f"unknown --rdzv-backend {backend!r}; valid backends: {', '.join(BACKEND_SPECS)}")
+    return spec
+
 
 # Words that only make sense in a store/TLS/auth key: a key containing one of them that is
 # not in STORE_CONF_KEYS is a typo, not a rendezvous option.
@@ -66,12 +91,7 @@ _STORE_WORDS = frozenset(
 
 def resolve_backend(backend: str) -> str:
     """The implementation (``"etcd"`` or ``"embedded"``) for a ``--rdzv-backend`` value."""
-    kind = BACKENDS.get(backend.strip().lower().replace("_", "-"))
-    if kind is None:
-        raise StoreConfigError(
-            f"unknown --rdzv-backend {backend!r}; valid backends: {', '.join(BACKENDS)}"
-        )
-    return kind
+    return backend_spec(backend).kind
 
 
 def check_store_conf(backend: str, conf: Mapping[str, str]) -> None:
