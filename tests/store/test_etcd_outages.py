@@ -16,6 +16,7 @@ import pytest
 from support.etcd import EtcdServer
 
 from hyperpodrun.store import EtcdStore, LeaseKeeper, PrefixedStore, StoreUnavailableError, create_store
+from hyperpodrun.store.etcd_support import Retry
 
 STORE_TIMEOUT = 30.0
 WAIT = 60.0
@@ -172,3 +173,28 @@ def test_a_lease_survives_an_etcd_restart(etcd: EtcdServer, open_store: Callable
         lease.refresh()
         assert store.get("members/me") is not None
         assert not keeper.lost
+
+
+def test_cas_whose_reply_was_lost_reports_the_write_it_made(
+    open_store: Callable[[], PrefixedStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first copy is applied but its answer never arrives; the resent copy's compare fails."""
+    store = open_store()
+    inner = store.inner
+    assert isinstance(inner, EtcdStore)
+    rev = store.put("leader", b"old")
+    real_attempt = inner._attempt
+    lost: list[str] = []
+
+    def reply_lost(name: str, client: Any, path: str, payload: Any, **kw: Any) -> Any:
+        response = real_attempt(name, client, path, payload, **kw)
+        if path == "kv/txn" and not lost:
+            response.close()
+            lost.append(path)
+            raise Retry("the server closed the connection without an answer")
+        return response
+
+    monkeypatch.setattr(inner, "_attempt", reply_lost)
+    assert store.compare_and_swap("leader", b"me", expected_revision=rev) is True
+    assert lost == ["kv/txn"] and store.current_revision() == rev + 1
+    assert not store.compare_and_swap("leader", b"other", expected_revision=rev)
