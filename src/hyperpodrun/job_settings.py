@@ -15,25 +15,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from hyperpodrun.errors import RendezvousError
+from hyperpodrun.policy_file import FLAG_NAMES
 
 __all__ = ["JobSettingsMismatchError", "check_join", "job_settings", "settings_conflict"]
 
-# Node-record field -> how the user sets it, for the error message.
-_FLAGS = {
-    "nproc": "--nproc-per-node",
-    "max_world_size": "--max-world-size",
-    "min_replicas": "--nnodes MIN (minReplicas)",
-    "max_replicas": "--nnodes MAX (maxReplicas)",
-    "replica_increment_step": "--replica-increment-step",
-    "replica_discrete_values": "--replica-discrete-values",
-    "graceful_shutdown_timeout": "--graceful-shutdown-timeout",
-    "scaling_timeout": "--scaling-timeout",
-    "faulty_scale_down_timeout": "--faulty-scale-down-timeout",
-    "min_stable_period": "--min-stable-period",
-    "backoff_window": "--backoff-window",
-    "backoff_factor": "--backoff-factor",
-    "max_backoff": "--max-backoff",
-}
+# Setting -> how the user sets it, for the error message.
+_FLAGS = {"nproc": "--nproc-per-node", "max_world_size": "--max-world-size", **FLAG_NAMES}
 
 
 class JobSettingsMismatchError(RendezvousError):

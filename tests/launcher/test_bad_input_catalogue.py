@@ -229,7 +229,7 @@ CATALOGUE: dict[str, Case] = {
     "tls-cacert-not-a-certificate": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "cacert={ca}", "--nnodes", "1:2", "{script}"), "is not a PEM CA certificate file", garbage_ca),
     "etcd-password-over-http": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "user=u,password=p", "--nnodes", "1:2", "{script}"), "refusing to send the etcd password over plain http"),
     # two launches that disagree
-    "two-jobs-one-rdzv-id": Case(H, ("--rdzv-backend", "c10d", "--rdzv-endpoint", "{store}", "--rdzv-id", "dup", "--nnodes", "1:4", "{script}"), "node node-a of this job runs with --nnodes MAX (maxReplicas) 2, this node with 4", running_job(nproc=1, min_replicas=1, max_replicas=2)),
+    "two-jobs-one-rdzv-id": Case(H, ("--rdzv-backend", "c10d", "--rdzv-endpoint", "{store}", "--rdzv-id", "dup", "--nnodes", "1:4", "{script}"), "node node-a of this job runs with --nnodes (MAX) 2, this node with 4", running_job(nproc=1, min_replicas=1, max_replicas=2)),
     "nproc-differs-between-nodes": Case(H, ("--rdzv-backend", "c10d", "--rdzv-endpoint", "{store}", "--rdzv-id", "dup", "--nnodes", "1:2", "--nproc-per-node", "2", "{script}"), "runs with --nproc-per-node 1, this node with 2", running_job(nproc=1, min_replicas=1, max_replicas=2)),
     # hyperpodctl
     "ctl-without-rdzv-id": Case(C, ("status",), "Missing option '--rdzv-id'"),
