@@ -35,6 +35,7 @@ from hyperpodrun.logs import LogDirectory
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
+from hyperpodrun.security import scrub_secrets
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import GroupAssignment, WorkerGroup, WorkerState, become_subreaper
 from elastic_events.control import ControlWriter, EventKind, RankPhase, RankProgress
@@ -111,7 +112,7 @@ def _parked_round(nproc: int) -> RoundInfo:
 
 
 def base_env(config: LaunchConfig) -> dict[str, str]:
-    env = dict(os.environ)
+    env = scrub_secrets(os.environ)  # the ranks never talk to the store: no credentials for them
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: avoid oversubscribing the node's cores
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in config.signals_to_handle)

@@ -21,6 +21,7 @@ from pathlib import Path
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.store.factory import BACKEND_SPECS, BackendSpec
+from hyperpodrun.security import run_id_problem
 
 RDZV_BACKENDS = (*BACKEND_SPECS, "etcd-v2")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -248,6 +249,8 @@ class LaunchConfig:
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
 
     def __post_init__(self) -> None:
+        if self.rdzv_id != "none" and (problem := run_id_problem(self.rdzv_id)):
+            raise ConfigError(problem)  # before it names a log folder or store keys
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
             raise ConfigError(f"nnodes: invalid range {self.min_nodes}:{self.max_nodes}")
         if self.nproc_per_node < 1:
@@ -256,6 +259,8 @@ class LaunchConfig:
             raise ConfigError(
                 "--rdzv-backend etcd-v2: the etcd v2 API is not supported; use --rdzv-backend etcd (v3 API)"
             )
+        if self.rdzv_backend in ("etcd", "etcd-v3") and not self.rdzv_endpoint.strip():
+            raise ConfigError("--rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]")
         if self.rdzv_backend not in BACKEND_SPECS:
             raise ConfigError(
                 f"--rdzv-backend: unknown backend {self.rdzv_backend!r}; choose one of {', '.join(RDZV_BACKENDS)}"
@@ -328,7 +333,11 @@ class LaunchConfig:
         if self.no_python:
             if shutil.which(self.entrypoint) is None and not Path(self.entrypoint).is_file():
                 raise ConfigError(f"--no-python: executable {self.entrypoint!r} not found")
+            if shutil.which(self.entrypoint) is None and not os.access(self.entrypoint, os.X_OK):
+                raise ConfigError(f"--no-python: {self.entrypoint!r} is not executable (chmod +x it)")
             return
+        if Path(self.entrypoint).is_dir():
+            raise ConfigError(f"training script {self.entrypoint!r} is a directory (use -m to run a package)")
         if not Path(self.entrypoint).is_file():
             raise ConfigError(f"training script {self.entrypoint!r} not found")
 

@@ -19,8 +19,13 @@ def launch(config: LaunchConfig) -> None:
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="hyperpodrun: %(message)s")
     run_id = config.rdzv_id if config.rdzv_id != "none" else new_run_id()
     logs = LogDirectory(config.log_dir, run_id)
-    events = EventLog(config.event_log or logs.run_dir / "events.jsonl", job=run_id, node="")
-    rendezvous = create_rendezvous(config, events)
-    events.node = rendezvous.node_id
-    agent = Agent(config, rendezvous, run_id=run_id, events=events, logs=logs, rdzv_timeout=config.rdzv_settings.join_timeout)
-    agent.run()
+    succeeded = False
+    try:
+        events = EventLog(config.event_log or logs.run_dir / "events.jsonl", job=run_id, node="")
+        rendezvous = create_rendezvous(config, events)
+        events.node = rendezvous.node_id
+        agent = Agent(config, rendezvous, run_id=run_id, events=events, logs=logs, rdzv_timeout=config.rdzv_settings.join_timeout)
+        agent.run()
+        succeeded = True
+    finally:
+        logs.finish(succeeded=succeeded)  # a failed job's worker logs stay for the user to read

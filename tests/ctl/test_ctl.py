@@ -430,7 +430,7 @@ def test_unreachable_store_names_the_endpoint(backend: str, capsys) -> None:
     ("args", "expected"),
     [
         (["status"], "Missing option '--rdzv-id'"),
-        (["status", "--rdzv-id", "a/b"], "run_id 'a/b' is not a valid --rdzv-id"),
+        (["status", "--rdzv-id", "a/b"], "--rdzv-id 'a/b' is not a valid job id"),
         (["status", "--rdzv-id", "j", "--rdzv-backend", "zookeeper"], "unknown --rdzv-backend 'zookeeper'"),
         (["status", "--rdzv-id", "j", "--rdzv-conf", "cacert"], "--rdzv-conf: expected key=value"),
         (["status", "--rdzv-id", "j", "--rdzv-conf", "lease_tll=5"], "--rdzv-conf: unknown key 'lease_tll'"),

@@ -5,6 +5,11 @@
 
 TLS: ``EtcdServer(tls=make_tls_files(tmp_path))`` serves https with a throwaway CA.
 On a test host in a network namespace (support.netns): ``EtcdServer(host=h)``.
+
+Trouble on demand: :meth:`EtcdServer.kill` / :meth:`EtcdServer.restart` stop etcd and start
+it again on the same port and data (what an etcd restart does to clients), and
+:meth:`EtcdServer.pause` / :meth:`EtcdServer.resume` freeze it with SIGSTOP (a stalled disk
+or a long GC pause: connections stay open, nothing answers).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -106,6 +112,8 @@ class EtcdServer:
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
+        self._args: list[str] = []
+        self._log_path = ""
 
     @property
     def scheme(self) -> str:
@@ -144,15 +152,49 @@ class EtcdServer:
                 args += ["--trusted-ca-file", self.tls.cacert]
                 if self.tls.client_cert_auth:
                     args.append("--client-cert-auth")
-            log_path = os.path.join(self._dir, f"etcd{attempt}.log")
-            with open(log_path, "wb") as log:
-                self._proc = subprocess.Popen(self._in_host(args), stdout=log, stderr=subprocess.STDOUT)
+            self._args, self._log_path = self._in_host(args), os.path.join(self._dir, f"etcd{attempt}.log")
+            self._spawn()
             if self._wait_healthy():
                 return self
-            last_error = Path(log_path).read_text(errors="replace")[-2000:]
+            last_error = Path(self._log_path).read_text(errors="replace")[-2000:]
             self._terminate()
         self.stop()
         raise RuntimeError(f"etcd did not become healthy within {self.start_timeout:g}s:\n{last_error}")
+
+    def _spawn(self) -> None:
+        with open(self._log_path, "ab") as log:
+            self._proc = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        """Stop etcd abruptly (SIGKILL), keeping its data, port and configuration."""
+        if self._proc is None:
+            raise RuntimeError("etcd is not running")
+        self._proc.send_signal(signal.SIGCONT)  # in case it was paused
+        self._proc.kill()
+        self._proc.wait(10)
+        self._proc = None
+
+    def restart(self, *, kill: bool = True) -> None:
+        """Start etcd again on the same port with the same data; wait until it is healthy."""
+        if kill and self._proc is not None:
+            self.kill()
+        if self._proc is not None:
+            raise RuntimeError("etcd is already running")
+        self._spawn()
+        if not self._wait_healthy():
+            tail = Path(self._log_path).read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"etcd did not come back on port {self.port} within {self.start_timeout:g}s:\n{tail}")
+
+    def pause(self) -> None:
+        """Freeze etcd (SIGSTOP): connections stay open and nothing answers."""
+        if self._proc is None:
+            raise RuntimeError("etcd is not running")
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is None:
+            raise RuntimeError("etcd is not running")
+        self._proc.send_signal(signal.SIGCONT)
 
     def _wait_healthy(self) -> bool:
         assert self._proc is not None
@@ -202,6 +244,7 @@ class EtcdServer:
         if self._proc is None:
             return
         if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
             self._proc.terminate()
             try:
                 self._proc.wait(timeout)

@@ -22,9 +22,11 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
 from hyperpodrun.events import EventLog, EventType
+from hyperpodrun.job_settings import check_join, job_settings
 from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.rendezvous.api import (
     Directive,
@@ -143,14 +145,18 @@ class ElasticRendezvous(RendezvousHandler):
                 "(or delete the old job's keys, e.g. etcdctl del --prefix /hyperpodrun/v1/<id>/)",
                 status="failed",
             )
+        check_join(self.store, self._node_id, self._settings())  # a node that differs is refused
         self._put_node()
         self._keeper = LeaseKeeper(self._lease, on_lost=lambda e: log.warning("membership lease lost: %s", e)).start()
+
+    def _settings(self) -> dict[str, Any]:
+        return job_settings(nproc_per_node=self.ctx.nproc_per_node, policy=self.ctx.policy, max_world_size=self.ctx.max_world_size)
 
     def _put_node(self) -> None:
         """(Re)write this node's record with a port free now: the next round's master port if it hosts rank 0."""
         record = NodeRecord(
             addr=self._local_addr, port=free_port(self._local_addr), nproc=self.ctx.nproc_per_node,
-            pid=os.getpid(), leaving=self._leaving, reconfigurable=self._reconfigurable,
+            pid=os.getpid(), leaving=self._leaving, reconfigurable=self._reconfigurable, settings=self._settings(),
         )  # fmt: skip
         self.store.put(Keys.node(self._node_id), encode(record), lease=self._lease)
 

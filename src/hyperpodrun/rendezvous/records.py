@@ -123,6 +123,7 @@ class NodeRecord:
     pid: int = 0
     leaving: bool = False
     reconfigurable: bool = False  # every local rank declared the in-process API
+    settings: dict[str, Any] | None = None  # job_settings(): every node of a job must share them
 
 
 @dataclass(frozen=True, kw_only=True)
