@@ -14,6 +14,7 @@ carries out its :class:`Directive` (stop now, save and exit at a step, exit).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -32,6 +33,7 @@ from hyperpodrun.config import LaunchConfig
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.logs import LogDirectory
+from hyperpodrun.hang import HangPolicy, hung_ranks
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
@@ -151,6 +153,8 @@ class Agent:
         self._wake = threading.Event()
         self._outage_since: float | None = None
         self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
+        self._hang: str | None = None  # why the running group was declared hung
+        self._hang_policy = HangPolicy(timeout=config.hang_timeout)
         self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
     # -- public ------------------------------------------------------------------------
@@ -262,9 +266,9 @@ class Agent:
                 steps, step_times = rates.update(progress)
                 failures = group.failures() if state == WorkerState.FAILED else []
                 status = LocalStatus(
-                    group_state=state, steps=steps, step_times=step_times,
+                    group_state=WorkerState.FAILED if self._hang else state, steps=steps, step_times=step_times,
                     reconfigurable=all(p.reconfigurable for p in progress),
-                    failure=failures[0].summary() if failures else None,
+                    failure=self._hang or (failures[0].summary() if failures else None),
                 )  # fmt: skip
                 directive = self._poll_riding_out_outages(status, group)
                 if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):
@@ -278,6 +282,8 @@ class Agent:
                             reason=f"{directive.reason}; local rank(s) {missed} passed step {directive.target_step} before it was published",
                         )  # fmt: skip
                     return self._stop_now(group, directive), False
+            if pending is None and state == WorkerState.HEALTHY and self._hang is None:
+                self._check_hang(group, rates)
             if pending is not None and state == WorkerState.HEALTHY and self._moved_in_place(pending):
                 self._control.clear()
                 self.events.emit(EventType.WORKERS_RECONFIGURED, event_id=pending.event_id, round=pending.next_round, world_size=pending.world_size)
@@ -337,6 +343,31 @@ class Agent:
                 steps=[p.step for p in progress], reason=directive.reason,
             )  # fmt: skip
         return missed
+
+    def _check_hang(self, group: WorkerGroup, rates: StepRates) -> None:
+        """A rank without progress for the hang limit: dump every local rank's stacks, then fail the group."""
+        limit = self._hang_policy.limit(rates.slowest)
+        progress = self._control.progress()
+        hung = hung_ranks(progress, now=time.time(), limit=limit)
+        if not hung:
+            return
+        pids = group.pids
+        for local_rank, pid in pids.items():  # faulthandler (registered by elastic_events) writes to the rank's log
+            for sig in (signal.SIGUSR1, signal.SIGCONT):  # SIGCONT: a SIGSTOPped rank dumps too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        self._wake.wait(1.0)  # grace for the dumps to reach the logs before the ranks are stopped
+        r = hung[0]
+        idle = time.time() - progress[r].time
+        rank = group.assignment.global_rank(r)
+        self._hang = (
+            f"rank {rank} (local rank {r}, pid {pids.get(r)}) made no progress for {idle:.0f}s at step {progress[r].step} "
+            f"(hang timeout {limit:g}s); Python stacks of every local rank in their logs: {group.log_file(r)}"
+        )
+        self.events.emit(EventType.RANK_HUNG, rank=rank, local_ranks=list(hung), step=progress[r].step,
+                         idle_s=round(idle, 3), hang_timeout=limit, log_file=str(group.log_file(r)))  # fmt: skip
+        _say(self._hang)
+        group.stop(grace=self.config.shutdown_timeout)
 
     def _moved_in_place(self, pending: Directive) -> bool:
         """Every local rank runs in the RECONFIGURE event's round (a leaving node's ranks never do)."""
@@ -474,7 +505,7 @@ class Agent:
         )
         group.start()
         if rnd is not None:
-            self._group = group
+            self._group, self._hang = group, None
         self.events.emit(
             EventType.WORKERS_STARTED,
             reason=reason.value,
@@ -540,6 +571,11 @@ class StepRates:
             if last is None or p.step != last.step:
                 self._last[r] = p
         return tuple(p.step for p in progress), tuple(min(q, default=0.0) for q in self._recent)
+
+    @property
+    def slowest(self) -> float:
+        """The slowest recent seconds per step of any rank (0: not known yet)."""
+        return max((max(q) for q in self._recent if q), default=0.0)
 
 
 def missed_target(progress: list[RankProgress], event_id: int, target_step: int) -> list[int]:

@@ -87,6 +87,7 @@ def run(
     master_port: Annotated[Optional[int], _opt("--master-port", env="PET_MASTER_PORT", group=_STATIC, help="Port of rank 0 (static; default 29500 for several nodes, a free port for one).")] = None,
     local_addr: Annotated[Optional[str], _opt("--local-addr", env="PET_LOCAL_ADDR", group=_RDZV, help="Address other nodes use to reach this one (default: its address on the route to the store).")] = None,
     signals_to_handle: Annotated[str, _opt("--signals-to-handle", env="TORCHELASTIC_SIGNALS_TO_HANDLE", group=_WORKERS, help="Signals forwarded to the workers.")] = DEFAULT_SIGNALS,
+    hang_timeout: Annotated[Optional[float], _opt("--hang-timeout", group=_WORKERS, help="Seconds a rank may go without calling elastic_event_detected() before it counts as hung: its stacks are dumped to its log and it fails (0: off) [default: 10x the slowest step, at least 60].", show_default=False)] = None,
     shutdown_timeout: Annotated[float, _opt("--shutdown-timeout", env="PET_SHUTDOWN_TIMEOUT", group=_WORKERS, help="Seconds between SIGTERM and SIGKILL when stopping workers.")] = 30.0,
     elastic_policy: Annotated[Optional[Path], _opt("--elastic-policy", group=_POLICY, help="YAML/JSON file with HyperPod elasticPolicy fields (minReplicas, maxReplicas, ...); flags override it.")] = None,
     replica_increment_step: Annotated[Optional[int], _opt("--replica-increment-step", group=_POLICY, help="Allowed node counts are MIN, MIN+STEP, ... (exclusive with --replica-discrete-values).")] = None,
@@ -164,6 +165,7 @@ def run(
         policy=policy,
         max_world_size=max_world_size,
         restart_mode=restart_mode,
+        hang_timeout=hang_timeout,
     )
     launch(config)
 

@@ -246,6 +246,7 @@ class LaunchConfig:
     policy: ElasticPolicy | None = None  # elastic jobs (store-backed rendezvous) only
     max_world_size: int | None = None
     restart_mode: RestartMode = RestartMode.AUTO
+    hang_timeout: float | None = None  # seconds without progress; None: 10x the slowest step, at least 60; 0: off
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
 
     def __post_init__(self) -> None:
@@ -285,6 +286,8 @@ class LaunchConfig:
                 f"--max-world-size: {self.max_world_size} ranks cannot hold even the minimum "
                 f"{self.min_nodes} node(s) x {self.nproc_per_node} rank(s)"
             )
+        if self.hang_timeout is not None and not self.hang_timeout >= 0:
+            raise ConfigError(f"--hang-timeout: must be >= 0 seconds (0: off), got {self.hang_timeout}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout: must be >= 0, got {self.shutdown_timeout}")
         if self.module and self.no_python:

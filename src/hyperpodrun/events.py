@@ -31,6 +31,7 @@ class EventType(str, Enum):
     WORKERS_STOPPED = "workers_stopped"
     WORKERS_RECONFIGURED = "workers_reconfigured"  # every local rank runs in the next round, in place
     WORKER_FAILED = "worker_failed"
+    RANK_HUNG = "rank_hung"  # no progress for --hang-timeout: stacks dumped, treated as a failure
     NODE_LOST = "node_lost"
     NODE_LEAVING = "node_leaving"
     STORE_UNREACHABLE = "store_unreachable"  # the ranks keep training until the lease expires
