@@ -19,6 +19,7 @@ import tempfile
 import sys
 import threading
 import time
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from types import FrameType
@@ -102,6 +103,9 @@ def base_env(config: LaunchConfig) -> dict[str, str]:
 
 class Agent:
     """Supervises the local ranks of one node through rounds of the rendezvous."""
+
+    #: Called with the ranks' steps and seconds per step at each poll (metrics, issue 13); None: nobody listens.
+    on_progress: Callable[[tuple[int, ...], tuple[float, ...]], None] | None = None
 
     def __init__(
         self,
@@ -251,6 +255,8 @@ class Agent:
             if now >= next_poll or state != WorkerState.HEALTHY:
                 next_poll = now + rdzv.settings.tick
                 steps, step_times = rates.update(self._control.progress())
+                if self.on_progress is not None:  # metrics (issue 13)
+                    self.on_progress(steps, step_times)
                 failure = group.failures()[0].summary() if state == WorkerState.FAILED and group.failures() else None
                 status = LocalStatus(group_state=state, steps=steps, step_times=step_times, failure=failure)
                 directive = self._guard_store(lambda: rdzv.poll(status), group)

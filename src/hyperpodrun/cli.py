@@ -98,6 +98,8 @@ def run(
     backoff_factor: Annotated[Optional[float], _opt("--backoff-factor", group=_POLICY, help="Factor the stable period grows by per event inside the backoff window [default: 2].")] = None,
     max_backoff: Annotated[Optional[float], _opt("--max-backoff", group=_POLICY, help="Upper bound of the stable period in seconds [default: 600].")] = None,
     max_world_size: Annotated[Optional[int], _opt("--max-world-size", group=_POLICY, help="Never grow beyond this many ranks (e.g. the samples in one global batch).")] = None,
+    metrics_port: Annotated[int, _opt("--metrics-port", env="HYPERPODRUN_METRICS_PORT", group=_LOGS, help="Serve Prometheus metrics of this agent on this port (0: off).")] = 0,
+    metrics_addr: Annotated[str, _opt("--metrics-addr", env="HYPERPODRUN_METRICS_ADDR", group=_LOGS, help="Address the metrics endpoint listens on (loopback unless set).")] = "127.0.0.1",
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
 ) -> None:
     from hyperpodrun.launch import launch
@@ -156,6 +158,8 @@ def run(
         shutdown_timeout=shutdown_timeout,
         policy=policy,
         max_world_size=max_world_size,
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr,
     )
     launch(config)
 

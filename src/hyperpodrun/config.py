@@ -174,6 +174,8 @@ class LaunchConfig:
     shutdown_timeout: float = 30.0
     policy: ElasticPolicy | None = None  # elastic jobs (store-backed rendezvous) only
     max_world_size: int | None = None
+    metrics_port: int = 0  # Prometheus endpoint of this agent; 0: off (issue 13)
+    metrics_addr: str = "127.0.0.1"
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
 
     def __post_init__(self) -> None:
@@ -200,6 +202,8 @@ class LaunchConfig:
                 f"--max-world-size: {self.max_world_size} ranks cannot hold even the minimum "
                 f"{self.min_nodes} node(s) x {self.nproc_per_node} rank(s)"
             )
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"--metrics-port: must be in 0..65535 (0: off), got {self.metrics_port}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout: must be >= 0, got {self.shutdown_timeout}")
         if self.module and self.no_python:

@@ -34,7 +34,22 @@ def launch(config: LaunchConfig) -> None:
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="hyperpodrun: %(message)s")
     run_id = config.rdzv_id if config.rdzv_id != "none" else new_run_id()
     logs = LogDirectory(config.log_dir, run_id)
-    events = EventLog(config.event_log or logs.run_dir / "events.jsonl", job=run_id, node="")
-    rendezvous = create_rendezvous(config, events)
-    events.node = rendezvous.node_id
-    Agent(config, rendezvous, run_id=run_id, events=events, logs=logs).run()
+    # --- metrics (--metrics-port): an event-log sink, the store timed, the ranks' progress fed by the agent.
+    metrics = server = None
+    if config.metrics_port:
+        from hyperpodrun.metrics import AgentMetrics, serve
+
+        metrics = AgentMetrics()
+        server = serve(metrics, addr=config.metrics_addr, port=config.metrics_port)
+    try:
+        events = EventLog(config.event_log or logs.run_dir / "events.jsonl", job=run_id, node="", sink=metrics)
+        rendezvous = create_rendezvous(config, events)
+        events.node = rendezvous.node_id
+        if metrics is not None and hasattr(rendezvous, "store"):  # time every store call of the rendezvous
+            rendezvous.store = metrics.instrument_store(rendezvous.store)
+        agent = Agent(config, rendezvous, run_id=run_id, events=events, logs=logs)
+        agent.on_progress = metrics.observe_progress if metrics is not None else None
+        agent.run()
+    finally:
+        if server is not None:
+            server.close()
