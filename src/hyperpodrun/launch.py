@@ -35,14 +35,16 @@ def launch(config: LaunchConfig) -> None:
     run_id = config.rdzv_id if config.rdzv_id != "none" else new_run_id()
     logs = LogDirectory(config.log_dir, run_id)
     # --- metrics (--metrics-port): an event-log sink, the store timed, the ranks' progress fed by the agent.
-    metrics = server = None
+    metrics = server = trainer_records = None
+    events_path = config.event_log or logs.run_dir / "events.jsonl"
     if config.metrics_port:
-        from hyperpodrun.metrics import AgentMetrics, serve
+        from hyperpodrun.metrics import AgentMetrics, TrainerRecords, serve
 
         metrics = AgentMetrics()
         server = serve(metrics, addr=config.metrics_addr, port=config.metrics_port)
+        trainer_records = TrainerRecords(events_path, metrics, job=run_id)  # first_step etc., written by the ranks
     try:
-        events = EventLog(config.event_log or logs.run_dir / "events.jsonl", job=run_id, node="", sink=metrics)
+        events = EventLog(events_path, job=run_id, node="", sink=metrics)
         rendezvous = create_rendezvous(config, events)
         events.node = rendezvous.node_id
         if metrics is not None and hasattr(rendezvous, "store"):  # time every store call of the rendezvous
@@ -51,5 +53,7 @@ def launch(config: LaunchConfig) -> None:
         agent.on_progress = metrics.observe_progress if metrics is not None else None
         agent.run()
     finally:
+        if trainer_records is not None:
+            trainer_records.close()
         if server is not None:
             server.close()

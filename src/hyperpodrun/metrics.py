@@ -24,8 +24,11 @@ are observed. See docs/observability.md for the full list.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -33,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.store.base import Entry, Lease, Store, StoreError
 
-__all__ = ["PHASES", "AgentMetrics", "InstrumentedStore", "MetricsServer", "MetricsError", "serve"]
+__all__ = ["PHASES", "AgentMetrics", "InstrumentedStore", "MetricsError", "MetricsServer", "TrainerRecords", "serve"]
 
 PREFIX = "hyperpodrun"
 #: Phases of a scale event, in order (DESIGN.md, event log contract).
@@ -99,10 +102,15 @@ class AgentMetrics:
         self._round_steps = 0  # highest rank step seen in this round
         self._saved_steps = 0  # rank step at the round's last checkpoint_saved
         self._ranks = 0
+        self._lock = threading.Lock()  # the agent, its rendezvous and the trainer-record reader all feed us
 
     # ------------------------------------------------------------------ event sink
     def __call__(self, record: dict[str, Any]) -> None:
         """The EventLog sink: update the metrics from one record (never raises on odd records)."""
+        with self._lock:
+            self._record(record)
+
+    def _record(self, record: dict[str, Any]) -> None:
         event = record.get("event")
         ts = record.get("ts")
         ts = float(ts) if isinstance(ts, (int, float)) else self._clock()
@@ -136,17 +144,24 @@ class AgentMetrics:
             self.standbys.set(len(record["standbys"]))
         if kind == "stop":  # ranks stopped without a save: what they trained since the last checkpoint is lost
             self.steps_lost.inc(max(0, self._round_steps - self._saved_steps))
-        self._event = {"kind": kind, "start": ts, "last": ts, "index": 0}
+        self._event = {"kind": kind, "start": ts, "last": ts, "index": 0, "round": record.get("round", 0)}
 
     def _on_phase(self, event: str, record: dict[str, Any], ts: float) -> None:
         if event == "checkpoint_saved":
             self._saved_steps = self._round_steps
         ev = self._event
+        if ev is None and event == "workers_signalled":  # another agent decided: the event starts here for us
+            ev = self._event = {
+                "kind": str(record.get("kind", "save")), "start": ts, "last": ts, "index": 1, "round": record.get("round", 0),
+            }  # fmt: skip
+            return
         if ev is None:
             return
         index = PHASES.index(event)
         if index < ev["index"]:
             return  # an earlier phase logged late (another node's record): nothing to time
+        if event in ("checkpoint_loaded", "first_step") and record.get("round", 0) <= ev["round"]:
+            return  # the trainer's record of the round before the event, read late
         self.phase.labels(phase=event).observe(max(0.0, ts - ev["last"]))
         ev["last"], ev["index"] = ts, index
         if event == "first_step":
@@ -156,6 +171,10 @@ class AgentMetrics:
     # ------------------------------------------------------------------ progress
     def observe_progress(self, steps: Sequence[int], step_times: Sequence[float]) -> None:
         """The local ranks' step counts and seconds per step (0: unknown), from the control channel."""
+        with self._lock:
+            self._progress(steps, step_times)
+
+    def _progress(self, steps: Sequence[int], step_times: Sequence[float]) -> None:
         for r in range(len(steps), min(self._ranks, _PROGRESS_RANKS)):  # fewer ranks than before: drop the rest
             self.rank_steps.remove(str(r))
             self.rank_step_rate.remove(str(r))
@@ -230,6 +249,58 @@ class InstrumentedStore(Store):
 
     def __repr__(self) -> str:
         return f"InstrumentedStore({self.inner!r})"
+
+
+class TrainerRecords:
+    """Hands the trainer's records of the event log file (``source: trainer``) to a sink.
+
+    The ranks append ``first_step``, ``checkpoint_saved`` and ``checkpoint_loaded``
+    to the agent's event log file themselves (``HYPERPODRUN_EVENT_LOG``), so they
+    never pass through the agent's :class:`~hyperpodrun.events.EventLog`. This
+    thread reads what is appended after it started, every ``interval`` seconds.
+    """
+
+    def __init__(
+        self, path: Path, sink: Callable[[dict[str, Any]], None], *, job: str | None = None, interval: float = 0.2
+    ) -> None:
+        self.path = Path(path)
+        self.job = job
+        self._sink = sink
+        self._interval = interval
+        self._stop = threading.Event()
+        try:
+            self._offset = self.path.stat().st_size
+        except FileNotFoundError:
+            self._offset = 0
+        self._partial = b""
+        self._thread = threading.Thread(target=self._run, name="hyperpodrun-metrics-trainer-records", daemon=True)
+        self._thread.start()
+
+    def poll(self) -> None:
+        """Read what was appended since the last poll and feed the trainer's complete lines to the sink."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("source") == "trainer" and self.job in (None, record.get("job")):
+                self._sink(record)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.poll()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 class MetricsServer:

@@ -1,4 +1,4 @@
-"""Fixtures for framework jobs under real launchers: an ElasticJob per test."""
+"""Fixtures shared by every test directory."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from support.cluster import ElasticJob
 
 @pytest.fixture
 def make_job(tmp_path: Path) -> Iterator:
+    """Makes ElasticJobs (real launchers on this machine) in the test's directory; kills what is left at the end."""
     jobs: list[ElasticJob] = []
 
     def make(**kwargs) -> ElasticJob:
