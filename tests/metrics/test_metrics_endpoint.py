@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from support.cluster import free_port, wait_until
+from support.launch import SCRIPTS, hyperpodrun_cmd, run
 from support.prom import scrape, value
 
 pytestmark = pytest.mark.slow
@@ -55,3 +58,15 @@ def test_metrics_move_as_the_event_log_says(make_job) -> None:
     assert value(after, "hyperpodrun_scale_phase_seconds_sum", phase="workers_stopped") == pytest.approx(
         stopped["ts"] - signalled["ts"]
     )
+
+
+def test_metrics_port_in_use_is_one_line_before_anything_starts() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run(hyperpodrun_cmd("--standalone", "--metrics-port", str(port), str(SCRIPTS / "allreduce.py")), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"hyperpodrun: error: --metrics-port {port}: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
