@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
-import transformers  # noqa: E402  (the [hf] extra; make test installs it)
-
-from elastic_events.integrations.transformers import (  # noqa: E402
+from elastic_events.integrations.transformers import (
     ElasticCallback,
     ElasticIntegrationError,
     ElasticTrainer,
