@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -166,3 +168,25 @@ def test_endpoint_serves_text_format_on_loopback(fed) -> None:
             serve(metrics, port=server.port)  # taken
     finally:
         server.close()
+
+
+def _metric_names() -> set[str]:
+    """Every metric the agent serves, as exposed (counters with _total)."""
+    names = set()
+    for family in AgentMetrics().registry.collect():
+        names.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    return names
+
+
+def test_docs_list_every_metric_and_the_dashboard_queries_only_real_ones() -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    table = (docs / "observability.md").read_text()
+    documented = set(re.findall(r"^\| `(hyperpodrun_[a-z_]+)` \|", table, flags=re.M))
+    assert documented == _metric_names()
+    dashboard = json.loads((docs / "grafana" / "hyperpodrun_dashboard.json").read_text())
+    queried = {
+        re.sub(r"_(bucket|sum|count)$", "", name)
+        for panel in dashboard["panels"] for target in panel["targets"]
+        for name in re.findall(r"hyperpodrun_[a-z_]+", target["expr"])
+    }  # fmt: skip
+    assert queried == _metric_names()  # every metric on a panel, no panel on a metric that does not exist
