@@ -10,30 +10,15 @@ the first round holds at step 3 until the launcher has announced a scale event
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
+from job_common import GLOBAL_BATCH, MICRO_BATCH, Samples, hold_for_event, log_step
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
-from elastic_events import current_event, is_elastic, restart_reason
 from elastic_events.integrations.transformers import ElasticCallback, elastic_resume_checkpoint, set_global_batch
 
-GLOBAL_BATCH, HOLD_AT, HOLD_TIMEOUT = 8, 3, 120.0
 run, max_steps = Path(sys.argv[1]), int(sys.argv[2])
-
-
-class Samples(torch.utils.data.Dataset):
-    def __init__(self, n: int = 48) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 4, generator=g)
-        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(n, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "labels": self.y[i], "idx": i}
 
 
 class Regressor(torch.nn.Module):
@@ -48,22 +33,15 @@ class Regressor(torch.nn.Module):
 
 
 class Record(TrainerCallback):
-    """Sample ids and loss per optimizer step; the hold that lets a test make its scale event."""
+    """Sample ids per optimizer step; the loss the Trainer logs (the mean over the global batch)."""
 
     def __init__(self, model: Regressor) -> None:
         self.model = model
 
     def on_step_end(self, args, state, control, **kwargs):
-        with open(run / f"samples-{args.process_index}.jsonl", "a") as f:
-            f.write(json.dumps({"step": state.global_step, "world": args.world_size, "ids": sorted(self.model.seen)}) + "\n")
+        log_step(run, rank=args.process_index, world=args.world_size, step=state.global_step, ids=self.model.seen, loss=None)
         self.model.seen = []
-        if is_elastic() and restart_reason() == "start" and state.global_step == HOLD_AT:
-            (run / f"held-{args.process_index}").touch()
-            deadline = time.monotonic() + HOLD_TIMEOUT
-            while current_event() is None:  # the test adds or removes a node; the launcher picks a target step
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no scale event announced within {HOLD_TIMEOUT:g}s of holding at step {HOLD_AT}")
-                time.sleep(0.02)
+        hold_for_event(run, rank=args.process_index, step=state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "loss" in logs:
@@ -72,7 +50,7 @@ class Record(TrainerCallback):
 
 
 args = TrainingArguments(
-    output_dir=str(run / "out"), per_device_train_batch_size=2, max_steps=max_steps, learning_rate=0.05,
+    output_dir=str(run / "out"), per_device_train_batch_size=MICRO_BATCH, max_steps=max_steps, learning_rate=0.05,
     logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
     dataloader_num_workers=0, remove_unused_columns=False,
 )  # fmt: skip

@@ -4,34 +4,18 @@ argv: RUN_DIR MAX_STEPS. Same data, model, global batch 8 (micro-batch 2), files
 and hold at step 3 as hf_job.py; Adam with a linear learning-rate decay per step.
 """
 
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import lightning.pytorch as L
 import torch
 import torch.distributed as dist
+from job_common import GLOBAL_BATCH, MICRO_BATCH, Samples, hold_for_event, log_step
 
-from elastic_events import current_event, is_elastic, restart_reason
 from elastic_events.integrations.lightning import ElasticCallback, elastic_resume_checkpoint
 
-GLOBAL_BATCH, MICRO_BATCH, HOLD_AT, HOLD_TIMEOUT = 8, 2, 3, 120.0
 run, max_steps = Path(sys.argv[1]), int(sys.argv[2])
-
-
-class Samples(torch.utils.data.Dataset):
-    def __init__(self, n: int = 48) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 4, generator=g)
-        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(n, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "y": self.y[i], "idx": i}
 
 
 class Regressor(L.LightningModule):
@@ -54,7 +38,7 @@ class Regressor(L.LightningModule):
 
 
 class Record(L.Callback):
-    """Sample ids and mean loss per optimizer step; the hold that lets a test make its scale event."""
+    """Sample ids and the mean loss over the global batch per optimizer step."""
 
     def __init__(self) -> None:
         self.last = -1
@@ -65,26 +49,16 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if step == self.last:
-            return
+            return  # inside an accumulation
         self.last = step
-        rank, world = trainer.global_rank, trainer.world_size
-        with open(run / f"samples-{rank}.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "world": world, "ids": sorted(module.seen)}) + "\n")
         loss = torch.stack(module.losses).sum().reshape(1)
         if dist.is_initialized():
             dist.all_reduce(loss)
-        count = len(module.losses) * world
+        mean = loss.item() / (len(module.losses) * trainer.world_size)
+        rank = trainer.global_rank
+        log_step(run, rank=rank, world=trainer.world_size, step=step, ids=module.seen, loss=mean if rank == 0 else None)
         module.seen, module.losses = [], []
-        if rank == 0:
-            with open(run / "loss.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "world": world, "loss": loss.item() / count}) + "\n")
-        if is_elastic() and restart_reason() == "start" and step == HOLD_AT:
-            (run / f"held-{rank}").touch()
-            deadline = time.monotonic() + HOLD_TIMEOUT
-            while current_event() is None:  # the test adds or removes a node; the launcher picks a target step
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no scale event announced within {HOLD_TIMEOUT:g}s of holding at step {HOLD_AT}")
-                time.sleep(0.02)
+        hold_for_event(run, rank=rank, step=step)
 
 
 L.seed_everything(0, verbose=False)
@@ -96,4 +70,4 @@ trainer = L.Trainer(
     use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
     enable_model_summary=False,
 )  # fmt: skip
-trainer.fit(Regressor(), elastic.dataloader(Samples()), ckpt_path=elastic_resume_checkpoint(run / "ckpt"))
+trainer.fit(Regressor(), elastic.dataloader(Samples(target="y")), ckpt_path=elastic_resume_checkpoint(run / "ckpt"))
