@@ -63,7 +63,6 @@ from elastic_events.integrations.common import (
     ResumeMarker,
     accumulation_steps,
     newest_marked,
-    read_marker,
     reseed_rank,
     write_marker,
 )
@@ -156,7 +155,7 @@ class ElasticCallback(Callback):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        rank, world = _world()
+        _, world = _world()
         return {
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "world_size": world,
@@ -244,8 +243,3 @@ class ElasticCallback(Callback):
                 dist.destroy_process_group()
             sys.exit(0)
 
-
-def checkpoint_marker(path: str | os.PathLike) -> ResumeMarker | None:
-    """The marker of an elastic checkpoint (world size, global batch and step it was saved at)."""
-    path = Path(path)
-    return read_marker(path.with_name(MARKER.format(name=path.name)))
