@@ -69,7 +69,7 @@ class AgentMetrics:
         self.world_size = Gauge(f"{PREFIX}_world_size", "Ranks in the job's current round", registry=r)
         self.round = Gauge(f"{PREFIX}_round", "Current rendezvous round", registry=r)
         self.members = Gauge(f"{PREFIX}_members", "Nodes (replicas) in the current round", registry=r)
-        self.standbys = Gauge(f"{PREFIX}_standbys", "Nodes waiting as standbys (from scale decisions)", registry=r)
+        self.standbys = Gauge(f"{PREFIX}_standbys", "Nodes waiting as standbys (from records that list them)", registry=r)
         self.scale_events = Counter(
             f"{PREFIX}_scale_events", "Scale events decided, by kind and mode", ["kind", "mode"], registry=r
         )
@@ -118,6 +118,8 @@ class AgentMetrics:
             self.round.set(record["round"])
         if event == "rendezvous_done":
             self.members.set(len(record.get("members") or ()))
+        if isinstance(record.get("standbys"), (list, tuple)):  # any record that lists the standbys
+            self.standbys.set(len(record["standbys"]))
         if event in ("rendezvous_done", "workers_started") and isinstance(record.get("world_size"), int):
             self.world_size.set(record["world_size"])
         if event == "scale_decided":
@@ -140,8 +142,6 @@ class AgentMetrics:
         kind = str(record.get("kind", "unknown"))
         mode = str(record.get("mode", "restart"))  # every event restarts the ranks until in-place reconfiguration lands
         self.scale_events.labels(kind=kind, mode=mode).inc()
-        if isinstance(record.get("standbys"), (list, tuple)):
-            self.standbys.set(len(record["standbys"]))
         if kind == "stop":  # ranks stopped without a save: what they trained since the last checkpoint is lost
             self.steps_lost.inc(max(0, self._round_steps - self._saved_steps))
         self._event = {"kind": kind, "start": ts, "last": ts, "index": 0, "round": record.get("round", 0)}

@@ -45,11 +45,12 @@ def fed() -> tuple[AgentMetrics, EventLog]:
 
 def test_round_world_size_and_members_follow_rendezvous(fed) -> None:
     metrics, log = fed
-    log.emit("rendezvous_done", round=1, world_size=4, members=["a", "b"])
+    log.emit("rendezvous_done", round=1, world_size=4, members=["a", "b"], standbys=["c"])
     v = _values(metrics)
     assert value(v, "hyperpodrun_round") == 1
     assert value(v, "hyperpodrun_world_size") == 4
     assert value(v, "hyperpodrun_members") == 2
+    assert value(v, "hyperpodrun_standbys") == 1
 
 
 def test_scale_event_counts_downtime_and_phases(fed) -> None:

@@ -267,7 +267,7 @@ class ElasticCallback(TrainerCallback):
                 f"gradient_accumulation_steps with set_global_batch(args, {marker.global_batch})"
             )
         self._reseed_pending = marker.world_size != args.world_size
-        eventlog.emit("checkpoint_loaded", step=state.global_step, saved_world_size=marker.world_size, source="trainer")
+        eventlog.emit("checkpoint_loaded", step=state.global_step, saved_world_size=marker.world_size)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self._reseed_pending:  # after the Trainer restored what RNG it could, before the first step's forward
