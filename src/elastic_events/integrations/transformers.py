@@ -142,6 +142,12 @@ class ElasticOrderSampler(Sampler[int]):
         return iter(order[: len(self)].tolist())
 
 
+def _sampling_strategy(args: TrainingArguments) -> str:
+    """``train_sampling_strategy`` (transformers 5), or its 4.x spelling ``group_by_length``."""
+    legacy = "group_by_length" if getattr(args, "group_by_length", False) else "random"
+    return getattr(args, "train_sampling_strategy", legacy)
+
+
 def _global_batch(args: TrainingArguments) -> int:
     return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
@@ -154,15 +160,12 @@ class ElasticTrainerMixin:
         args: TrainingArguments = self.args  # type: ignore[attr-defined]
         if dataset is None or not hasattr(dataset, "__len__"):
             raise ElasticIntegrationError("elastic training needs a map-style train_dataset with a length")
-        if args.train_sampling_strategy not in _SUPPORTED_ORDERS:
-            raise ElasticIntegrationError(
-                f"train_sampling_strategy={args.train_sampling_strategy!r} is not elastic; use one of {_SUPPORTED_ORDERS}"
-            )
+        _check_strategy(args)
         return ElasticOrderSampler(
             len(dataset),
             global_batch=_global_batch(args),
             seed=args.data_seed if args.data_seed is not None else args.seed,
-            shuffle=args.train_sampling_strategy == "random",
+            shuffle=_sampling_strategy(args) == "random",
         )
 
 
@@ -185,15 +188,20 @@ def _check_order(args: TrainingArguments, train_dataloader: Any, global_batch: i
         raise ElasticIntegrationError("elastic training needs a map-style train_dataset with a length")
     if _find_sampler(train_dataloader, ElasticOrderSampler) is not None:
         return
-    if args.train_sampling_strategy not in _SUPPORTED_ORDERS:
-        raise ElasticIntegrationError(
-            f"train_sampling_strategy={args.train_sampling_strategy!r} is not elastic; use one of {_SUPPORTED_ORDERS}"
-        )
+    _check_strategy(args)
     if len(dataset) % global_batch:
         raise ElasticIntegrationError(
             f"the train dataset has {len(dataset)} samples, not a multiple of the global batch {global_batch}: the last "
             "steps of each epoch would differ between world sizes; use ElasticTrainer (or ElasticTrainerMixin), "
             "which trains each epoch in whole global batches, or trim the dataset"
+        )
+
+
+def _check_strategy(args: TrainingArguments) -> None:
+    strategy = _sampling_strategy(args)
+    if strategy not in _SUPPORTED_ORDERS:
+        raise ElasticIntegrationError(
+            f"train_sampling_strategy={strategy!r} orders samples by the world size; use one of {_SUPPORTED_ORDERS}"
         )
 
 
