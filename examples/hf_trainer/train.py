@@ -65,7 +65,7 @@ def main() -> None:
 
     training = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch, max_steps=args.max_steps,
-        learning_rate=3e-3, warmup_steps=10, logging_steps=10, save_steps=50, report_to="none", use_cpu=True,
+        learning_rate=3e-3, warmup_steps=10, logging_steps=10, save_steps=100, save_total_limit=2, report_to="none", use_cpu=True,
         seed=0, dataloader_num_workers=0,
     )  # fmt: skip
     set_global_batch(training, args.global_batch)  # elastic: accumulation for this world size
