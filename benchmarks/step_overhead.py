@@ -13,7 +13,10 @@ call by call (``perf_counter_ns``; the timer's own cost is measured and reported
 Macro: tokens/s of the example trainer with the same 2 ranks under hyperpodrun and under
 torchrun, runs interleaved, end-to-end (step end times); target ratio >= 0.99.
 
-    python benchmarks/step_overhead.py [--quick | --smoke]
+``--client hf`` measures instead a Hugging Face Trainer job with ``ElasticCallback``
+under hyperpodrun against the same job without it under torchrun (see hf_client.py).
+
+    python benchmarks/step_overhead.py [--quick | --smoke] [--client hf]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import hf_client
 from common import (
     BenchmarkError,
     BenchmarkResult,
@@ -230,7 +234,10 @@ def plot(result: BenchmarkResult, m: dict[str, Any], t: dict[str, Any], path: Pa
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--run-timeout", type=float, default=600.0, help="hard limit per launched run, s")
+        parser.add_argument("--client", choices=("loop", "hf"), default="loop",
+                            help="loop: the hand-written example loop (default); hf: a Hugging Face Trainer job")  # fmt: skip
         add_train_arguments(parser)
+        hf_client.add_worker_arguments(parser)
         # internal: the measuring worker
         parser.add_argument("--worker-out", help=argparse.SUPPRESS)
         parser.add_argument("--calls", type=int, default=CHECK_CALLS["quick"], help=argparse.SUPPRESS)
@@ -239,8 +246,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
     if args.worker_out:
         return worker_main(args)
+    if args.hf_worker_out:
+        return hf_client.worker_main(args)
     work = args.out / "work" / NAME
     shutil.rmtree(work, ignore_errors=True)
+    if args.client == "hf":
+        hf = hf_client.run(args, work / "hf", Path(__file__).resolve())
+        path = hf.write(args.out)
+        s = hf.summary
+        print(format_table(
+            ["launcher", "optimizer steps/s (median)"],
+            [("hyperpodrun + ElasticCallback", s["hyperpodrun_callback_steps_per_s"]),
+             ("torchrun, no callback", s["torchrun_steps_per_s"])],
+        ))  # fmt: skip
+        print(f"throughput ratio: {s['throughput_ratio']:.3f} (paired runs: {s['throughput_ratio_paired_min']:.3f} "
+              f".. {s['throughput_ratio_paired_max']:.3f}; target >= 0.99)")  # fmt: skip
+        print(f"wrote {path}")
+        return 0
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,

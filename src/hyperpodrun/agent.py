@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from types import FrameType
@@ -123,6 +124,9 @@ def base_env(config: LaunchConfig) -> dict[str, str]:
 
 class Agent:
     """Supervises the local ranks of one node through rounds of the rendezvous."""
+
+    #: Called with the ranks' steps and seconds per step at each poll (metrics, issue 13); None: nobody listens.
+    on_progress: Callable[[tuple[int, ...], tuple[float, ...]], None] | None = None
 
     def __init__(
         self,
@@ -264,6 +268,8 @@ class Agent:
                 next_poll = now + rdzv.tick
                 progress = self._control.progress()
                 steps, step_times = rates.update(progress)
+                if self.on_progress is not None:  # metrics
+                    self.on_progress(steps, step_times)
                 failures = group.failures() if state == WorkerState.FAILED else []
                 status = LocalStatus(
                     group_state=WorkerState.FAILED if self._hang else state, steps=steps, step_times=step_times,

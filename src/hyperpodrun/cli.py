@@ -101,6 +101,8 @@ def run(
     max_backoff: Annotated[Optional[float], _opt("--max-backoff", group=_POLICY, help="Upper bound of the stable period in seconds [default: 600].")] = None,
     max_world_size: Annotated[Optional[int], _opt("--max-world-size", group=_POLICY, help="Never grow beyond this many ranks (e.g. the samples in one global batch).")] = None,
     restart_mode: Annotated[RestartMode, _opt("--restart-mode", group=_POLICY, help="auto: reconfigure ranks in place at scale events when every rank uses the in-process API; process: always restart them.")] = RestartMode.AUTO,
+    metrics_port: Annotated[int, _opt("--metrics-port", env="HYPERPODRUN_METRICS_PORT", group=_LOGS, help="Serve Prometheus metrics of this agent on this port (0: off).")] = 0,
+    metrics_addr: Annotated[str, _opt("--metrics-addr", env="HYPERPODRUN_METRICS_ADDR", group=_LOGS, help="Address the metrics endpoint listens on (loopback unless set).")] = "127.0.0.1",
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
 ) -> None:
     from hyperpodrun.launch import launch
@@ -166,6 +168,8 @@ def run(
         max_world_size=max_world_size,
         restart_mode=restart_mode,
         hang_timeout=hang_timeout,
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr,
     )
     launch(config)
 

@@ -247,6 +247,8 @@ class LaunchConfig:
     max_world_size: int | None = None
     restart_mode: RestartMode = RestartMode.AUTO
     hang_timeout: float | None = None  # seconds without progress; None: 10x the slowest step, at least 60; 0: off
+    metrics_port: int = 0  # Prometheus endpoint of this agent; 0: off
+    metrics_addr: str = "127.0.0.1"
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
 
     def __post_init__(self) -> None:
@@ -288,6 +290,8 @@ class LaunchConfig:
             )
         if self.hang_timeout is not None and not self.hang_timeout >= 0:
             raise ConfigError(f"--hang-timeout: must be >= 0 seconds (0: off), got {self.hang_timeout}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"--metrics-port: must be in 0..65535 (0: off), got {self.metrics_port}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout: must be >= 0, got {self.shutdown_timeout}")
         if self.module and self.no_python:

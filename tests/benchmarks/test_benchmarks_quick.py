@@ -251,6 +251,20 @@ def test_hydration_smoke(out_dir: Path) -> None:
     assert s["ratio_to_broadcast"] == pytest.approx(s["hydration_mb_per_s"] / s["broadcast_mb_per_s"], rel=0.01)
 
 
+def test_step_overhead_hf_client_smoke(out_dir: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "step_overhead.py"), "--smoke", "--client", "hf", "--out", str(out_dir)],
+        check=False, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out_dir / "step_overhead_hf_smoke.json").read_text())
+    s = data["summary"]
+    assert positive(s["hyperpodrun_callback_steps_per_s"]) and positive(s["torchrun_steps_per_s"])
+    assert s["throughput_ratio"] == pytest.approx(s["hyperpodrun_callback_steps_per_s"] / s["torchrun_steps_per_s"])
+    assert {r["launcher"] for r in data["samples"]["runs"]} == {"hyperpodrun", "torchrun"}
+    assert (out_dir / data["plot"]).read_bytes()[:8] == PNG_MAGIC
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_checkpoint_smoke(out_dir: Path) -> None:

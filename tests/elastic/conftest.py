@@ -1,12 +1,10 @@
-"""Fixtures for elastic jobs: a real etcd server (session), and an ElasticJob per test."""
+"""Fixtures for elastic jobs: a real etcd server (session); make_job is in tests/conftest.py."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from support.cluster import ElasticJob
 from support.etcd import EtcdServer
 
 
@@ -22,17 +20,3 @@ def backend(request: pytest.FixtureRequest) -> tuple[str, str | None]:
     if request.param == "etcd":
         return "etcd", request.getfixturevalue("etcd_endpoint")
     return "c10d", None
-
-
-@pytest.fixture
-def make_job(tmp_path: Path) -> Iterator:
-    jobs: list[ElasticJob] = []
-
-    def make(**kwargs) -> ElasticJob:
-        job = ElasticJob(tmp_path, **kwargs)
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.close()

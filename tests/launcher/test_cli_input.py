@@ -27,6 +27,7 @@ GOOD = str(SCRIPTS / "allreduce.py")
         (["--max-restarts", "-1", GOOD], "--max-restarts: must be >= 0"),
         (["--signals-to-handle", "SIGNOPE", GOOD], "unknown signal 'SIGNOPE'"),
         (["--standalone", "--nnodes", "2", GOOD], "--standalone runs one node"),
+        (["--metrics-port", "70000", GOOD], "--metrics-port: must be in 0..65535"),
         ([], "Missing argument"),
     ],
 )

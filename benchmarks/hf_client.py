@@ -1,0 +1,142 @@
+"""``step_overhead.py --client hf``: a Hugging Face Trainer job under hyperpodrun with
+``ElasticCallback`` against the same job under torchrun without it.
+
+Both runs: 2 ranks (gloo, CPU), a tiny GPT-2 built from a config, byte tokens of the
+repository's docs, the same global batch; steps/s from rank 0's ``on_step_end``
+times after a warm-up, runs interleaved. The ratio (hyperpodrun+callback over
+torchrun) is the overhead a Trainer user pays; target >= 0.99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    BenchmarkError,
+    BenchmarkResult,
+    bench_env,
+    free_port,
+    hyperpodrun_cmd,
+    median,
+    pyplot,
+    run_to_completion,
+    torchrun_cmd,
+)
+
+NAME = "step_overhead_hf"
+STEPS = {"smoke": 8, "quick": 30, "full": 80}
+WARMUP = {"smoke": 3, "quick": 5, "full": 10}
+REPS = {"smoke": 1, "quick": 2, "full": 5}
+RANKS, GLOBAL_BATCH, PER_DEVICE, BLOCK = 2, 8, 2, 32
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """One rank of the Trainer job; rank 0 writes its step end times to ``<out>/steps.json``."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
+
+    from elastic_events.integrations.transformers import ElasticCallback, set_global_batch
+
+    text = b"\n".join(p.read_bytes() for p in sorted((REPO / "docs").glob("*.md")))
+    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    blocks = tokens[: len(tokens) // BLOCK * BLOCK].view(-1, BLOCK)
+    blocks = blocks[: len(blocks) // GLOBAL_BATCH * GLOBAL_BATCH]
+    data = [{"input_ids": b, "labels": b} for b in blocks]
+    ends: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    training = TrainingArguments(
+        output_dir=str(Path(args.hf_worker_out) / "trainer"), per_device_train_batch_size=PER_DEVICE,
+        max_steps=args.hf_steps, learning_rate=1e-3, report_to="none", use_cpu=True, save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    set_global_batch(training, GLOBAL_BATCH)
+    set_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2))
+    callbacks = [StepTimes()] + ([ElasticCallback(global_batch=GLOBAL_BATCH)] if args.hf_elastic else [])
+    Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks).train()
+    if training.process_index == 0:
+        Path(args.hf_worker_out, "steps.json").write_text(json.dumps({"step_ends": ends}))
+    return 0
+
+
+def _steps_per_s(ends: list[float], warmup: int) -> float:
+    timed = ends[warmup:]
+    if len(timed) < 2:
+        raise BenchmarkError(f"too few steps after the warm-up ({len(ends)} steps, warm-up {warmup})")
+    return (len(timed) - 1) / (timed[-1] - timed[0])
+
+
+def run(args: argparse.Namespace, work: Path, script: Path) -> BenchmarkResult:
+    result = BenchmarkResult(
+        name=NAME, mode=args.mode,
+        params={"ranks": RANKS, "global_batch": GLOBAL_BATCH, "per_device_batch": PER_DEVICE, "block": BLOCK,
+                "steps": STEPS[args.mode], "warmup_steps": WARMUP[args.mode], "reps": REPS[args.mode],
+                "omp_num_threads": 1, "model": "GPT-2, 2 layers, 32 dims, byte vocabulary"},
+        baseline="the same Trainer job without ElasticCallback under torchrun (c10d, 1 node, 2 ranks), interleaved",
+    )  # fmt: skip
+    env = bench_env(OMP_NUM_THREADS="1")
+    runs: list[dict[str, Any]] = []
+    for rep in range(REPS[args.mode]):
+        order = ("hyperpodrun", "torchrun") if rep % 2 == 0 else ("torchrun", "hyperpodrun")
+        for launcher in order:
+            out = work / f"{launcher}-{rep}"
+            out.mkdir(parents=True, exist_ok=True)
+            rdzv = ("--nnodes", "1:1", "--nproc-per-node", str(RANKS), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"bench-hf-{rep}")  # fmt: skip
+            worker = [str(script), "--hf-worker-out", str(out), "--hf-steps", str(STEPS[args.mode])]
+            if launcher == "hyperpodrun":
+                cmd = hyperpodrun_cmd(*rdzv, "--log-dir", str(out / "logs"), *worker, "--hf-elastic")
+            else:
+                cmd = torchrun_cmd(*rdzv, *worker)
+            print(f"{NAME}: {launcher}, {RANKS} ranks, rep {rep + 1} ...", flush=True)
+            done = run_to_completion(cmd, name=launcher, timeout=args.run_timeout, env=env, log_path=out / "run.log")
+            if done.returncode != 0:
+                raise BenchmarkError(f"the {launcher} run exited {done.returncode}:\n{done.tail()}")
+            ends = json.loads((out / "steps.json").read_text())["step_ends"]
+            runs.append({"rep": rep, "launcher": launcher, "steps_per_s": _steps_per_s(ends, WARMUP[args.mode])})
+    rate = {n: [r["steps_per_s"] for r in runs if r["launcher"] == n] for n in ("hyperpodrun", "torchrun")}
+    paired = [ours / theirs for ours, theirs in zip(rate["hyperpodrun"], rate["torchrun"])]
+    result.samples = {"runs": runs, "paired_ratios": paired}
+    result.summary = {
+        "hyperpodrun_callback_steps_per_s": median(rate["hyperpodrun"]),
+        "torchrun_steps_per_s": median(rate["torchrun"]),
+        "throughput_ratio": median(rate["hyperpodrun"]) / median(rate["torchrun"]),
+        "throughput_ratio_paired_min": min(paired),
+        "throughput_ratio_paired_max": max(paired),
+        "throughput_target": 0.99,
+    }
+    result.notes.append(
+        "Whole runs on a shared machine: with few repetitions run-to-run noise can exceed the callback's cost "
+        "(one elastic_event_detected() call, a shared-memory read, per optimizer step); see the paired ratios."
+    )
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, marker in (("hyperpodrun", "o"), ("torchrun", "s")):
+        reps = [r for r in runs if r["launcher"] == name]
+        label = "hyperpodrun + ElasticCallback" if name == "hyperpodrun" else "torchrun, no callback"
+        ax.plot([r["rep"] + 1 for r in reps], [r["steps_per_s"] for r in reps], marker, label=label, markersize=8)
+    ax.set_xlabel("repetition")
+    ax.set_ylabel("optimizer steps/s")
+    ax.set_title(f"HF Trainer, {RANKS} ranks: ratio {result.summary['throughput_ratio']:.3f}")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(result.plot_path(args.out), dpi=120)
+    plt.close(fig)
+    return result
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hf-worker-out", help=argparse.SUPPRESS)
+    parser.add_argument("--hf-steps", type=int, default=STEPS["quick"], help=argparse.SUPPRESS)
+    parser.add_argument("--hf-elastic", action="store_true", help=argparse.SUPPRESS)
+

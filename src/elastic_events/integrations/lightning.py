@@ -1,0 +1,245 @@
+"""Elastic Lightning 2.x ``Trainer`` (DDP strategy): one callback and its data loader.
+
+Before (torchrun, fixed size)::
+
+    trainer = L.Trainer(strategy="ddp", max_steps=1000, accumulate_grad_batches=4)
+    trainer.fit(model, DataLoader(ds, batch_size=8, shuffle=True))
+
+After (hyperpodrun, any size between the ``--nnodes`` bounds)::
+
+    elastic = ElasticCallback(dirpath="ckpt", global_batch=256, micro_batch=8)
+    trainer = L.Trainer(strategy="ddp", max_steps=1000, callbacks=[elastic], use_distributed_sampler=False)
+    trainer.fit(model, elastic.dataloader(ds), ckpt_path=elastic_resume_checkpoint("ckpt"))
+
+(In a ``LightningDataModule``, return ``elastic.dataloader(self.train_set)`` from
+``train_dataloader()``.) ``lightning.pytorch`` is used when installed, else
+``pytorch_lightning``.
+
+How it works, in Lightning's own terms:
+
+* **Global batch.** In :meth:`ElasticCallback.setup` the callback sets
+  ``trainer.accumulate_grad_batches`` to ``global_batch / (micro_batch x world
+  size)`` (as Lightning's own ``GradientAccumulationScheduler`` does), or raises
+  :class:`GlobalBatchError` naming the world sizes that cannot keep it.
+* **Data order.** :meth:`ElasticCallback.dataloader` draws batches with
+  :class:`elastic_events.sampler.ElasticSampler`, whose state is the global
+  position in the epoch: step ``s`` trains samples ``[s*G, (s+1)*G)`` of the epoch's
+  order at any world size. The position is saved with the callback's state and
+  restored before the loader is built.
+* **Stop.** Once per optimizer step (every rank) the callback calls
+  :func:`~elastic_events.elastic_event_detected`; at the agreed step it saves a
+  Lightning checkpoint (``trainer.save_checkpoint``: model, optimizers, schedulers,
+  loops, callbacks), marks it complete after a barrier, sets
+  ``trainer.should_stop`` and, when ``fit`` is over, exits with status 0 (the
+  launcher restarts the script at the new size; ``exit_on_event=False`` returns
+  from ``fit`` instead, with :attr:`ElasticCallback.stopped_for_event` set).
+* **Resume.** :func:`elastic_resume_checkpoint` is the newest complete checkpoint.
+  On load, the callback rescales the loop's batch counters of the current epoch to
+  the new accumulation (Lightning counts micro-batches; the optimizer steps are
+  what is kept), so accumulation boundaries and the epoch's end stay right.
+* **RNG.** At a new world size every rank is reseeded from ``(seed, step, rank)``
+  when training starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+try:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ImportError:  # the standalone package
+    from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
+
+from elastic_events import elastic_event_detected, eventlog
+from elastic_events.integrations.common import (
+    ElasticIntegrationError,
+    GlobalBatchError,
+    ResumeMarker,
+    accumulation_steps,
+    newest_marked,
+    reseed_rank,
+    write_marker,
+)
+from elastic_events.sampler import ElasticSampler
+
+__all__ = [
+    "ElasticCallback",
+    "ElasticIntegrationError",
+    "GlobalBatchError",
+    "elastic_resume_checkpoint",
+]
+
+CHECKPOINT = "elastic-step={step}.ckpt"
+MARKER = "{name}.elastic.json"
+_BATCH_PROGRESS = "epoch_loop.batch_progress"
+
+
+def elastic_resume_checkpoint(dirpath: str | os.PathLike) -> str | None:
+    """The newest complete elastic checkpoint in ``dirpath`` (None: start from scratch)."""
+    found = newest_marked(Path(dirpath), r"elastic-step=(\d+)\.ckpt", MARKER)
+    return str(found) if found is not None else None
+
+
+class _FullEpochSampler(ElasticSampler):
+    """An :class:`ElasticSampler` whose length is the whole epoch's micro-batches at this world size.
+
+    Lightning sizes an epoch once, from the loader's length; the loop counters the
+    callback restores count from the epoch's start, so the length must too.
+    """
+
+    def __len__(self) -> int:
+        return sum(self._plan_at(start).accumulation_steps() for start in self._batch_starts(0))
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class ElasticCallback(Callback):
+    """Save and stop at the step hyperpodrun agrees on; resume at any world size.
+
+    Args:
+        dirpath: directory of the elastic checkpoints (shared by all nodes).
+        global_batch: samples per optimizer step over all ranks.
+        micro_batch: samples per forward pass on one rank (the loader's batch).
+        seed, shuffle: the epoch order (``seed + epoch`` permutation, or dataset order).
+        exit_on_event: exit with status 0 after ``fit`` when it stopped for an event.
+    """
+
+    def __init__(
+        self,
+        *,
+        dirpath: str | os.PathLike,
+        global_batch: int,
+        micro_batch: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        exit_on_event: bool = True,
+    ) -> None:
+        accumulation_steps(global_batch=global_batch, per_device_batch=micro_batch, world_size=1)  # validates both
+        self.dirpath = Path(dirpath)
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.seed = seed
+        self.shuffle = shuffle
+        self.exit_on_event = exit_on_event
+        self.stopped_for_event = False
+        self.sampler: ElasticSampler | None = None
+        self._accumulation = 0
+        self._loaded: dict[str, Any] | None = None  # our state from the checkpoint being resumed
+        self._last_step = -1
+
+    # ------------------------------------------------------------------ data
+    def dataloader(self, dataset: Dataset, **loader_kwargs: Any) -> DataLoader:
+        """A loader over ``dataset`` in the elastic order, at the trained position (call from ``train_dataloader``)."""
+        for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+            if name in loader_kwargs:
+                raise ElasticIntegrationError(f"dataloader(): {name} is set by the elastic sampler; leave it out")
+        rank, world = _world()
+        sampler = _FullEpochSampler(
+            len(dataset), global_batch=self.global_batch, micro_batch=self.micro_batch,
+            rank=rank, world_size=world, seed=self.seed, shuffle=self.shuffle,
+        )  # fmt: skip
+        if self._loaded is not None:
+            sampler.load_state_dict(self._loaded["sampler"])
+        self.sampler = sampler
+        return DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        _, world = _world()
+        return {
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "world_size": world,
+            "accumulation": self._accumulation,
+            "global_batch": self.global_batch,
+        }
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        _, world = _world()
+        self._accumulation = accumulation_steps(
+            global_batch=self.global_batch, per_device_batch=self.micro_batch, world_size=world
+        )
+        if trainer.accumulate_grad_batches not in (1, self._accumulation):
+            raise ElasticIntegrationError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with the elastic "
+                f"global batch {self.global_batch} (accumulation {self._accumulation} at world size {world}); leave it out"
+            )
+        trainer.accumulate_grad_batches = self._accumulation
+        self.stopped_for_event = False
+        self._loaded = None
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Before Lightning restores its loops: take our state, and recount the epoch's batches at the new accumulation."""
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if not state or state.get("sampler") is None:
+            return
+        if state["global_batch"] != self.global_batch:
+            raise GlobalBatchError(
+                f"the checkpoint was trained with global batch {state['global_batch']} at world size "
+                f"{state['world_size']}; this run has global batch {self.global_batch}"
+            )
+        self._loaded = state
+        if self.sampler is not None:  # the loader was built before fit(); it is iterated only after this
+            self.sampler.load_state_dict(state["sampler"])
+        old, new = state["accumulation"], self._accumulation
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get(_BATCH_PROGRESS)
+        if progress is not None and old != new:
+            current, total = progress["current"], progress["total"]
+            ready = current["ready"]
+            steps = ready // old  # saved at a step boundary: ready == processed == steps * old
+            for key in ("ready", "started", "processed", "completed"):
+                lag = ready - current[key]  # completed trails by one when saved in on_train_batch_end
+                total[key] += steps * new - ready
+                current[key] = steps * new - lag
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.sampler is None:
+            raise ElasticIntegrationError(
+                "the training loader was not made by ElasticCallback.dataloader(); return it from train_dataloader() "
+                "and pass use_distributed_sampler=False to the Trainer"
+            )
+        self._last_step = trainer.global_step
+        if self._loaded is None:
+            return
+        rank, world = _world()
+        if self._loaded["world_size"] != world:
+            reseed_rank(self.seed, trainer.global_step, rank)
+        eventlog.emit("checkpoint_loaded", step=trainer.global_step, saved_world_size=self._loaded["world_size"])
+
+    # ------------------------------------------------------------------ stop
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._last_step:
+            return  # a micro-batch inside an accumulation: no optimizer step yet
+        self._last_step = trainer.global_step
+        self.sampler.mark_step()  # type: ignore[union-attr]
+        if not elastic_event_detected():
+            return
+        self.stopped_for_event = True
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        path = self.dirpath / CHECKPOINT.format(step=trainer.global_step)
+        trainer.save_checkpoint(path)
+        trainer.strategy.barrier("elastic_checkpoint_saved")  # every rank finished its part
+        if trainer.is_global_zero:
+            rank, world = _world()
+            marker = ResumeMarker(step=trainer.global_step, world_size=world, global_batch=self.global_batch, seed=self.seed)
+            write_marker(self.dirpath / MARKER.format(name=path.name), marker)
+            eventlog.emit("checkpoint_saved", step=trainer.global_step, path=str(path))
+        trainer.should_stop = True
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and self.stopped_for_event and self.exit_on_event:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+            sys.exit(0)
+

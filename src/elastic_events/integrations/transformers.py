@@ -1,0 +1,312 @@
+"""Elastic Hugging Face ``Trainer``: one callback, the Trainer's own checkpoints.
+
+Before (torchrun, fixed size)::
+
+    trainer = Trainer(model, args, train_dataset=ds)
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
+
+After (hyperpodrun, any size between the ``--nnodes`` bounds)::
+
+    args.gradient_accumulation_steps = accumulation_steps(          # keeps the global batch at 64
+        global_batch=64, per_device_batch=args.per_device_train_batch_size, world_size=args.world_size)
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[ElasticCallback(global_batch=64)])
+    trainer.train(resume_from_checkpoint=elastic_resume_checkpoint(args.output_dir))
+
+How it works, in the Trainer's own terms:
+
+* **Stop.** :meth:`ElasticCallback.on_step_end` (once per optimizer step, every
+  rank) calls :func:`~elastic_events.elastic_event_detected`; at the agreed step it
+  sets ``control.should_save`` and ``control.should_training_stop``: the Trainer
+  writes its usual ``checkpoint-<step>`` (model, optimizer, scheduler, RNG, trainer
+  state) and leaves its loop. :meth:`~ElasticCallback.on_save` then marks the
+  checkpoint complete (``elastic.json``, after a barrier), and
+  :meth:`~ElasticCallback.on_train_end` exits the process with status 0 (the
+  launcher restarts it at the new world size; ``exit_on_event=False`` returns from
+  ``train()`` instead, with :attr:`ElasticCallback.stopped_for_event` set).
+* **Resume.** :func:`elastic_resume_checkpoint` is the newest *complete*
+  checkpoint; ``Trainer.train(resume_from_checkpoint=...)`` restores model,
+  optimizer, scheduler and step.
+* **Data order.** The Trainer's training order is one global sequence per epoch
+  (accelerate's seedable sampler, seeded with ``data_seed`` + epoch, the same at
+  every world size) dealt out to ranks batch by batch. With a constant global batch
+  G, optimizer step s trains exactly the samples ``[s*G, (s+1)*G)`` of that
+  sequence at any world size, and the Trainer's resume skip (``global_step`` steps x
+  accumulation batches per rank) lands exactly after the samples already trained.
+  That holds only while every epoch is a whole number of global batches: the
+  callback checks it (``len(train_dataset) % G == 0``) and otherwise refuses with a
+  clear error; :class:`ElasticTrainerMixin` lifts the restriction by training each
+  epoch's order truncated to whole global batches. ``ignore_data_skip=True`` would
+  restart the epoch's order and is refused.
+* **RNG.** At the same world size the Trainer restores each rank's saved RNG. At a
+  new world size old ranks' streams do not map onto new ranks (and new ranks have
+  none): every rank is reseeded from ``(seed, step, rank)`` before its first step.
+* **FSDP.** Resumes at another size need a checkpoint that can be resharded: the
+  Trainer's ``FULL_STATE_DICT`` and ``SHARDED_STATE_DICT`` (written with PyTorch
+  DCP) are; ``LOCAL_STATE_DICT`` is refused at start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from elastic_events import elastic_event_detected, eventlog
+from elastic_events.integrations.common import (
+    ElasticIntegrationError,
+    GlobalBatchError,
+    ResumeMarker,
+    accumulation_steps,
+    newest_marked,
+    read_marker,
+    reseed_rank,
+    write_marker,
+)
+from elastic_events.sampler import epoch_permutation
+
+__all__ = [
+    "ElasticCallback",
+    "ElasticIntegrationError",
+    "ElasticOrderSampler",
+    "ElasticTrainer",
+    "ElasticTrainerMixin",
+    "GlobalBatchError",
+    "accumulation_steps",
+    "elastic_resume_checkpoint",
+    "set_global_batch",
+]
+
+MARKER = "elastic.json"
+_SUPPORTED_ORDERS = ("random", "sequential")
+
+
+def elastic_resume_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest complete ``checkpoint-<step>`` under ``output_dir`` (None: start from scratch).
+
+    Complete means every rank finished writing it (the callback's marker exists): a
+    checkpoint cut short by a crash mid-save is skipped.
+    """
+    found = newest_marked(Path(output_dir), rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", "{name}/" + MARKER)
+    return str(found) if found is not None else None
+
+
+def set_global_batch(args: TrainingArguments, global_batch: int, *, world_sizes: tuple[int, ...] = ()) -> int:
+    """Set ``args.gradient_accumulation_steps`` so the global batch is ``global_batch`` at
+    ``args.world_size``; call before building the Trainer. Returns the steps.
+
+    Raises :class:`GlobalBatchError` naming the world sizes (this one, or any of
+    ``world_sizes``) that cannot keep it.
+    """
+    steps = accumulation_steps(
+        global_batch=global_batch,
+        per_device_batch=args.per_device_train_batch_size,
+        world_size=args.world_size,
+        world_sizes=world_sizes,
+    )
+    args.gradient_accumulation_steps = steps
+    return steps
+
+
+class ElasticOrderSampler(Sampler[int]):
+    """Each epoch's global order, truncated to whole global batches, the same at every world size.
+
+    The order is :func:`elastic_events.sampler.epoch_permutation` (``seed + epoch``);
+    accelerate deals its batches out to the ranks, so step ``s`` trains samples
+    ``[s*G, (s+1)*G)`` of it whatever the world size.
+    """
+
+    def __init__(self, num_samples: int, *, global_batch: int, seed: int, shuffle: bool = True) -> None:
+        if num_samples < global_batch:
+            raise GlobalBatchError(f"the dataset has {num_samples} samples, fewer than one global batch ({global_batch})")
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples - self.num_samples % self.global_batch
+
+    def __iter__(self):
+        order = epoch_permutation(self.num_samples, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+        return iter(order[: len(self)].tolist())
+
+
+def _sampling_strategy(args: TrainingArguments) -> str:
+    """``train_sampling_strategy`` (transformers 5), or its 4.x spelling ``group_by_length``."""
+    legacy = "group_by_length" if getattr(args, "group_by_length", False) else "random"
+    return getattr(args, "train_sampling_strategy", legacy)
+
+
+def _global_batch(args: TrainingArguments) -> int:
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+
+
+class ElasticTrainerMixin:
+    """``class MyTrainer(ElasticTrainerMixin, Trainer)``: any dataset length, each epoch cut to whole global batches."""
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Sampler | None:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset  # type: ignore[attr-defined]
+        args: TrainingArguments = self.args  # type: ignore[attr-defined]
+        if dataset is None or not hasattr(dataset, "__len__"):
+            raise ElasticIntegrationError("elastic training needs a map-style train_dataset with a length")
+        _check_strategy(args)
+        return ElasticOrderSampler(
+            len(dataset),
+            global_batch=_global_batch(args),
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            shuffle=_sampling_strategy(args) == "random",
+        )
+
+
+class ElasticTrainer(ElasticTrainerMixin, Trainer):
+    """``Trainer`` whose epochs are cut to whole global batches (see :class:`ElasticTrainerMixin`)."""
+
+
+def _check_order(args: TrainingArguments, train_dataloader: Any, global_batch: int) -> None:
+    """Refuse configurations whose data order would not continue exactly at another world size."""
+    if args.ignore_data_skip:
+        raise ElasticIntegrationError(
+            "ignore_data_skip=True restarts the epoch's data order on resume; elastic training needs it False"
+        )
+    if not args.accelerator_config.use_seedable_sampler:
+        raise ElasticIntegrationError(
+            "accelerator_config.use_seedable_sampler=False draws a new data order at every restart; keep it True"
+        )
+    dataset = getattr(train_dataloader, "dataset", None)
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ElasticIntegrationError("elastic training needs a map-style train_dataset with a length")
+    if _find_sampler(train_dataloader, ElasticOrderSampler) is not None:
+        return
+    _check_strategy(args)
+    if len(dataset) % global_batch:
+        raise ElasticIntegrationError(
+            f"the train dataset has {len(dataset)} samples, not a multiple of the global batch {global_batch}: the last "
+            "steps of each epoch would differ between world sizes; use ElasticTrainer (or ElasticTrainerMixin), "
+            "which trains each epoch in whole global batches, or trim the dataset"
+        )
+
+
+def _check_strategy(args: TrainingArguments) -> None:
+    strategy = _sampling_strategy(args)
+    if strategy not in _SUPPORTED_ORDERS:
+        raise ElasticIntegrationError(
+            f"train_sampling_strategy={strategy!r} orders samples by the world size; use one of {_SUPPORTED_ORDERS}"
+        )
+
+
+def _find_sampler(loader: Any, kind: type) -> Any:
+    """The sampler of type ``kind`` under accelerate's wrappers of ``loader`` (a few levels), if any."""
+    level = [loader]
+    for _ in range(5):
+        level = [getattr(n, a, None) for n in level for a in ("sampler", "batch_sampler")]
+        level = [n for n in level if n is not None]
+        for node in level:
+            if isinstance(node, kind):
+                return node
+    return None
+
+
+def _check_fsdp(args: TrainingArguments) -> None:
+    if not args.fsdp:
+        return
+    kind = str((args.fsdp_config or {}).get("state_dict_type", "FULL_STATE_DICT")).upper()
+    if "LOCAL" in kind:
+        raise ElasticIntegrationError(
+            f"FSDP state_dict_type={kind} checkpoints load only at the world size that wrote them; use "
+            "SHARDED_STATE_DICT (resharded by PyTorch DCP) or FULL_STATE_DICT"
+        )
+
+
+class ElasticCallback(TrainerCallback):
+    """Save and stop at the step hyperpodrun agrees on; resume at any world size.
+
+    Args:
+        global_batch: samples per optimizer step over all ranks. When given, the
+            Trainer's per-device batch x accumulation x world size must equal it
+            (see :func:`set_global_batch`); when None, it is whatever the first start
+            had, and a resume with another product is refused.
+        exit_on_event: after the save, exit the process with status 0 at the end of
+            ``train()`` (what the launcher expects). False: return from ``train()``
+            and let the script check :attr:`stopped_for_event`.
+    """
+
+    def __init__(self, *, global_batch: int | None = None, exit_on_event: bool = True) -> None:
+        if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1):
+            raise GlobalBatchError(f"global_batch must be a positive int or None, got {global_batch!r}")
+        self.global_batch = global_batch
+        self.exit_on_event = exit_on_event
+        self.stopped_for_event = False
+        self._reseed_pending = False
+
+    # ------------------------------------------------------------------ start
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        global_batch = _global_batch(args)
+        if self.global_batch is not None and global_batch != self.global_batch:
+            raise GlobalBatchError(
+                f"per_device_train_batch_size {args.per_device_train_batch_size} x gradient_accumulation_steps "
+                f"{args.gradient_accumulation_steps} x world size {args.world_size} = {global_batch}, not the global "
+                f"batch {self.global_batch}; set it with set_global_batch(args, {self.global_batch}) before building "
+                "the Trainer"
+            )
+        _check_order(args, kwargs.get("train_dataloader"), global_batch)
+        _check_fsdp(args)
+        self.stopped_for_event = False
+        self._reseed_pending = False
+        if state.global_step == 0:
+            return
+        marker = read_marker(_checkpoint_dir(args, state.global_step) / MARKER)
+        if marker is None:
+            return  # resumed from a checkpoint written without the callback: nothing more is known
+        if marker.global_batch != global_batch:
+            raise GlobalBatchError(
+                f"the checkpoint at step {marker.step} was trained with global batch {marker.global_batch} at world "
+                f"size {marker.world_size}; now it is {global_batch} at world size {args.world_size}: set "
+                f"gradient_accumulation_steps with set_global_batch(args, {marker.global_batch})"
+            )
+        self._reseed_pending = marker.world_size != args.world_size
+        eventlog.emit("checkpoint_loaded", step=state.global_step, saved_world_size=marker.world_size)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        if self._reseed_pending:  # after the Trainer restored what RNG it could, before the first step's forward
+            reseed_rank(args.seed, state.global_step, args.process_index)
+            self._reseed_pending = False
+
+    # ------------------------------------------------------------------- stop
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        if elastic_event_detected():
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_for_event = True
+        return control
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank has written its part (RNG, shards) of the checkpoint
+        if state.is_world_process_zero:
+            marker = ResumeMarker(
+                step=state.global_step, world_size=args.world_size, global_batch=_global_batch(args), seed=args.seed
+            )
+            write_marker(_checkpoint_dir(args, state.global_step) / MARKER, marker)
+            if self.stopped_for_event:
+                eventlog.emit("checkpoint_saved", step=state.global_step, path=str(_checkpoint_dir(args, state.global_step)))
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        if self.stopped_for_event and self.exit_on_event:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+            sys.exit(0)
+
+
+def _checkpoint_dir(args: TrainingArguments, step: int) -> Path:
+    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"

@@ -1,0 +1,51 @@
+"""What the tests' Trainer and Lightning jobs share: the data, the logs, the hold for a scale event."""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from elastic_events import current_event, is_elastic, restart_reason
+
+GLOBAL_BATCH, MICRO_BATCH, HOLD_AT, HOLD_TIMEOUT = 8, 2, 3, 120.0
+
+
+class Samples(torch.utils.data.Dataset):
+    """48 noisy samples of a linear function, each with its index (the sample id the tests compare)."""
+
+    def __init__(self, n: int = 48, target: str = "labels") -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(n, generator=g)
+        self.target = target
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], self.target: self.y[i], "idx": i}
+
+
+def log_step(run: Path, *, rank: int, world: int, step: int, ids: list[int], loss: float | None) -> None:
+    """Append this rank's sample ids of ``step`` (and, from rank 0, the step's loss)."""
+    with open(run / f"samples-{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "world": world, "ids": sorted(ids)}) + "\n")
+    if loss is not None:
+        with open(run / "loss.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "world": world, "loss": loss}) + "\n")
+
+
+def hold_for_event(run: Path, *, rank: int, step: int) -> None:
+    """In the first round under hyperpodrun, wait at step HOLD_AT until the launcher announced an event.
+
+    The test adds or removes a node meanwhile; the launcher then picks a target step. No timing involved.
+    """
+    if not (is_elastic() and restart_reason() == "start" and step == HOLD_AT):
+        return
+    (run / f"held-{rank}").touch()
+    deadline = time.monotonic() + HOLD_TIMEOUT
+    while current_event() is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no scale event announced within {HOLD_TIMEOUT:g}s of holding at step {HOLD_AT}")
+        time.sleep(0.02)
