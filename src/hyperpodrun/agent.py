@@ -261,8 +261,7 @@ class Agent:
                 else:
                     self._on_signal(group, self._signal)
             if rdzv.lease_lost:
-                group.stop(grace=self.config.shutdown_timeout)
-                raise RendezvousError("this node lost its membership lease (store unreachable for a whole lease ttl)")
+                self._rejoin(group)
             now = time.monotonic()
             if now >= next_poll or state != WorkerState.HEALTHY:
                 next_poll = now + rdzv.tick
@@ -298,6 +297,17 @@ class Agent:
             if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
                 return self._ranks_left(group, pending, state, timed_out=state == WorkerState.HEALTHY), False
             self._wake.wait(self.config.monitor_interval)
+
+    def _rejoin(self, group: WorkerGroup) -> None:
+        """The membership lease expired (the store was unreachable for a lease ttl): register again as the
+        same node while the ranks keep training; if the job moved on without this node, the next poll says so."""
+        try:
+            self.rdzv.rejoin()
+        except EmbeddedStoreGoneError:
+            self._guard_store(self.rdzv.rejoin, group)  # the job's store is gone for good
+        except StoreError:
+            return  # still unreachable: try again at the next tick
+        _say("this node's membership lease had expired while the store was unreachable; joined again as the same node")
 
     def _poll_riding_out_outages(self, status: LocalStatus, group: WorkerGroup) -> Directive | None:
         """``poll()``; while the store is unreachable the ranks keep training (they do not need it)

@@ -34,6 +34,7 @@ class EventType(str, Enum):
     RANK_HUNG = "rank_hung"  # no progress for --hang-timeout: stacks dumped, treated as a failure
     NODE_LOST = "node_lost"
     NODE_LEAVING = "node_leaving"
+    NODE_REJOINED = "node_rejoined"  # registered again after its lease expired during a store outage
     STORE_UNREACHABLE = "store_unreachable"  # the ranks keep training until the lease expires
     STORE_RECOVERED = "store_recovered"
     STORE_LOST = "store_lost"

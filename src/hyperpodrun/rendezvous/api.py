@@ -147,6 +147,9 @@ class RendezvousHandler(ABC):
     def request_leave(self) -> None:  # noqa: B027
         """Leave the job at the next agreed step (elastic jobs)."""
 
+    def rejoin(self) -> None:  # noqa: B027
+        """Register again after the membership lease expired (elastic jobs)."""
+
     def shutdown(self, *, succeeded: bool) -> None:  # noqa: B027 - optional hook
         """Leave the job for good (the agent is exiting)."""
 

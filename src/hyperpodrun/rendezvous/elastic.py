@@ -152,6 +152,18 @@ class ElasticRendezvous(RendezvousHandler):
     def _settings(self) -> dict[str, Any]:
         return job_settings(nproc_per_node=self.ctx.nproc_per_node, policy=self.ctx.policy, max_world_size=self.ctx.max_world_size)
 
+    def rejoin(self) -> None:
+        """Register again under a fresh lease after this node's lease expired (a store outage longer
+        than the lease ttl). Same node id: a round that still counts this node goes on, and one that
+        moved on without it is seen by :meth:`poll` and ends the ranks' round."""
+        if self._keeper is not None:
+            self._keeper.stop()
+        self._lease = self.store.grant_lease(self.ctx.lease_ttl)
+        self._put_node()
+        self._keeper = LeaseKeeper(self._lease, on_lost=lambda e: log.warning("membership lease lost: %s", e)).start()
+        if self.events:
+            self.events.emit(EventType.NODE_REJOINED)
+
     def _put_node(self) -> None:
         """(Re)write this node's record with a port free now: the next round's master port if it hosts rank 0."""
         record = NodeRecord(
@@ -211,6 +223,8 @@ class ElasticRendezvous(RendezvousHandler):
         waited_msg = 0.0
         prewarmed = False
         while True:
+            if self.lease_lost:
+                self.rejoin()
             rev = self.store.current_revision()  # before reading: a change after it wakes the wait below
             rnd, _, closed = self._read_round()
             if closed is not None:
