@@ -24,7 +24,6 @@ import tempfile
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -38,10 +37,11 @@ from hyperpodrun.hang import HangPolicy, hung_ranks
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
-from hyperpodrun.security import scrub_secrets
+from hyperpodrun.progress import StepRates, missed_target
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
-from hyperpodrun.supervisor import GroupAssignment, WorkerGroup, WorkerState, become_subreaper
-from elastic_events.control import ControlWriter, EventKind, RankPhase, RankProgress
+from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
+from hyperpodrun.worker_env import base_env, parked_env, parked_round, worker_env
+from elastic_events.control import ControlWriter, EventKind, RankPhase
 
 log = logging.getLogger(__name__)
 
@@ -54,72 +54,6 @@ class AgentState(str, Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-def worker_env(
-    config: LaunchConfig,
-    rnd: RoundInfo,
-    local_rank: int,
-    *,
-    run_id: str,
-    restart_count: int,
-    reason: RestartReason,
-    error_file: Path,
-    control_file: Path,
-    node_id: str,
-    event_log: Path | None = None,
-) -> dict[str, str]:
-    """The per-rank environment: torchrun's variables exactly, plus ``HYPERPODRUN_*`` extras."""
-    a = rnd.assignment
-    rank = a.global_rank(local_rank)
-    env = {
-        "RANK": str(rank),
-        "GROUP_RANK": str(a.group_rank),
-        "ROLE_RANK": str(rank),
-        "ROLE_NAME": config.role,
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(a.nproc_per_node),
-        "WORLD_SIZE": str(a.world_size),
-        "GROUP_WORLD_SIZE": str(a.group_world_size),
-        "ROLE_WORLD_SIZE": str(a.world_size),
-        "MASTER_ADDR": a.master_addr,
-        "MASTER_PORT": str(a.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
-        "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "TORCHELASTIC_ERROR_FILE": str(error_file),
-        "HYPERPODRUN_CONTROL_FILE": str(control_file),
-        "HYPERPODRUN_RESTART_REASON": reason.value,
-        "HYPERPODRUN_ROUND": str(rnd.round),
-        "HYPERPODRUN_NODE_ID": node_id,
-    }
-    if event_log is not None:
-        env["HYPERPODRUN_EVENT_LOG"] = str(event_log)
-    return env
-
-
-#: What a parked rank must not see: it learns its rank, world and master at admission.
-ROUND_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def parked_env(env: dict[str, str]) -> dict[str, str]:
-    """A pre-warmed joiner's environment: no round yet (``HYPERPODRUN_PARKED=1``)."""
-    return {**{k: v for k, v in env.items() if k not in ROUND_VARIABLES}, "HYPERPODRUN_PARKED": "1"}
-
-
-def _parked_round(nproc: int) -> RoundInfo:
-    return RoundInfo(round=0, assignment=GroupAssignment(group_rank=0, group_world_size=1, nproc_per_node=nproc,
-                     master_addr="", master_port=0), members=())  # fmt: skip
-
-
-def base_env(config: LaunchConfig) -> dict[str, str]:
-    env = scrub_secrets(os.environ)  # the ranks never talk to the store: no credentials for them
-    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = "1"  # as torchrun: avoid oversubscribing the node's cores
-    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in config.signals_to_handle)
-    return env
 
 
 class Agent:
@@ -498,7 +432,7 @@ class Agent:
             )
             envs[local_rank] = worker_env(
                 cfg,
-                rnd or _parked_round(cfg.nproc_per_node),
+                rnd or parked_round(cfg.nproc_per_node),
                 local_rank,
                 run_id=self.run_id,
                 restart_count=self.restart_count,
@@ -515,7 +449,7 @@ class Agent:
             command=cfg.worker_command(),
             base_env={**base_env(cfg), **self._rank_net_env},
             rank_env=envs,
-            assignment=(rnd or _parked_round(cfg.nproc_per_node)).assignment,
+            assignment=(rnd or parked_round(cfg.nproc_per_node)).assignment,
             logs=logs,
             reaper=self._reaper,
         )
@@ -563,40 +497,6 @@ class Agent:
     def _restore_signal_handlers(previous: dict[int, object]) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
-
-
-class StepRates:
-    """Seconds per step of each local rank, from successive control-channel readings.
-
-    A rank's rate is the fastest of its recent intervals: one slow step (a checkpoint, an
-    evaluation) must not make the agent think ranks are slow, or the target step it agrees
-    on would be too close and a fast rank would pass it before learning it.
-    """
-
-    WINDOW = 8
-
-    def __init__(self, nproc: int) -> None:
-        self._last: list[RankProgress | None] = [None] * nproc
-        self._recent: list[deque[float]] = [deque(maxlen=self.WINDOW) for _ in range(nproc)]
-
-    def update(self, progress: list[RankProgress]) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        for r, p in enumerate(progress):
-            last = self._last[r]
-            if last is not None and p.step > last.step and p.time > last.time:
-                self._recent[r].append((p.time - last.time) / (p.step - last.step))
-            if last is None or p.step != last.step:
-                self._last[r] = p
-        return tuple(p.step for p in progress), tuple(min(q, default=0.0) for q in self._recent)
-
-    @property
-    def slowest(self) -> float:
-        """The slowest recent seconds per step of any rank (0: not known yet)."""
-        return max((max(q) for q in self._recent if q), default=0.0)
-
-
-def missed_target(progress: list[RankProgress], event_id: int, target_step: int) -> list[int]:
-    """Local ranks that are at or past ``target_step`` without having acted on ``event_id``."""
-    return [r for r, p in enumerate(progress) if p.step >= target_step and p.acked_event != event_id]
 
 
 def _value(enum_or_none) -> str | None:

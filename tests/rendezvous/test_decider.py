@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from hyperpodrun.agent import StepRates, missed_target
+from hyperpodrun.progress import StepRates, missed_target
 from hyperpodrun.config import RestartMode
 from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.rendezvous.api import LocalStatus

@@ -1,0 +1,77 @@
+"""The environment of a node's ranks: torchrun's variables exactly, plus ``HYPERPODRUN_*`` extras."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hyperpodrun.config import LaunchConfig
+from hyperpodrun.rendezvous import RestartReason, RoundInfo
+from hyperpodrun.security import scrub_secrets
+from hyperpodrun.supervisor import GroupAssignment
+
+
+def worker_env(
+    config: LaunchConfig,
+    rnd: RoundInfo,
+    local_rank: int,
+    *,
+    run_id: str,
+    restart_count: int,
+    reason: RestartReason,
+    error_file: Path,
+    control_file: Path,
+    node_id: str,
+    event_log: Path | None = None,
+) -> dict[str, str]:
+    """The per-rank environment: torchrun's variables exactly, plus ``HYPERPODRUN_*`` extras."""
+    a = rnd.assignment
+    rank = a.global_rank(local_rank)
+    env = {
+        "RANK": str(rank),
+        "GROUP_RANK": str(a.group_rank),
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": config.role,
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(a.nproc_per_node),
+        "WORLD_SIZE": str(a.world_size),
+        "GROUP_WORLD_SIZE": str(a.group_world_size),
+        "ROLE_WORLD_SIZE": str(a.world_size),
+        "MASTER_ADDR": a.master_addr,
+        "MASTER_PORT": str(a.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "TORCHELASTIC_ERROR_FILE": str(error_file),
+        "HYPERPODRUN_CONTROL_FILE": str(control_file),
+        "HYPERPODRUN_RESTART_REASON": reason.value,
+        "HYPERPODRUN_ROUND": str(rnd.round),
+        "HYPERPODRUN_NODE_ID": node_id,
+    }
+    if event_log is not None:
+        env["HYPERPODRUN_EVENT_LOG"] = str(event_log)
+    return env
+
+
+#: What a parked rank must not see: it learns its rank, world and master at admission.
+ROUND_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def parked_env(env: dict[str, str]) -> dict[str, str]:
+    """A pre-warmed joiner's environment: no round yet (``HYPERPODRUN_PARKED=1``)."""
+    return {**{k: v for k, v in env.items() if k not in ROUND_VARIABLES}, "HYPERPODRUN_PARKED": "1"}
+
+
+def parked_round(nproc: int) -> RoundInfo:
+    return RoundInfo(round=0, assignment=GroupAssignment(group_rank=0, group_world_size=1, nproc_per_node=nproc,
+                     master_addr="", master_port=0), members=())  # fmt: skip
+
+
+def base_env(config: LaunchConfig) -> dict[str, str]:
+    env = scrub_secrets(os.environ)  # the ranks never talk to the store: no credentials for them
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun: avoid oversubscribing the node's cores
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in config.signals_to_handle)
+    return env
