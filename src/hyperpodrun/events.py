@@ -25,6 +25,7 @@ class EventType(str, Enum):
     WORKERS_STARTED = "workers_started"
     FIRST_STEP = "first_step"
     SCALE_DECIDED = "scale_decided"
+    SCALE_TARGETED = "scale_targeted"  # the agreed step and the mode (reconfigure in place or restart)
     WORKERS_SIGNALLED = "workers_signalled"
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_LOADED = "checkpoint_loaded"

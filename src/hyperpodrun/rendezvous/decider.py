@@ -295,7 +295,11 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
             and head in acks  # rank 0 of the next round must be a survivor holding the state
         ):
             mode = EventMode.RECONFIGURE
-    return _update(snap, evolve(ev, target=target, mode=mode, master_addr=master_addr, master_port=master_port), mem)
+    how = "ranks reconfigure in place" if mode is EventMode.RECONFIGURE else "ranks save and restart"
+    note = Note(round=ev.round, what=f"event {ev.id} ({ev.kind.value}, {mode.value})", reason=f"{how} at step {target}",
+                event="scale_targeted", fields={"event_id": ev.id, "kind": ev.kind.value, "mode": mode.value, "target_step": target})  # fmt: skip
+    updated = _update(snap, evolve(ev, target=target, mode=mode, master_addr=master_addr, master_port=master_port), mem)
+    return Plan(writes=updated.writes, notes=(note,), memory=mem)
 
 
 def _joiners(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord) -> list[str]:
