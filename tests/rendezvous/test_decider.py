@@ -71,6 +71,13 @@ def test_target_waits_for_unknown_step_rates_instead_of_guessing() -> None:
     assert write.key == Keys.EVENT and decoded(write)["target"] == 9 + 2 + 20
 
 
+def test_an_event_whose_members_all_lapsed_stops_instead_of_targeting() -> None:
+    """Found under load: every member's lease had lapsed, the standby deciding crashed on no acks."""
+    snap = JobSnapshot(nodes={"c": node("c")}, round=running("a"), event=event(next_members=("a", "c")))
+    (write,) = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    assert decoded(write)["mode"] == "stop" and decoded(write)["target"] == -1
+
+
 def test_a_rate_that_never_becomes_known_is_bounded_by_the_ack_timeout() -> None:
     snap = JobSnapshot(nodes={"a": node("a")}, round=running("a"), event=event(next_members=("a",), decided_at=NOW - 31.0),
                        acks={"a": ack(4, 0.0)})  # fmt: skip

@@ -263,6 +263,8 @@ def _drive_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: floa
 def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: float, ctx: DeciderContext, mem: DeciderMemory) -> Plan:
     """Every live member acked: agree on the step (or stop ranks that do not cooperate)."""
     elapsed = now - ev.decided_at
+    if not live:  # every member's lease lapsed (a store outage): nobody can act at a step
+        return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=ev.reason + "; no member is alive"), mem)
     acks = {m: snap.acks[m] for m in live if m in snap.acks}
     missing = [m for m in live if m not in acks]
     if missing:
