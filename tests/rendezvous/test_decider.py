@@ -162,6 +162,13 @@ def test_each_round_gets_the_port_its_head_published_for_it() -> None:
     assert nxt["master_port"] != running("a", "b").master_port
 
 
+def test_a_joiner_vanishing_mid_reconfiguration_stops_the_event_at_once() -> None:
+    snap = JobSnapshot(nodes={"a": node("a")}, round=running("a"),
+                       event=event(next_members=("a", "c"), target=40, mode=EventMode.RECONFIGURE))  # fmt: skip
+    (write,) = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    assert decoded(write)["mode"] == "stop" and "vanished" in decoded(write)["reason"]
+
+
 def test_stop_event_waits_for_every_live_member_then_halts() -> None:
     snap = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=running("a", "b"),
                        event=event(mode=EventMode.STOP, next_members=None, kind=EventKind.RANK_FAILURE),

@@ -253,6 +253,9 @@ def _drive_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: floa
     live = [m for m in rnd.members if m in snap.nodes]
     if ev.mode is not EventMode.STOP and ev.target is None:
         return _target_event(snap, ev, live, now, ctx, mem)
+    gone = [m for m in ev.next_members or () if m not in snap.nodes]
+    if ev.mode is EventMode.RECONFIGURE and gone:  # the new group can never form: stop everyone now
+        return _update(snap, evolve(ev, mode=EventMode.STOP, reason=f"{ev.reason}; {gone} vanished during the in-place reconfiguration"), mem)
     waiting = [m for m in live + _joiners(snap, ev, rnd) if m not in snap.stopped]
     deadline = ev.decided_at + ctx.policy.graceful_shutdown_timeout + ctx.ack_timeout
     if waiting and now < deadline:

@@ -286,6 +286,9 @@ class ElasticRendezvous(RendezvousHandler):
         directive = None
         if event_of_round and ev.id > self._handled_event:
             directive = self._follow_event(ev, status)
+        elif event_of_round and ev.id == self._handled_event > self._stopped_reported and ev.mode is EventMode.STOP:
+            # an event this node is acting on was turned into a stop (e.g. a joiner vanished mid-way)
+            directive = Directive(kind=DirectiveKind.STOP, event_id=ev.id, event_kind=ev.kind, reason=ev.reason)
         if self._claim_decider():
             self._decide()
         return directive
