@@ -129,12 +129,13 @@ def test_a_leaving_node_exits_zero_and_survivors_reform_without_it(tmp_path, nod
 def test_a_joiner_counts_steps_with_its_peers_and_later_leaves_in_place(tmp_path, nodes) -> None:
     """1 -> 2 -> 1: the joiner adopts the job's step count, so the next event fires on both at once,
     and the run ends on the parameters of a fixed-size run (same samples in every step)."""
-    out, gate = tmp_path / "out", tmp_path / "gate"
+    out, gate, ckpt = tmp_path / "out", tmp_path / "gate", tmp_path / "ckpt"
     out.mkdir(), gate.mkdir()
     a, b = nodes("a"), nodes("b")
     r0, r1, r2 = (Round.new(n, world_size=w, nodes=w) for n, w in ((0, 1), (1, 2), (2, 1)))
-    a.start(cmd(out, 9, "--gate", str(gate)), round=r0, group_rank=0)
-    b.start(cmd(out, 9, "--gate", str(gate)), round=None)
+    flags = ("--gate", str(gate), "--ckpt-dir", str(ckpt), "--ckpt-every", "2")  # saves in every round
+    a.start(cmd(out, 9, *flags), round=r0, group_rank=0)
+    b.start(cmd(out, 9, *flags), round=None)
     for node, rank in ((a, 0), (b, 1)):
         node.reconfigure(target_step=3, round=r1, group_rank=rank)
     for node in (a, b):
@@ -149,6 +150,8 @@ def test_a_joiner_counts_steps_with_its_peers_and_later_leaves_in_place(tmp_path
     end = load(out, "end", "a")
     assert (end["pid"], end["world_size"], end["round"], end["step"]) == (a.procs[0].pid, 1, 2, 9)
     assert end["sampler"]["consumed"] == 9 * 6 and a.progress()[0].step == 9
+    saved = [(int(p.name[5:]), json.loads((p / "COMPLETE").read_text())["world_size"]) for p in sorted(ckpt.glob("step_*"))]
+    assert saved == [(2, 1), (4, 2), (8, 1)]  # the checkpointer follows the group through both rounds
     fixed = nodes("fixed")  # the same 9 steps at a fixed world size of 1
     fixed.start(cmd(out, 9), round=Round.new(0, world_size=1, nodes=1), group_rank=0)
     assert fixed.wait() == [0], fixed.output()

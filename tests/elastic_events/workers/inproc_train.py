@@ -71,6 +71,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--ckpt-dir", type=Path, help="a Checkpointer: loaded at start, saved at a restart event")
+    p.add_argument("--ckpt-every", type=int, default=0, help="save through the checkpointer every N steps")
     p.add_argument("--gate", type=Path, help="after joining round R, wait for GATE/go-R (the test's next move)")
     p.add_argument("--skew-step-of-rank", type=int, default=-1, help="this rank's step is off by one at the event")
     args = p.parse_args()
@@ -115,6 +116,8 @@ def main() -> int:
                 dump(args, elastic, "after")
                 wait_for_gate(args.gate, elastic.round)
                 break
+            if args.ckpt_every and elastic.step % args.ckpt_every == 0:
+                elastic.save_checkpoint()
             if elastic.step >= args.steps:
                 break
     dump(args, elastic, "end")
