@@ -85,7 +85,7 @@ def main() -> int:
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.95),
         sampler=sampler,
         checkpointer=Checkpointer(CheckpointConfig(dir=args.ckpt_dir, timeout_s=60)) if args.ckpt_dir else None,
-        config=ElasticConfig(timeout_s=60, bucket_mb=0.0001),  # 104-byte buckets: tensors split and packed
+        config=ElasticConfig(timeout_s=60, bucket_mb=0.0001, device="cpu"),  # gloo; 104-byte buckets
     ).start()
     parked = os.environ.get("HYPERPODRUN_PARKED") == "1"
     dump(args, elastic, "after" if parked else "start")
