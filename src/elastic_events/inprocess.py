@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ import torch.distributed as dist
 
 import elastic_events
 from elastic_events import eventlog
-from elastic_events.errors import ElasticTrainingError
+from elastic_events.errors import ElasticTrainingError, HydrationError
 from elastic_events.control import CAP_RECONFIGURE, ControlReader, Event, EventKind, RankPhase
 from elastic_events.group import RoundSpec, backend_for, default_device, init_env_group, init_round_group, teardown_group
 from elastic_events.hydration import (
@@ -334,16 +335,24 @@ class ElasticTraining:
             sharded=kept.sharded if survivor else None,
         )
         reports: list[Any] = [None] * spec.world_size
-        dist.all_gather_object(reports, report)
-        plan = plan_hydration(reports)
-        if plan.source is None:
-            self._rebuild_from_storage(fresh_module)
-        elif plan.sharded:
-            self._reshard(plan.source, kept, fresh_module)
-        else:
-            self._replicate(plan.source, plan.newcomers, fresh_module)
-            if survivor:
-                self.model = self._wrap(self.module)  # DDP over the new group (newcomers wrapped above)
+        try:
+            dist.all_gather_object(reports, report)
+            plan = plan_hydration(reports)
+            if plan.source is None:
+                self._rebuild_from_storage(fresh_module)
+            elif plan.sharded:
+                self._reshard(plan.source, kept, fresh_module)
+            else:
+                self._replicate(plan.source, plan.newcomers, fresh_module)
+                if survivor:
+                    self.model = self._wrap(self.module)  # DDP over the new group (newcomers wrapped above)
+        except ElasticTrainingError:
+            raise
+        except RuntimeError as exc:  # gloo/NCCL report dead peers and timeouts as RuntimeError
+            raise HydrationError(
+                f"rank {spec.rank}: bringing round {spec.round}'s {spec.world_size} ranks to one state failed "
+                f"or timed out (limit {self.config.timeout_s:.0f}s): {exc}"
+            ) from exc
         self._set_world()
         seed_all(derive_rank_seed(self._base_seed, self.step, self.rank))
         if self._reader is not None and not survivor:
@@ -379,7 +388,7 @@ class ElasticTraining:
         if not newcomers:
             return
         members = sorted((source, *newcomers))
-        group = None if len(members) == self.world_size else dist.new_group(members, timeout=self._timeout())
+        group = None if len(members) == self.world_size else dist.new_group(members, timeout=timedelta(seconds=self.config.timeout_s))
         if self.rank not in members:
             return
         sending = self.rank == source
@@ -472,11 +481,6 @@ class ElasticTraining:
 
     def _comm_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
-
-    def _timeout(self):
-        from datetime import timedelta
-
-        return timedelta(seconds=self.config.timeout_s)
 
     def _phase(self, phase: RankPhase) -> None:
         if self._reader is not None:
