@@ -175,6 +175,7 @@ class ElasticTraining:
         self.backend = self.config.backend or backend_for(self.device)
         self._base_seed = torch.initial_seed()
         self._store: Any = None
+        self._control_step = 0  # a newcomer's step count on the control channel, from its source
         self._reader: ControlReader | None = None
         self._started = False
 
@@ -388,7 +389,8 @@ class ElasticTraining:
         if not newcomers:
             return
         members = sorted((source, *newcomers))
-        group = None if len(members) == self.world_size else dist.new_group(members, timeout=timedelta(seconds=self.config.timeout_s))
+        timeout = timedelta(seconds=self.config.timeout_s)
+        group = None if len(members) == self.world_size else dist.new_group(members, timeout=timeout)
         if self.rank not in members:
             return
         sending = self.rank == source

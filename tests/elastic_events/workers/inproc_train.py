@@ -35,6 +35,14 @@ def fsdp_wrap(module: torch.nn.Module) -> torch.nn.Module:
     return fully_shard(module)
 
 
+def full_optimizer_state(elastic: ElasticTraining) -> dict:
+    """The FSDP2 optimizer state gathered to full tensors (collective), keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    return get_optimizer_state_dict(elastic.model, elastic.optimizer, options=options)
+
+
 def dump(args: argparse.Namespace, elastic: ElasticTraining, tag: str) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -49,7 +57,7 @@ def dump(args: argparse.Namespace, elastic: ElasticTraining, tag: str) -> None:
         "pid": os.getpid(), "rank": elastic.rank, "world_size": elastic.world_size, "round": elastic.round,
         "step": elastic.step, "extra": dict(elastic.extra), "sampler": elastic.sampler.state_dict(),
         "scheduler": elastic.scheduler.state_dict(), "params": params, "shards": shards,
-        "optimizer": None if shards else elastic.optimizer.state_dict(),
+        "optimizer": full_optimizer_state(elastic) if shards else elastic.optimizer.state_dict(),
         "plan": (elastic.sampler.rank, elastic.sampler.world_size),
     }  # fmt: skip
     torch.save(state, args.out / f"{tag}-{os.environ['HYPERPODRUN_NODE_ID']}-{os.environ['LOCAL_RANK']}.pt")
