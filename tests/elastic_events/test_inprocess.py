@@ -165,6 +165,18 @@ def test_a_joiner_counts_steps_with_its_peers_and_later_leaves_in_place(tmp_path
         torch.testing.assert_close(end["params"][name], value, rtol=0, atol=1e-5, msg=name)
 
 
+def test_an_admitted_joiner_whose_round_never_forms_fails_with_one_clear_error(tmp_path, nodes) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    c = nodes("c")
+    c.start(cmd(out, 8, "--timeout", "2"), round=None)
+    c.reconfigure(target_step=EVENT_STEP, round=Round.new(1, world_size=2, nodes=2), group_rank=1)
+    assert c.wait()[0] != 0
+    assert "GroupError: rank 1: forming round 1's group of 2 ranks at 127.0.0.1:" in c.output()
+    assert "failed or timed out (limit 2s)" in c.output()
+    assert c.progress()[0].phase is RankPhase.FAILED and c.progress()[0].acked_event == 1
+
+
 def test_survivors_at_different_steps_refuse_to_train(tmp_path, nodes) -> None:
     out = tmp_path / "out"
     out.mkdir()

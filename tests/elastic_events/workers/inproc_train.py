@@ -79,6 +79,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--ckpt-dir", type=Path, help="a Checkpointer: loaded at start, saved at a restart event")
+    p.add_argument("--timeout", type=float, default=60.0, help="ElasticConfig.timeout_s")
     p.add_argument("--ckpt-every", type=int, default=0, help="save through the checkpointer every N steps")
     p.add_argument("--gate", type=Path, help="after joining round R, wait for GATE/go-R (the test's next move)")
     p.add_argument("--skew-step-of-rank", type=int, default=-1, help="this rank's step is off by one at the event")
@@ -93,7 +94,7 @@ def main() -> int:
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.95),
         sampler=sampler,
         checkpointer=Checkpointer(CheckpointConfig(dir=args.ckpt_dir, timeout_s=60)) if args.ckpt_dir else None,
-        config=ElasticConfig(timeout_s=60, bucket_mb=0.0001, device="cpu"),  # gloo; 104-byte buckets
+        config=ElasticConfig(timeout_s=args.timeout, bucket_mb=0.0001, device="cpu"),  # gloo; 104-byte buckets
     ).start()
     parked = os.environ.get("HYPERPODRUN_PARKED") == "1"
     dump(args, elastic, "after" if parked else "start")
