@@ -1,7 +1,7 @@
 """Rendezvous at scale: N simulated nodes against one etcd, and against the embedded store.
 
 Each simulated node is the launcher's real rendezvous (``ElasticRendezvous`` of
-``hyperpodrun.elastic_rendezvous``) on its own store client, without an agent or
+``hyperpodrun.rendezvous.elastic``) on its own store client, without an agent or
 trainers: it joins with a leased ``nodes/<id>`` key, the decider (first node in id
 order) runs the real policy and publishes ``round`` by compare-and-swap once all N
 are alive (policy min = max = N), and every node watches the store until it finds
@@ -44,7 +44,8 @@ from common import (
     start_etcd,
 )
 
-from hyperpodrun.elastic_rendezvous import ElasticRendezvous, RendezvousSettings
+from hyperpodrun.rendezvous.decider import DeciderContext
+from hyperpodrun.rendezvous.elastic import ElasticRendezvous
 from hyperpodrun.errors import HyperpodrunError
 from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.store import (
@@ -210,13 +211,12 @@ class SimulatedNode:
         self.limit_s = settings.limit_s
         self.rdzv = ElasticRendezvous(
             CountingStore(settings.open_store(), self.counter),
-            policy=ElasticPolicy(min_replicas=settings.n, max_replicas=settings.n),
-            nproc_per_node=1,
+            context=DeciderContext(
+                policy=ElasticPolicy(min_replicas=settings.n, max_replicas=settings.n), nproc_per_node=1,
+                max_restarts=0, lease_ttl=settings.lease_ttl_s, ack_timeout=30.0, propagation=1.0, tick=0.2,
+            ),  # fmt: skip
             local_addr="127.0.0.1",
-            max_restarts=0,
-            settings=RendezvousSettings(
-                join_timeout=settings.limit_s, lease_ttl=settings.lease_ttl_s, store_timeout=settings.request_timeout_s
-            ),
+            join_timeout=settings.limit_s,
             node_id=self.node_id,
         )
         self.started = 0.0

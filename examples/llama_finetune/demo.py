@@ -174,6 +174,7 @@ class ScaleEvent:
     to_world: int
     at_step: int | None
     reason: str
+    mode: str  # "in place" (ranks reconfigured, newcomers hydrated from peers) or "restart" (save, restart, load)
     downtime_s: float | None  # end of the last step at the old size -> end of the first at the new size
     phases: dict[str, float]
 
@@ -212,7 +213,7 @@ class Summary:
         for e in self.scale_events:
             phases = ", ".join(f"{k} {v:.1f}s" for k, v in e.phases.items())
             downtime = f"{e.downtime_s:.1f}s" if e.downtime_s is not None else "unknown"
-            lines.append(f"    {e.from_world} -> {e.to_world} after step {e.at_step}: downtime {downtime} ({phases})")
+            lines.append(f"    {e.from_world} -> {e.to_world} after step {e.at_step}, {e.mode}: downtime {downtime} ({phases})")
             lines.append(f"        why: {e.reason}")
         verdict = "each seen exactly once" if self.exactly_once else "NOT exactly once"
         lines.append(f"  data: {self.samples_seen} samples in {self.steps_trained} steps, {verdict} (sample log)")
@@ -273,15 +274,25 @@ def _scale_event(
     (metrics) through the trainer's and agents' records; a problem when a record is missing."""
     decided = _records(events, "scale_decided", before.round)
     last_ts = step_end.get(before.last_step) if before.last_step is not None else None
-    saved = [
-        e for e in _records(events, "checkpoint_saved", before.round) if last_ts is not None and e["ts"] >= last_ts
-    ]
-    marks = {
-        "save": saved[-1]["ts"] if saved else None,
-        "stop + rendezvous": min((e["ts"] for e in _records(events, "rendezvous_done", after.round)), default=None),
-        "start + load": min((e["ts"] for e in _records(events, "checkpoint_loaded", after.round)), default=None),
-        "first step": min((e["ts"] for e in _records(events, "first_step", after.round)), default=None),
-    }
+
+    def first(kind: str, rnd: int, *, after_last: bool = False) -> float | None:
+        return min((e["ts"] for e in _records(events, kind, rnd) if not after_last or (last_ts is not None and e["ts"] >= last_ts)), default=None)
+
+    in_place = bool(_records(events, "group_torn_down", after.round))
+    if in_place:  # ranks kept their processes: the trainer's records of the reconfiguration
+        marks = {
+            "group torn down": first("group_torn_down", after.round),
+            "rendezvous + group up": first("group_up", after.round),
+            "hydrated": first("hydrated", after.round),
+            "first step": first("first_step", after.round),
+        }
+    else:
+        marks = {
+            "save": first("checkpoint_saved", before.round, after_last=True),
+            "stop + rendezvous": first("rendezvous_done", after.round),
+            "start + load": first("checkpoint_loaded", after.round),
+            "first step": first("first_step", after.round),
+        }
     phases: dict[str, float] = {}
     problem = None
     if last_ts is None or None in marks.values():
@@ -297,7 +308,7 @@ def _scale_event(
             phases[name], previous = ts - previous, ts
     event = ScaleEvent(
         from_world=before.world_size, to_world=after.world_size, at_step=before.last_step,
-        reason=names(decided[0].get("reason", "")) if decided else "",
+        reason=names(decided[0].get("reason", "")) if decided else "", mode="in place" if in_place else "restart",
         downtime_s=None if problem else marks["first step"] - last_ts, phases=phases,
     )  # fmt: skip
     return event, problem
@@ -323,14 +334,14 @@ def summarize(
     step_end = {m["step"]: m["ts"] for m in metrics}
     problems = list(problems)
     starts = {}  # round -> when its first agent finished the rendezvous
-    for e in events:
-        if e["event"] == "rendezvous_done":
+    for e in events:  # in place, the round begins when the old group is torn down (before the agents notice)
+        if e["event"] in ("rendezvous_done", "group_torn_down"):
             starts[e["round"]] = min(e["ts"], starts.get(e["round"], e["ts"]))
     rounds: list[Round] = []
     for rnd in sorted(starts):
         end = min((ts for r, ts in starts.items() if r > rnd), default=float("inf"))
         steps = [m["step"] for m in metrics if starts[rnd] <= m["ts"] < end]
-        world = next(e["world_size"] for e in _records(events, "rendezvous_done", rnd))
+        world = next(e["world_size"] for e in events if e["event"] in ("rendezvous_done", "group_torn_down") and e["round"] == rnd)
         rounds.append(Round(round=rnd, world_size=world, started_s=starts[rnd] - started,
                             first_step=min(steps, default=None), last_step=max(steps, default=None)))  # fmt: skip
     scale_events = []
@@ -526,7 +537,10 @@ def run_demo(config: DemoConfig, *, out: TextIO = sys.stdout, clock: Callable[[]
                 )
             if clock() >= next_status:
                 next_status = max(next_status + config.status_every_s, clock())
-                status = f"[{clock() - t0:6.1f}s] world {world} | step {step}/{config.steps} | loss {loss:.3f}"
+                if step == 0:
+                    status = f"[{clock() - t0:6.1f}s] starting: no step has run yet (first launch imports torch and builds the data cache)"
+                else:
+                    status = f"[{clock() - t0:6.1f}s] world {world} | step {step}/{config.steps} | loss {loss:.3f}"
                 out.write(f"\r\033[K{status}" if tty else status + "\n")
                 out.flush()
             time.sleep(0.1)

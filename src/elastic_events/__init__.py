@@ -111,7 +111,22 @@ def _probe() -> ControlReader | _FirstStep | None:
     path = os.environ.get(CONTROL_FILE_ENV)
     if path:
         _reader = _FirstStep(ControlReader(Path(path), int(os.environ.get("LOCAL_RANK", "0"))), restart_reason())
+        _register_stack_dump()
     return _reader
+
+
+STACK_DUMP_SIGNAL = "SIGUSR1"
+
+
+def _register_stack_dump() -> None:
+    """Under hyperpodrun, SIGUSR1 writes every thread's Python stack to stderr (the rank's log):
+    the agent sends it to a rank that made no progress for ``--hang-timeout`` seconds."""
+    import faulthandler
+    import signal
+
+    signum = getattr(signal, STACK_DUMP_SIGNAL, None)
+    if signum is not None and signal.getsignal(signum) in (signal.SIG_DFL, None):
+        faulthandler.register(signum, all_threads=True, chain=False)
 
 
 def _channel() -> ControlReader | None:

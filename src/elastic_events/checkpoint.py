@@ -46,7 +46,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -85,17 +85,21 @@ from elastic_events.checkpoint_layout import (
     _fsync_dir,
     _read_metadata,
     _scan,
+    recover_interrupted,
     _shard_problems,
     _to_bytes,
     _write_marker,
     list_checkpoints,
+    prepare_directory,
+    prune,
     verify_checkpoint,
 )
 from elastic_events.rng import (
-    RngState,
     capture_rng_state,
     derive_rank_seed,
     restore_rng_state,
+    rng_from_plain,
+    rng_to_plain,
     seed_all,
 )
 
@@ -119,11 +123,21 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _GLOBAL_KEY = "global"
+_FULL_BELOW = 1 << 20  # bytes
 _SINGLE_PROCESS_NOTICE = "torch.distributed is disabled, unavailable or uninitialized"
 _RngOutcome = Literal["restored", "reseeded"]
 
 
 # --------------------------------------------------------------------------- data
+
+
+def _space_hint(path: Path) -> str:
+    """Why a write failed when the file system is full (torch's own error may not say)."""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return ""
+    return f" (the file system of {path.parent} is full: {free} bytes free)" if free < _FULL_BELOW else ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,9 +307,11 @@ class Checkpointer:
         self._comm: _Comm | None = None
         self._comm_world: Any = None
         self._pending: _PendingSave | None = None
+        prepare_directory(config.dir)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest checkpoint with a marker (local and cheap; :meth:`load` verifies fully)."""
+        recover_interrupted(self.config.dir)
         found = list_checkpoints(self.config.dir)
         return found[0] if found else None
 
@@ -343,7 +359,7 @@ class Checkpointer:
                 else:
                     dcp.save(state, storage_writer=writer, **comm.dcp_kwargs)
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"writing step {step} to {tmp} failed: {_describe(exc)}") from exc
+            raise CheckpointError(f"writing step {step} to {tmp} failed: {_describe(exc)}{_space_hint(tmp)}") from exc
         if pending.future is None:
             if comm.rank == 0:
                 self._commit(pending)
@@ -367,7 +383,9 @@ class Checkpointer:
             message = f"async write of step {step} to {pending.tmp} took over {limit:.0f}s"
             raise CheckpointTimeoutError(message) from None
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"async write of step {step} to {pending.tmp} failed: {_describe(exc)}") from exc
+            raise CheckpointError(
+                f"async write of step {step} to {pending.tmp} failed: {_describe(exc)}{_space_hint(pending.tmp)}"
+            ) from exc
         if comm.rank == 0 and not pending.committed.wait(limit):
             raise CheckpointTimeoutError(f"committing step {step} ({pending.tmp}) took over {limit:.0f}s")
         self._confirm(pending, comm)
@@ -403,12 +421,13 @@ class Checkpointer:
         self.wait()
         comm = self._get_comm()
         targets = _Targets(model, optimizer, scheduler, data)
+        if comm.rank == 0:
+            for path in recover_interrupted(self.config.dir):
+                logger.warning("restored %s, left as .old-* by a save interrupted between its renames", path)
         listing = _scan(self.config.dir) if comm.rank == 0 else None
         complete, partial = comm.broadcast(listing, what="list checkpoints")
         self._check_visible(comm, [name for _, name in complete])
-        if comm.rank == 0:
-            for name in partial:
-                self._warn(self.config.dir / name, "partial save (never completed); ignored")
+        warned = [(self.config.dir / name, "partial save (never completed); ignored") for name in partial]
         if step is not None:
             complete = [(s, name) for s, name in complete if s == step]
             if not complete:
@@ -433,15 +452,15 @@ class Checkpointer:
                     extra = state[_GLOBAL_KEY]["extra"] or {}
                     eventlog.emit("checkpoint_loaded", step=info.step, path=str(info.path), saved_world_size=info.world_size)
                     skipped = tuple(p for p, _ in failures)
+                    self._warn_all(comm, warned + failures)
                     return LoadedState(
                         info=info, step=info.step, world_size=comm.world_size, extra=extra, rng=rng, skipped=skipped
                     )
             failures.append((path, reasons[0]))
-            if comm.rank == 0:
-                self._warn(path, reasons[0])
             if step is not None:
                 raise CheckpointCorruptError(path, reasons[0])
         if not failures:
+            self._warn_all(comm, warned)
             return None
         damaged = "; ".join(f"{path}: {reason}" for path, reason in failures)
         raise CheckpointError(f"no usable checkpoint in {self.config.dir}, every one is damaged: {damaged}")
@@ -466,7 +485,7 @@ class Checkpointer:
     def _state_to_save(step: int, comm: _Comm, targets: _Targets, extra: dict[str, Any] | None) -> dict[str, Any]:
         state = targets.tensor_state()
         rng = capture_rng_state()
-        state[f"rng_rank_{comm.rank}"] = _to_bytes(vars(rng))
+        state[f"rng_rank_{comm.rank}"] = _to_bytes(rng_to_plain(rng))
         if comm.rank == 0:
             global_state = {"step": step, "extra": extra, "rng_base_seed": rng.base_seed}
             state[_GLOBAL_KEY] = _to_bytes({**global_state, **targets.global_state()})
@@ -480,15 +499,18 @@ class Checkpointer:
             if problems := _shard_problems(pending.tmp, _read_metadata(pending.tmp)):
                 detail = f"rank 0 ({socket.gethostname()}) cannot see files other ranks wrote: {'; '.join(problems)}"
                 raise SharedStorageError(pending.tmp, detail)
-            _write_marker(pending.tmp, pending.info)
-            final = pending.info.path
+            recover_interrupted(self.config.dir)
+            sequence = 1 + max((info.sequence for info in list_checkpoints(self.config.dir)), default=0)
+            info = replace(pending.info, sequence=sequence)
+            _write_marker(pending.tmp, info)
+            final = info.path
             replaced = final.with_name(final.name + ".old-" + pending.tmp.name.rsplit("-", 1)[1])
             if final.exists():  # the same step saved again, e.g. right after a resume
                 os.replace(final, replaced)
-            os.replace(pending.tmp, final)
+            os.replace(pending.tmp, final)  # a crash before this leaves .old-*: recover_interrupted
             _fsync_dir(final.parent)
             shutil.rmtree(replaced, ignore_errors=True)
-            self._prune()
+            prune(self.config.dir, keep_last=self.config.keep_last, saved=final)
             eventlog.emit("checkpoint_saved", step=pending.info.step, path=str(final))
         except CheckpointError as exc:
             pending.commit_error = exc
@@ -496,22 +518,6 @@ class Checkpointer:
             pending.commit_error = CheckpointError(f"committing {pending.tmp} failed: {_describe(exc)}")
         finally:
             pending.committed.set()
-
-    def _prune(self) -> None:
-        """Keep the newest ``keep_last`` checkpoints with a marker; drop older dirs and partial saves."""
-        complete, partial = _scan(self.config.dir)
-        for name in partial:  # saves are serialised: none of these is in flight
-            shutil.rmtree(self.config.dir / name, ignore_errors=True)
-        if self.config.keep_last is None:
-            return
-        kept = 0
-        for _, name in complete:
-            path = self.config.dir / name
-            if kept >= self.config.keep_last:
-                logger.info("removing old checkpoint %s (keep_last=%d)", path, self.config.keep_last)
-                shutil.rmtree(path, ignore_errors=True)
-            elif (path / MARKER_NAME).is_file():
-                kept += 1
 
     def _confirm(self, pending: _PendingSave, comm: _Comm) -> None:
         """Every rank checks that it sees the saved files; all ranks raise the same error."""
@@ -579,11 +585,14 @@ class Checkpointer:
             raise IncompatibleCheckpointError(f"checkpoint {info.path} does not fit: {_describe(exc)}") from exc
         own_rng = state.get(f"rng_rank_{comm.rank}")
         if own_rng is not None:
-            restore_rng_state(RngState(**_from_bytes(own_rng)))
+            restore_rng_state(rng_from_plain(_from_bytes(own_rng)))
             return "restored"
         seed_all(derive_rank_seed(saved["rng_base_seed"], info.step, comm.rank))
         return "reseeded"
 
     @staticmethod
-    def _warn(path: Path, reason: str) -> None:
-        warnings.warn(f"skipping checkpoint {path}: {reason}", CheckpointWarning, stacklevel=3)
+    def _warn_all(comm: _Comm, skipped: list[tuple[Path, str]]) -> None:
+        """Rank 0 reports what a load that went on skipped (a failed load's error names it all)."""
+        if comm.rank == 0:
+            for path, reason in skipped:
+                warnings.warn(f"skipping checkpoint {path}: {reason}", CheckpointWarning, stacklevel=4)

@@ -10,6 +10,8 @@ import io
 import json
 import os
 import re
+import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ _FORMAT_VERSION = 1
 _METADATA = ".metadata"
 _COMPLETE_RE = re.compile(r"^step_(\d+)$")
 _PARTIAL_RE = re.compile(r"^step_\d+\.(?:tmp|old)-[0-9a-f]+$")
+_OLD_RE = re.compile(r"^(step_\d+)\.old-[0-9a-f]+$")
 
 
 # ------------------------------------------------------------------------- errors
@@ -83,6 +86,8 @@ class CheckpointInfo:
     saved_at: float
     torch_version: str
     components: tuple[str, ...]
+    sequence: int = 0
+    """Save order within the directory (1 + the highest before it); 0 for markers that predate it."""
 
     def to_json(self) -> str:
         fields = {k: v for k, v in vars(self).items() if k != "path"}
@@ -100,6 +105,7 @@ class CheckpointInfo:
                 saved_at=float(raw["saved_at"]),
                 torch_version=str(raw["torch_version"]),
                 components=tuple(raw["components"]),
+                sequence=int(raw.get("sequence", 0)),
             )
         except FileNotFoundError:
             raise CheckpointCorruptError(path, f"no {MARKER_NAME} marker (save did not finish)") from None
@@ -124,6 +130,50 @@ def _scan(root: Path) -> tuple[list[tuple[int, str]], list[str]]:
     return complete, sorted(n for n in names if _PARTIAL_RE.match(n))
 
 
+def prepare_directory(root: Path) -> None:
+    """Create ``root`` if needed and check that this process can write there, so that an
+    unusable checkpoint directory fails at start, not at the first save hours later."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CheckpointError(f"checkpoint directory {root} exists and is not a directory") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot create checkpoint directory {root}: {exc.strerror or exc}") from None
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} exists and is not a directory")
+    probe = root / f".write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint directory {root} is not writable: {exc.strerror or exc}") from None
+
+
+def save_order(info: CheckpointInfo) -> tuple[int, float, int]:
+    """Sort key by save order: the marker's sequence, then its time (markers without one)."""
+    return info.sequence, info.saved_at, info.step
+
+
+def recover_interrupted(root: Path | str) -> list[Path]:
+    """Put back ``step_N.old-*`` copies left by a crash between a re-save's two renames.
+
+    Re-saving step N renames the committed ``step_N`` to ``step_N.old-<token>`` and then the
+    new copy into place; a crash in between leaves only the ``.old`` copy. Each one whose
+    ``step_N`` is absent is renamed back (it is complete: it was committed). Returns the
+    paths restored. Safe to call from several processes: a lost race is ignored.
+    """
+    root = Path(root)
+    restored = []
+    for name in _scan(root)[1]:
+        match = _OLD_RE.match(name)
+        if match is None or (root / match.group(1)).exists():
+            continue
+        with contextlib.suppress(FileNotFoundError, FileExistsError, OSError):
+            os.rename(root / name, root / match.group(1))
+            restored.append(root / match.group(1))
+    return restored
+
+
 def list_checkpoints(root: Path | str) -> list[CheckpointInfo]:
     """Checkpoints under ``root`` with a readable marker and a ``.metadata``, newest first.
 
@@ -136,6 +186,45 @@ def list_checkpoints(root: Path | str) -> list[CheckpointInfo]:
             if (info.path / _METADATA).is_file():
                 found.append(info)
     return found
+
+
+def prune(root: Path, *, keep_last: int | None, saved: Path) -> list[Path]:
+    """Drop partial saves, and checkpoints beyond the ``keep_last`` most recently *saved*.
+
+    Save order, not step number: after resuming from an older step (``load(step=K)``, or
+    past a damaged newer checkpoint) the fresh saves are the ones to keep. Never removed:
+    ``saved`` (just committed), anything saved after it (another writer), and nothing at
+    all unless a checkpoint that stays verifies (never the only loadable one).
+    Run :func:`recover_interrupted` first so that no ``.old-*`` copy here is still needed.
+    Returns the checkpoints removed.
+    """
+    complete, partial = _scan(root)
+    for name in partial:  # saves are serialised: none of these is in flight
+        shutil.rmtree(root / name, ignore_errors=True)
+    infos = sorted(list_checkpoints(root), key=save_order, reverse=True)
+    just_saved = next((info for info in infos if info.path == saved), None)
+    if keep_last is None or just_saved is None:
+        return []
+    keep = [info for info in infos if info.path == saved or save_order(info) > save_order(just_saved)]
+    for info in infos:
+        if len(keep) >= keep_last:
+            break
+        if info not in keep:
+            keep.append(info)
+    if not any(_verifies(info.path) for info in keep):
+        return []
+    removed = [info.path for info in infos if info not in keep]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        verify_checkpoint(path)
+    except CheckpointCorruptError:
+        return False
+    return True
 
 
 def _shard_problems(path: Path, metadata: Metadata) -> list[str]:
@@ -198,8 +287,8 @@ def _to_bytes(obj: Any) -> bytes:
 
 
 def _from_bytes(blob: bytes) -> Any:
-    # Written by this job (trusted); holds arbitrary picklable scheduler, data and extra state.
-    return torch.load(io.BytesIO(blob), weights_only=False)
+    # weights_only: tensors, numbers, strings and containers of them, nothing executable.
+    return torch.load(io.BytesIO(blob), weights_only=True)
 
 
 def _describe(exc: BaseException) -> str:

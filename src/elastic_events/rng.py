@@ -22,7 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["RngState", "capture_rng_state", "derive_rank_seed", "restore_rng_state", "seed_all"]
+__all__ = [
+    "RngState",
+    "capture_rng_state",
+    "derive_rank_seed",
+    "restore_rng_state",
+    "rng_from_plain",
+    "rng_to_plain",
+    "seed_all",
+]
 
 _SEED_BITS = 63
 
@@ -50,6 +58,19 @@ def capture_rng_state() -> RngState:
         cuda=torch.cuda.get_rng_state() if cuda_in_use else None,
         base_seed=torch.initial_seed(),
     )
+
+
+def rng_to_plain(state: RngState) -> dict[str, Any]:
+    """``state`` as tensors, numbers and tuples only, so it loads with ``weights_only=True``."""
+    kind, keys, pos, has_gauss, cached = state.numpy
+    return {**vars(state), "numpy": (kind, torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)), pos, has_gauss, cached)}
+
+
+def rng_from_plain(plain: dict[str, Any]) -> RngState:
+    """The inverse of :func:`rng_to_plain`."""
+    kind, keys, pos, has_gauss, cached = plain["numpy"]
+    numpy_state = (kind, np.asarray(keys.numpy() if isinstance(keys, torch.Tensor) else keys, dtype=np.uint32), pos, has_gauss, cached)
+    return RngState(**{**plain, "numpy": numpy_state})
 
 
 def restore_rng_state(state: RngState) -> None:

@@ -7,10 +7,15 @@ States (``AgentState``) and transitions::
                  |           |--(rank failed, none left)------> FAILED
                  |           |--(signal)----------------------> STOPPED
                  '-----------'--(membership change: scale)----> RENDEZVOUS   (elastic only)
+
+One loop serves static and elastic jobs: the :class:`RendezvousHandler` decides, the agent
+carries out its :class:`Directive` (stop now, save and exit at a step, exit).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -19,24 +24,26 @@ import tempfile
 import sys
 import threading
 import time
+from collections import deque
 from enum import Enum
 from pathlib import Path
 from types import FrameType
 
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.elastic_rendezvous import Directive, DirectiveKind, ElasticRendezvous, LocalStatus
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.logs import LogDirectory
-from hyperpodrun.rendezvous import RendezvousHandler, RestartReason, RoundInfo
+from hyperpodrun.hang import HangPolicy, hung_ranks
+from hyperpodrun.netif import choose_gloo_interface
+from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
-from hyperpodrun.store import StoreError
-from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
-from elastic_events.control import ControlWriter, EventKind, RankProgress
+from hyperpodrun.security import scrub_secrets
+from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
+from hyperpodrun.supervisor import GroupAssignment, WorkerGroup, WorkerState, become_subreaper
+from elastic_events.control import ControlWriter, EventKind, RankPhase, RankProgress
 
 log = logging.getLogger(__name__)
 
-RDZV_TIMEOUT_DEFAULT = 900.0
 
 
 class AgentState(str, Enum):
@@ -92,8 +99,22 @@ def worker_env(
     return env
 
 
+#: What a parked rank must not see: it learns its rank, world and master at admission.
+ROUND_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def parked_env(env: dict[str, str]) -> dict[str, str]:
+    """A pre-warmed joiner's environment: no round yet (``HYPERPODRUN_PARKED=1``)."""
+    return {**{k: v for k, v in env.items() if k not in ROUND_VARIABLES}, "HYPERPODRUN_PARKED": "1"}
+
+
+def _parked_round(nproc: int) -> RoundInfo:
+    return RoundInfo(round=0, assignment=GroupAssignment(group_rank=0, group_world_size=1, nproc_per_node=nproc,
+                     master_addr="", master_port=0), members=())  # fmt: skip
+
+
 def base_env(config: LaunchConfig) -> dict[str, str]:
-    env = dict(os.environ)
+    env = scrub_secrets(os.environ)  # the ranks never talk to the store: no credentials for them
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: avoid oversubscribing the node's cores
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in config.signals_to_handle)
@@ -111,7 +132,7 @@ class Agent:
         run_id: str,
         events: EventLog,
         logs: LogDirectory,
-        rdzv_timeout: float = RDZV_TIMEOUT_DEFAULT,
+        rdzv_timeout: float,
     ) -> None:
         self.config = config
         self.rdzv = rendezvous
@@ -130,6 +151,11 @@ class Agent:
         self._reaper: Reaper | None = None
         self._signal: int | None = None
         self._wake = threading.Event()
+        self._outage_since: float | None = None
+        self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
+        self._hang: str | None = None  # why the running group was declared hung
+        self._hang_policy = HangPolicy(timeout=config.hang_timeout)
+        self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
     # -- public ------------------------------------------------------------------------
 
@@ -142,8 +168,9 @@ class Agent:
         try:
             self._loop()
         finally:
-            if self._group is not None and self._group.state == WorkerState.HEALTHY:
-                self._group.stop(grace=self.config.shutdown_timeout)
+            for group in (self._group, self._parked):
+                if group is not None and group.state == WorkerState.HEALTHY:
+                    group.stop(grace=self.config.shutdown_timeout)
             self._restore_signal_handlers(previous)
             if self._reaper is not None:
                 self._reaper.close()
@@ -155,93 +182,78 @@ class Agent:
     # -- main loop ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        if isinstance(self.rdzv, ElasticRendezvous):
-            self._loop_elastic(self.rdzv)
-            return
-        reason = RestartReason.START
-        while True:
-            self.state = AgentState.RENDEZVOUS
-            rnd = self.rdzv.next_round(timeout=self.rdzv_timeout)
-            self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
-            self.events.emit(EventType.RENDEZVOUS_DONE, members=list(rnd.members))
-            group = self._start_group(rnd, reason)
-            self.state = AgentState.RUNNING
-            outcome = self._monitor(group)
-            if outcome == WorkerState.SUCCEEDED:
-                self.state = AgentState.SUCCEEDED
-                self.events.emit(EventType.JOB_SUCCEEDED)
-                return
-            # A rank failed: stop its siblings, then restart or give up.
-            failures = group.failures()
-            group.stop(grace=self.config.shutdown_timeout)
-            failures = failures or group.failures()
-            root = failures[0]
-            self.events.emit(
-                EventType.WORKER_FAILED,
-                rank=root.global_rank,
-                exitcode=root.exitcode,
-                signal=root.signal_name,
-                message=root.message,
-                log_file=str(root.log_file),
-            )
-            if self.restart_count >= self.config.max_restarts:
-                self.state = AgentState.FAILED
-                self.events.emit(EventType.JOB_FAILED, reason=root.summary())
-                suffix = f" (after {self.restart_count} restart{'s' * (self.restart_count != 1)})"
-                raise WorkerFailedError(root.summary() + (suffix if self.restart_count else ""))
-            self.restart_count += 1
-            reason = RestartReason.FAILURE
-            print(
-                f"hyperpodrun: {root.summary()}; restarting the workers "
-                f"({self.restart_count}/{self.config.max_restarts})",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    # -- elastic loop --------------------------------------------------------------------
-
-    def _loop_elastic(self, rdzv: ElasticRendezvous) -> None:
-        """Rounds of an elastic job: run, follow scale events, restart at the new size."""
-        rdzv.join()
+        """Rounds of the job: rendezvous, run the ranks, follow the round's directive."""
+        rdzv = self.rdzv
+        self._guard_store(rdzv.join)
+        if rdzv.local_addr is not None:
+            gloo = choose_gloo_interface(rdzv.local_addr, os.environ)
+            self._rank_net_env = dict(gloo.env)
+            if gloo.message:
+                _say(gloo.message)
         while True:
             self.state = AgentState.RENDEZVOUS
             try:
-                rnd = self._guard_store(lambda: rdzv.next_round(timeout=rdzv.settings.join_timeout))
+                rnd = self._guard_store(lambda: rdzv.next_round(timeout=self.rdzv_timeout, prewarm=self._prewarm))
             except RendezvousClosedError as e:
                 self._finish_closed(str(e), succeeded=e.status != "failed", left=e.status == "left")
                 return
             self.restart_count = rnd.restarts
             self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
             self.events.emit(EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value)
-            print(
-                f"hyperpodrun: round {rnd.round}: {len(rnd.members)} node(s), world size "
-                f"{rnd.assignment.world_size}, this node is group rank {rnd.assignment.group_rank} ({rnd.reason.value})",
-                file=sys.stderr,
-                flush=True,
-            )
-            group = self._start_group(rnd, rnd.reason)
+            if rdzv.elastic:
+                _say(
+                    f"round {rnd.round}: {len(rnd.members)} node(s), world size {rnd.assignment.world_size}, "
+                    f"this node is group rank {rnd.assignment.group_rank} ({rnd.reason.value})"
+                )
+            if rnd.admission is not None:  # admitted in place: the (pre-warmed) ranks join the running job
+                group, pending = self._admit(rnd), rnd.admission
+            else:
+                self._drop_parked()
+                group, pending = self._start_group(rnd, rnd.reason), None
             self.state = AgentState.RUNNING
-            directive = self._monitor_elastic(rdzv, group)
+            while True:
+                directive, in_place = self._monitor(group, pending)
+                if not in_place:
+                    break
+                pending = None
+                if rnd.admission is None or directive.event_id != rnd.admission.event_id:
+                    rnd = rdzv.entered_in_place(directive)  # a member's ranks moved rounds in place
+                group.assignment = rnd.assignment
+                self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
+                self.events.emit(EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value, in_place=True)
+                _say(
+                    f"round {rnd.round}: ranks reconfigured in place, world size {rnd.assignment.world_size}, "
+                    f"this node is group rank {rnd.assignment.group_rank}"
+                )
             if directive.kind == DirectiveKind.EXIT:
+                if not rdzv.elastic:  # an elastic job's outcome is logged once, by its decider
+                    self.events.emit(EventType.JOB_SUCCEEDED if directive.exit_code == 0 else EventType.JOB_FAILED, reason=directive.reason)
                 self._finish_closed(directive.reason, succeeded=directive.exit_code == 0)
                 return
 
-    def _monitor_elastic(self, rdzv: ElasticRendezvous, group: WorkerGroup) -> Directive:
-        """Watch the ranks and the store until the round ends for this node."""
-        pending: Directive | None = None
-        deadline = 0.0
-        rates = _StepRates(self.config.nproc_per_node)
+    def _monitor(self, group: WorkerGroup, pending: Directive | None) -> tuple[Directive, bool]:
+        """Watch the ranks and the rendezvous until the round ends for this node.
+
+        Returns the directive that ended it and whether the ranks moved to the next round in
+        place (RECONFIGURE: every local rank reports READY in it). ``pending``: an admission
+        already published to parked ranks.
+        """
+        rdzv = self.rdzv
+        deadline = time.monotonic() + rdzv.graceful_timeout
         next_poll = 0.0
+        failure_logged = False
+        rates = StepRates(self.config.nproc_per_node)
         while True:
             state = group.poll()
-            if state == WorkerState.FAILED and pending is None:
-                group.stop(grace=self.config.shutdown_timeout)  # siblings of a failed rank stop now
+            if state == WorkerState.FAILED and pending is None and not failure_logged:
+                failure_logged = True
+                self._log_failure(group)  # its siblings stop now: they must not hang in a collective
             if self._signal is not None:
-                if self._signal == signal.SIGTERM:
+                if self._signal == signal.SIGTERM and rdzv.elastic:
                     self._signal = None
                     self._wake.clear()
-                    print("hyperpodrun: SIGTERM: leaving the job at the next agreed step", file=sys.stderr, flush=True)
-                    self._guard_store(rdzv.request_leave)
+                    _say("SIGTERM: leaving the job at the next agreed step")
+                    self._guard_store(rdzv.request_leave, group)
                 else:
                     self._on_signal(group, self._signal)
             if rdzv.lease_lost:
@@ -249,48 +261,192 @@ class Agent:
                 raise RendezvousError("this node lost its membership lease (store unreachable for a whole lease ttl)")
             now = time.monotonic()
             if now >= next_poll or state != WorkerState.HEALTHY:
-                next_poll = now + rdzv.settings.tick
-                steps, step_times = rates.update(self._control.progress())
-                failure = group.failures()[0].summary() if state == WorkerState.FAILED and group.failures() else None
-                status = LocalStatus(group_state=state, steps=steps, step_times=step_times, failure=failure)
-                directive = self._guard_store(lambda: rdzv.poll(status), group)
-                if directive is not None and directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP):
-                    self.events.emit(EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value, reason=directive.reason)
-                    group.stop(grace=self.config.shutdown_timeout)
-                    self.events.emit(EventType.WORKERS_STOPPED, event_id=directive.event_id)
-                    if directive.kind == DirectiveKind.STOP:
-                        self._guard_store(lambda: rdzv.report_stopped(directive.event_id, ok=False))
-                    self._control.clear()
-                    return directive
-                if directive is not None and pending is None:
-                    pending = directive
-                    deadline = now + rdzv.policy.graceful_shutdown_timeout
-                    self._control.publish(
-                        event_id=directive.event_id,
-                        target_step=directive.target_step,
-                        kind=EventKind.SAVE_AND_EXIT,
-                        round=self.events.round + 1,
-                        world_size=directive.world_size,
-                    )
-                    self.events.emit(
-                        EventType.WORKERS_SIGNALLED, event_id=directive.event_id, target_step=directive.target_step,
-                        steps=list(steps), reason=directive.reason,
-                    )  # fmt: skip
-            if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
-                if state == WorkerState.HEALTHY:
-                    print(
-                        f"hyperpodrun: ranks did not exit within the graceful shutdown timeout "
-                        f"({rdzv.policy.graceful_shutdown_timeout:g}s); killing them",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                group.stop(grace=self.config.shutdown_timeout)
-                ok = state == WorkerState.SUCCEEDED
-                self.events.emit(EventType.WORKERS_STOPPED, event_id=pending.event_id, ok=ok)
+                next_poll = now + rdzv.tick
+                progress = self._control.progress()
+                steps, step_times = rates.update(progress)
+                failures = group.failures() if state == WorkerState.FAILED else []
+                status = LocalStatus(
+                    group_state=WorkerState.FAILED if self._hang else state, steps=steps, step_times=step_times,
+                    reconfigurable=all(p.reconfigurable for p in progress),
+                    failure=self._hang or (failures[0].summary() if failures else None),
+                )  # fmt: skip
+                directive = self._poll_riding_out_outages(status, group)
+                if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):
+                    if directive.kind in (DirectiveKind.SAVE_AND_EXIT, DirectiveKind.RECONFIGURE):
+                        missed = self._publish(directive)
+                        if not missed:
+                            pending, deadline = directive, now + rdzv.graceful_timeout
+                            continue
+                        directive = dataclasses.replace(
+                            directive, kind=DirectiveKind.STOP,
+                            reason=f"{directive.reason}; local rank(s) {missed} passed step {directive.target_step} before it was published",
+                        )  # fmt: skip
+                    return self._stop_now(group, directive), False
+            if pending is None and state == WorkerState.HEALTHY and self._hang is None:
+                self._check_hang(group, rates)
+            if pending is not None and state == WorkerState.HEALTHY and self._moved_in_place(pending):
                 self._control.clear()
-                self._guard_store(lambda: rdzv.report_stopped(pending.event_id, ok=ok))
-                return pending
+                self.events.emit(EventType.WORKERS_RECONFIGURED, event_id=pending.event_id, round=pending.next_round, world_size=pending.world_size)
+                self._guard_store(lambda: rdzv.report_stopped(pending.event_id, ok=True, reconfigured=True), group)
+                return pending, True
+            if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
+                return self._ranks_left(group, pending, state, timed_out=state == WorkerState.HEALTHY), False
             self._wake.wait(self.config.monitor_interval)
+
+    def _poll_riding_out_outages(self, status: LocalStatus, group: WorkerGroup) -> Directive | None:
+        """``poll()``; while the store is unreachable the ranks keep training (they do not need it)
+        until this node's lease expires, which ends the agent (checked by the caller)."""
+        try:
+            directive = self.rdzv.poll(status)
+        except EmbeddedStoreGoneError:
+            return self._guard_store(lambda: self.rdzv.poll(status), group)  # the job's store is gone for good
+        except StoreError as e:
+            if self._outage_since is None:
+                self._outage_since = time.monotonic()
+                _say(f"the rendezvous store is unreachable ({e}); the ranks keep training meanwhile")
+                self.events.emit(EventType.STORE_UNREACHABLE, message=str(e))
+            return None
+        if self._outage_since is not None:
+            outage, self._outage_since = time.monotonic() - self._outage_since, None
+            _say(f"the rendezvous store is back after {outage:.1f}s")
+            self.events.emit(EventType.STORE_RECOVERED, outage_s=round(outage, 3))
+        return directive
+
+    def _publish(self, directive: Directive) -> list[int]:
+        """Put a cooperative event on the control channel; the local ranks that had already passed its step.
+
+        A rank checks the channel once per step, so one that was past the target when the
+        target was written never acts at it with the others: the event must stop instead.
+        The check after publishing closes the window between the agent's progress read and
+        the write.
+        """
+        reconfigure = directive.kind == DirectiveKind.RECONFIGURE
+        self._control.publish(
+            event_id=directive.event_id,
+            target_step=directive.target_step,
+            kind=EventKind.RECONFIGURE if reconfigure else EventKind.SAVE_AND_EXIT,
+            round=directive.next_round,
+            world_size=directive.world_size,
+            group_rank=directive.group_rank,
+            group_world_size=directive.group_world_size,
+            master_addr=directive.master_addr if reconfigure else "",
+            master_port=directive.master_port if reconfigure else 0,
+        )
+        progress = self._control.progress()
+        missed = missed_target(progress, directive.event_id, directive.target_step)
+        if missed:
+            self._control.clear()
+        else:
+            self.events.emit(
+                EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value,
+                event_kind=_value(directive.event_kind), target_step=directive.target_step,
+                steps=[p.step for p in progress], reason=directive.reason,
+            )  # fmt: skip
+        return missed
+
+    def _check_hang(self, group: WorkerGroup, rates: StepRates) -> None:
+        """A rank without progress for the hang limit: dump every local rank's stacks, then fail the group."""
+        limit = self._hang_policy.limit(rates.slowest)
+        progress = self._control.progress()
+        hung = hung_ranks(progress, now=time.time(), limit=limit)
+        if not hung:
+            return
+        pids = group.pids
+        for local_rank, pid in pids.items():  # faulthandler (registered by elastic_events) writes to the rank's log
+            for sig in (signal.SIGUSR1, signal.SIGCONT):  # SIGCONT: a SIGSTOPped rank dumps too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        self._wake.wait(1.0)  # grace for the dumps to reach the logs before the ranks are stopped
+        r = hung[0]
+        idle = time.time() - progress[r].time
+        rank = group.assignment.global_rank(r)
+        self._hang = (
+            f"rank {rank} (local rank {r}, pid {pids.get(r)}) made no progress for {idle:.0f}s at step {progress[r].step} "
+            f"(hang timeout {limit:g}s); Python stacks of every local rank in their logs: {group.log_file(r)}"
+        )
+        self.events.emit(EventType.RANK_HUNG, rank=rank, local_ranks=list(hung), step=progress[r].step,
+                         idle_s=round(idle, 3), hang_timeout=limit, log_file=str(group.log_file(r)))  # fmt: skip
+        _say(self._hang)
+        group.stop(grace=self.config.shutdown_timeout)
+
+    def _moved_in_place(self, pending: Directive) -> bool:
+        """Every local rank runs in the RECONFIGURE event's round (a leaving node's ranks never do)."""
+        if pending.kind != DirectiveKind.RECONFIGURE or pending.group_rank < 0:
+            return False
+        return all(
+            p.round == pending.next_round and p.phase in (RankPhase.READY, RankPhase.RUNNING) for p in self._control.progress()
+        )
+
+    def _prewarm(self) -> None:
+        """A standby of an in-process job: start the ranks parked (imported, model built, waiting for admission)."""
+        if self._parked is None:
+            self._parked = self._start_group(None, RestartReason.SCALE)
+            _say("standby: ranks started parked; admission will cost group init and hydration only")
+
+    def _admit(self, rnd: RoundInfo) -> WorkerGroup:
+        """Publish the admitting event to the parked ranks (started now when this node was not pre-warmed)."""
+        group = self._parked if self._parked is not None and self._parked.poll() == WorkerState.HEALTHY else None
+        if group is None:
+            self._drop_parked()
+            group = self._start_group(None, RestartReason.SCALE)
+        self._parked = None
+        group.assignment = rnd.assignment
+        admission = rnd.admission
+        self._control.publish(
+            event_id=admission.event_id, target_step=admission.target_step, kind=EventKind.RECONFIGURE,
+            round=admission.next_round, world_size=admission.world_size, group_rank=admission.group_rank,
+            group_world_size=admission.group_world_size, master_addr=admission.master_addr, master_port=admission.master_port,
+        )  # fmt: skip
+        self.events.emit(EventType.WORKERS_SIGNALLED, event_id=admission.event_id, kind="admit", target_step=admission.target_step)
+        return group
+
+    def _drop_parked(self) -> None:
+        if self._parked is not None:
+            self._parked.stop(grace=self.config.shutdown_timeout)
+            self._parked = None
+
+    def _stop_now(self, group: WorkerGroup, directive: Directive) -> Directive:
+        """STOP or EXIT: stop the ranks at once and tell the rendezvous."""
+        if directive.kind == DirectiveKind.STOP:
+            what = _value(directive.event_kind) or "stop"
+            _say(f"{what}: {directive.reason}; stopping the ranks" if self.rdzv.elastic else directive.reason)
+        self.events.emit(
+            EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value,
+            event_kind=_value(directive.event_kind), reason=directive.reason,
+        )  # fmt: skip
+        group.stop(grace=self.config.shutdown_timeout)
+        self.events.emit(EventType.WORKERS_STOPPED, event_id=directive.event_id)
+        if directive.kind == DirectiveKind.STOP:
+            self._guard_store(lambda: self.rdzv.report_stopped(directive.event_id, ok=False))
+        self._control.clear()
+        return directive
+
+    def _ranks_left(self, group: WorkerGroup, pending: Directive, state: WorkerState, *, timed_out: bool) -> Directive:
+        """The ranks of a cooperative event have exited (or not, within the graceful timeout)."""
+        if timed_out:
+            _say(f"ranks did not exit within the graceful shutdown timeout ({self.rdzv.graceful_timeout:g}s); killing them")
+        group.stop(grace=self.config.shutdown_timeout)
+        ok = state == WorkerState.SUCCEEDED
+        self.events.emit(EventType.WORKERS_STOPPED, event_id=pending.event_id, ok=ok)
+        self._control.clear()
+        self._guard_store(lambda: self.rdzv.report_stopped(pending.event_id, ok=ok))
+        return pending
+
+    def _log_failure(self, group: WorkerGroup) -> None:
+        failures = group.failures()
+        group.stop(grace=self.config.shutdown_timeout)
+        failures = failures or group.failures()
+        if not failures:
+            return
+        root = failures[0]
+        self.events.emit(
+            EventType.WORKER_FAILED,
+            rank=root.global_rank,
+            exitcode=root.exitcode,
+            signal=root.signal_name,
+            message=root.message,
+            log_file=str(root.log_file),
+        )
 
     def _guard_store(self, fn, group: WorkerGroup | None = None):
         """Run a store operation; a lost store stops the ranks and ends the agent with its message."""
@@ -310,7 +466,8 @@ class Agent:
         if left:
             print("hyperpodrun: left the job gracefully", file=sys.stderr, flush=True)
 
-    def _start_group(self, rnd: RoundInfo, reason: RestartReason) -> WorkerGroup:
+    def _start_group(self, rnd: RoundInfo | None, reason: RestartReason) -> WorkerGroup:
+        """Start the local ranks for ``rnd``; ``None``: parked (no rank, world or master until admitted)."""
         attempt_dir = self._logs.new_attempt(self._attempt)
         self._attempt += 1
         cfg = self.config
@@ -325,7 +482,7 @@ class Agent:
             )
             envs[local_rank] = worker_env(
                 cfg,
-                rnd,
+                rnd or _parked_round(cfg.nproc_per_node),
                 local_rank,
                 run_id=self.run_id,
                 restart_count=self.restart_count,
@@ -335,17 +492,20 @@ class Agent:
                 node_id=self.rdzv.node_id,
                 event_log=self.events.path,
             )
+            if rnd is None:
+                envs[local_rank] = parked_env(envs[local_rank])
         self._control.reset_ranks()
         group = WorkerGroup(
             command=cfg.worker_command(),
-            base_env=base_env(cfg),
+            base_env={**base_env(cfg), **self._rank_net_env},
             rank_env=envs,
-            assignment=rnd.assignment,
+            assignment=(rnd or _parked_round(cfg.nproc_per_node)).assignment,
             logs=logs,
             reaper=self._reaper,
         )
         group.start()
-        self._group = group
+        if rnd is not None:
+            self._group, self._hang = group, None
         self.events.emit(
             EventType.WORKERS_STARTED,
             reason=reason.value,
@@ -354,16 +514,6 @@ class Agent:
             log_dir=str(attempt_dir),
         )
         return group
-
-    def _monitor(self, group: WorkerGroup) -> WorkerState:
-        """Wait until the group finishes or fails, or a signal arrives."""
-        while True:
-            state = group.poll()
-            if state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
-                return state
-            if self._signal is not None:
-                self._on_signal(group, self._signal)
-            self._wake.wait(self.config.monitor_interval)
 
     # -- signals -----------------------------------------------------------------------
 
@@ -399,18 +549,43 @@ class Agent:
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
-class _StepRates:
-    """Seconds per step of each local rank, from successive control-channel readings."""
+class StepRates:
+    """Seconds per step of each local rank, from successive control-channel readings.
+
+    A rank's rate is the fastest of its recent intervals: one slow step (a checkpoint, an
+    evaluation) must not make the agent think ranks are slow, or the target step it agrees
+    on would be too close and a fast rank would pass it before learning it.
+    """
+
+    WINDOW = 8
 
     def __init__(self, nproc: int) -> None:
         self._last: list[RankProgress | None] = [None] * nproc
-        self._rate = [0.0] * nproc
+        self._recent: list[deque[float]] = [deque(maxlen=self.WINDOW) for _ in range(nproc)]
 
     def update(self, progress: list[RankProgress]) -> tuple[tuple[int, ...], tuple[float, ...]]:
         for r, p in enumerate(progress):
             last = self._last[r]
             if last is not None and p.step > last.step and p.time > last.time:
-                self._rate[r] = (p.time - last.time) / (p.step - last.step)
+                self._recent[r].append((p.time - last.time) / (p.step - last.step))
             if last is None or p.step != last.step:
                 self._last[r] = p
-        return tuple(p.step for p in progress), tuple(self._rate)
+        return tuple(p.step for p in progress), tuple(min(q, default=0.0) for q in self._recent)
+
+    @property
+    def slowest(self) -> float:
+        """The slowest recent seconds per step of any rank (0: not known yet)."""
+        return max((max(q) for q in self._recent if q), default=0.0)
+
+
+def missed_target(progress: list[RankProgress], event_id: int, target_step: int) -> list[int]:
+    """Local ranks that are at or past ``target_step`` without having acted on ``event_id``."""
+    return [r for r, p in enumerate(progress) if p.step >= target_step and p.acked_event != event_id]
+
+
+def _value(enum_or_none) -> str | None:
+    return enum_or_none.value if enum_or_none is not None else None
+
+
+def _say(message: str) -> None:
+    print(f"hyperpodrun: {message}", file=sys.stderr, flush=True)

@@ -21,6 +21,7 @@ from hyperpodrun import __version__
 from hyperpodrun.config import (
     DEFAULT_SIGNALS,
     LaunchConfig,
+    RestartMode,
     parse_int_list,
     parse_nnodes,
     parse_nproc_per_node,
@@ -86,6 +87,7 @@ def run(
     master_port: Annotated[Optional[int], _opt("--master-port", env="PET_MASTER_PORT", group=_STATIC, help="Port of rank 0 (static; default 29500 for several nodes, a free port for one).")] = None,
     local_addr: Annotated[Optional[str], _opt("--local-addr", env="PET_LOCAL_ADDR", group=_RDZV, help="Address other nodes use to reach this one (default: its address on the route to the store).")] = None,
     signals_to_handle: Annotated[str, _opt("--signals-to-handle", env="TORCHELASTIC_SIGNALS_TO_HANDLE", group=_WORKERS, help="Signals forwarded to the workers.")] = DEFAULT_SIGNALS,
+    hang_timeout: Annotated[Optional[float], _opt("--hang-timeout", group=_WORKERS, help="Seconds a rank may go without calling elastic_event_detected() before it counts as hung: its stacks are dumped to its log and it fails (0: off) [default: 10x the slowest step, at least 60].", show_default=False)] = None,
     shutdown_timeout: Annotated[float, _opt("--shutdown-timeout", env="PET_SHUTDOWN_TIMEOUT", group=_WORKERS, help="Seconds between SIGTERM and SIGKILL when stopping workers.")] = 30.0,
     elastic_policy: Annotated[Optional[Path], _opt("--elastic-policy", group=_POLICY, help="YAML/JSON file with HyperPod elasticPolicy fields (minReplicas, maxReplicas, ...); flags override it.")] = None,
     replica_increment_step: Annotated[Optional[int], _opt("--replica-increment-step", group=_POLICY, help="Allowed node counts are MIN, MIN+STEP, ... (exclusive with --replica-discrete-values).")] = None,
@@ -93,17 +95,22 @@ def run(
     graceful_shutdown_timeout: Annotated[Optional[float], _opt("--graceful-shutdown-timeout", group=_POLICY, help="Seconds ranks get to save and exit at a scale event before they are killed [default: 120].")] = None,
     scaling_timeout: Annotated[Optional[float], _opt("--scaling-timeout", group=_POLICY, help="Seconds new capacity must stay available before a scale-up (and the wait for more nodes at start) [default: 60].")] = None,
     faulty_scale_down_timeout: Annotated[Optional[float], _opt("--faulty-scale-down-timeout", group=_POLICY, help="Seconds a lost node may come back before the job shrinks without it [default: 30].")] = None,
-    min_stable_period: Annotated[Optional[float], _opt("--min-stable-period", group=_POLICY, help="Minimum seconds between scale-ups (anti-thrashing; grows with backoff) [default: 60].")] = None,
-    backoff_window: Annotated[Optional[float], _opt("--backoff-window", group=_POLICY, help="Scale events closer together than this many seconds grow the stable period [default: 900].")] = None,
-    backoff_factor: Annotated[Optional[float], _opt("--backoff-factor", group=_POLICY, help="Factor the stable period grows by per event inside the backoff window [default: 2].")] = None,
+    min_stable_period: Annotated[Optional[float], _opt("--min-stable-period", group=_POLICY, help="Seconds a scale-up waits after the last scale event (anti-thrashing); growth after growth keeps this base, reversals lengthen it [default: 60].")] = None,
+    backoff_window: Annotated[Optional[float], _opt("--backoff-window", group=_POLICY, help="Scale events at most this many seconds apart are related: changes of direction among them (up after down, down after up) grow the stable period [default: 900].")] = None,
+    backoff_factor: Annotated[Optional[float], _opt("--backoff-factor", group=_POLICY, help="Factor the stable period grows by per change of direction inside the backoff window [default: 2].")] = None,
     max_backoff: Annotated[Optional[float], _opt("--max-backoff", group=_POLICY, help="Upper bound of the stable period in seconds [default: 600].")] = None,
     max_world_size: Annotated[Optional[int], _opt("--max-world-size", group=_POLICY, help="Never grow beyond this many ranks (e.g. the samples in one global batch).")] = None,
+    restart_mode: Annotated[RestartMode, _opt("--restart-mode", group=_POLICY, help="auto: reconfigure ranks in place at scale events when every rank uses the in-process API; process: always restart them.")] = RestartMode.AUTO,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
 ) -> None:
     from hyperpodrun.launch import launch
 
     policy = None
-    if rdzv_backend != "static" and not standalone:
+    policy_flags = (elastic_policy, replica_increment_step, replica_discrete_values, graceful_shutdown_timeout, scaling_timeout,
+                    faulty_scale_down_timeout, min_stable_period, backoff_window, backoff_factor, max_backoff)  # fmt: skip
+    store_backed = rdzv_backend != "static" and not standalone
+    if store_backed or any(v is not None for v in policy_flags):
+        # Read and validate the policy whatever the backend: a static job then refuses it by name.
         policy = _build_policy(
             elastic_policy,
             nnodes=parse_nnodes(nnodes) if nnodes is not None else None,
@@ -117,6 +124,7 @@ def run(
             backoff_factor=backoff_factor,
             max_backoff=max_backoff,
         )
+    if store_backed and policy is not None:
         min_nodes, max_nodes = policy.min_replicas, policy.max_replicas
     else:
         min_nodes, max_nodes = parse_nnodes(nnodes or "1:1")
@@ -156,6 +164,8 @@ def run(
         shutdown_timeout=shutdown_timeout,
         policy=policy,
         max_world_size=max_world_size,
+        restart_mode=restart_mode,
+        hang_timeout=hang_timeout,
     )
     launch(config)
 

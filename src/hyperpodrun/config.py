@@ -2,6 +2,9 @@
 
 Parsing helpers turn torchrun's string flags (``--nnodes 1:4``, ``--rdzv-conf k=v,...``,
 ``--redirects 0:3,1:1``) into typed values; every error names the flag it is about.
+Everything is resolved here, once: the rendezvous mode (static or elastic), the backend
+(:data:`hyperpodrun.store.BACKEND_SPECS`), and ``--rdzv-conf`` split into the rendezvous'
+:class:`RendezvousSettings` and the store's keys, unknown keys rejected.
 """
 
 from __future__ import annotations
@@ -10,14 +13,17 @@ import os
 import shutil
 import signal
 import uuid
-from dataclasses import dataclass, field
-from enum import IntFlag
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum, IntFlag
 from pathlib import Path
 
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.policy import ElasticPolicy
+from hyperpodrun.store.factory import BACKEND_SPECS, BackendSpec
+from hyperpodrun.security import run_id_problem
 
-RDZV_BACKENDS = ("static", "c10d", "embedded", "etcd", "etcd-v2", "etcd-v3")
+RDZV_BACKENDS = (*BACKEND_SPECS, "etcd-v2")
 START_METHODS = ("spawn", "fork", "forkserver")
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
@@ -140,6 +146,71 @@ def parse_signals(value: str) -> tuple[signal.Signals, ...]:
     return tuple(out)
 
 
+class RestartMode(str, Enum):
+    """``--restart-mode``: AUTO reconfigures ranks in place at a scale event when every rank declared
+    the in-process API; PROCESS always restarts them (save, exit, start at the new size)."""
+
+    AUTO = "auto"
+    PROCESS = "process"
+
+
+class RendezvousMode(str, Enum):
+    """STATIC: torchrun's fixed membership (``--rdzv-backend static`` or ``--standalone``).
+    ELASTIC: membership, rounds and scale events through a store (etcd, or embedded in one agent)."""
+
+    STATIC = "static"
+    ELASTIC = "elastic"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousSettings:
+    """The rendezvous' ``--rdzv-conf`` keys (all seconds), validated on construction."""
+
+    lease_ttl: float = 10.0  # a node that stops heartbeating for this long has left the job
+    join_timeout: float = 900.0  # how long a node waits to be admitted to a round
+    ack_timeout: float = 30.0  # how long the decider waits for members to acknowledge an event
+    propagation: float = 1.0  # budget for a target step to reach every rank
+    tick: float = 0.2  # how often agents re-read the store at most
+    store_timeout: float = 10.0  # how long a store operation may keep failing before the store is lost
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"--rdzv-conf {f.name}: must be a number of seconds > 0, got {value!r}")
+
+
+#: torchrun's ``--rdzv-conf`` keys: the ones with a meaning here, and those accepted and ignored.
+TORCHRUN_CONF_ALIASES: Mapping[str, str] = {"timeout": "join_timeout", "read_timeout": "store_timeout"}
+TORCHRUN_CONF_IGNORED: tuple[str, ...] = (
+    "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt", "is_host", "use_agent_store",
+)  # fmt: skip
+
+
+def split_rdzv_conf(conf: Mapping[str, str], spec: BackendSpec) -> tuple[RendezvousSettings, dict[str, str]]:
+    """``--rdzv-conf`` as (rendezvous settings, the store's keys); an unknown key is an error listing the known ones."""
+    setting_names = {f.name for f in fields(RendezvousSettings)}
+    settings: dict[str, float] = {}
+    store: dict[str, str] = {}
+    for key, raw in conf.items():
+        name = TORCHRUN_CONF_ALIASES.get(key, key)
+        if name in setting_names:
+            if key in TORCHRUN_CONF_ALIASES and name in conf:
+                continue  # our own spelling wins over torchrun's
+            try:
+                settings[name] = float(raw)
+            except ValueError:
+                raise ConfigError(f"--rdzv-conf {key}: expected seconds, got {raw!r}") from None
+        elif key in spec.conf_keys:
+            store[key] = raw
+        elif key not in TORCHRUN_CONF_IGNORED:
+            known = sorted(setting_names | set(TORCHRUN_CONF_ALIASES) | set(spec.conf_keys))
+            raise ConfigError(
+                f"--rdzv-conf: unknown key {key!r} for --rdzv-backend {spec.name}; known keys: {', '.join(known)}"
+            )
+    return RendezvousSettings(**settings), store
+
+
 @dataclass(kw_only=True)
 class LaunchConfig:
     """Everything the agent needs, validated; built by the CLI from torchrun-compatible flags."""
@@ -174,20 +245,35 @@ class LaunchConfig:
     shutdown_timeout: float = 30.0
     policy: ElasticPolicy | None = None  # elastic jobs (store-backed rendezvous) only
     max_world_size: int | None = None
+    restart_mode: RestartMode = RestartMode.AUTO
+    hang_timeout: float | None = None  # seconds without progress; None: 10x the slowest step, at least 60; 0: off
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
 
     def __post_init__(self) -> None:
+        if self.rdzv_id != "none" and (problem := run_id_problem(self.rdzv_id)):
+            raise ConfigError(problem)  # before it names a log folder or store keys
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
             raise ConfigError(f"nnodes: invalid range {self.min_nodes}:{self.max_nodes}")
         if self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node: must be >= 1, got {self.nproc_per_node}")
-        if self.rdzv_backend not in RDZV_BACKENDS:
-            raise ConfigError(
-                f"--rdzv-backend: unknown backend {self.rdzv_backend!r}; choose one of {', '.join(RDZV_BACKENDS)}"
-            )
         if self.rdzv_backend == "etcd-v2":
             raise ConfigError(
                 "--rdzv-backend etcd-v2: the etcd v2 API is not supported; use --rdzv-backend etcd (v3 API)"
+            )
+        if self.rdzv_backend in ("etcd", "etcd-v3") and not self.rdzv_endpoint.strip():
+            raise ConfigError("--rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]")
+        if self.rdzv_backend not in BACKEND_SPECS:
+            raise ConfigError(
+                f"--rdzv-backend: unknown backend {self.rdzv_backend!r}; choose one of {', '.join(RDZV_BACKENDS)}"
+            )
+        self.backend = BACKEND_SPECS[self.rdzv_backend]
+        self.rdzv_settings, self.store_conf = split_rdzv_conf(self.rdzv_conf, self.backend)
+        if self.mode is RendezvousMode.ELASTIC and self.policy is None:
+            raise ConfigError(f"--rdzv-backend {self.rdzv_backend}: an elastic job needs its policy (--nnodes)")
+        if self.mode is RendezvousMode.STATIC and self.policy is not None:
+            raise ConfigError(
+                "--elastic-policy and the elastic policy flags need a store-backed rendezvous "
+                "(--rdzv-backend c10d or etcd, without --standalone)"
             )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
@@ -200,6 +286,8 @@ class LaunchConfig:
                 f"--max-world-size: {self.max_world_size} ranks cannot hold even the minimum "
                 f"{self.min_nodes} node(s) x {self.nproc_per_node} rank(s)"
             )
+        if self.hang_timeout is not None and not self.hang_timeout >= 0:
+            raise ConfigError(f"--hang-timeout: must be >= 0 seconds (0: off), got {self.hang_timeout}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout: must be >= 0, got {self.shutdown_timeout}")
         if self.module and self.no_python:
@@ -221,6 +309,19 @@ class LaunchConfig:
         self._check_entrypoint()
 
     @property
+    def mode(self) -> RendezvousMode:
+        """The one place that decides static vs elastic."""
+        return RendezvousMode.STATIC if self.is_static or self.standalone else RendezvousMode.ELASTIC
+
+    @property
+    def rdzv_host_port(self) -> tuple[str, int]:
+        """The first store endpoint as (host, port), with the backend's default port."""
+        from hyperpodrun.store.base import parse_endpoint
+
+        first = (self.rdzv_endpoint or f"127.0.0.1:{self.backend.default_port}").split(",")[0]
+        return parse_endpoint(first, default_port=self.backend.default_port)
+
+    @property
     def is_static(self) -> bool:
         """Fixed membership given by --node-rank/--master-addr (torchrun's static rendezvous)."""
         return self.rdzv_backend == "static"
@@ -235,7 +336,11 @@ class LaunchConfig:
         if self.no_python:
             if shutil.which(self.entrypoint) is None and not Path(self.entrypoint).is_file():
                 raise ConfigError(f"--no-python: executable {self.entrypoint!r} not found")
+            if shutil.which(self.entrypoint) is None and not os.access(self.entrypoint, os.X_OK):
+                raise ConfigError(f"--no-python: {self.entrypoint!r} is not executable (chmod +x it)")
             return
+        if Path(self.entrypoint).is_dir():
+            raise ConfigError(f"training script {self.entrypoint!r} is a directory (use -m to run a package)")
         if not Path(self.entrypoint).is_file():
             raise ConfigError(f"training script {self.entrypoint!r} not found")
 

@@ -29,9 +29,13 @@ class EventType(str, Enum):
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_LOADED = "checkpoint_loaded"
     WORKERS_STOPPED = "workers_stopped"
+    WORKERS_RECONFIGURED = "workers_reconfigured"  # every local rank runs in the next round, in place
     WORKER_FAILED = "worker_failed"
+    RANK_HUNG = "rank_hung"  # no progress for --hang-timeout: stacks dumped, treated as a failure
     NODE_LOST = "node_lost"
     NODE_LEAVING = "node_leaving"
+    STORE_UNREACHABLE = "store_unreachable"  # the ranks keep training until the lease expires
+    STORE_RECOVERED = "store_recovered"
     STORE_LOST = "store_lost"
     JOB_SUCCEEDED = "job_succeeded"
     JOB_FAILED = "job_failed"

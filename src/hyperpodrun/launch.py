@@ -9,24 +9,9 @@ from hyperpodrun.agent import Agent
 from hyperpodrun.config import LaunchConfig, new_run_id
 from hyperpodrun.events import EventLog
 from hyperpodrun.logs import LogDirectory
-from hyperpodrun.rendezvous import RendezvousHandler, StaticRendezvous
+from hyperpodrun.rendezvous import create_rendezvous
 
 log = logging.getLogger(__name__)
-
-
-def create_rendezvous(config: LaunchConfig, events: EventLog) -> RendezvousHandler:
-    """Static membership for one node or fixed ``--node-rank`` jobs; the store-backed one otherwise."""
-    if config.is_static or config.standalone or config.policy is None:
-        return StaticRendezvous(
-            nnodes=config.max_nodes,
-            node_rank=config.node_rank,
-            nproc_per_node=config.nproc_per_node,
-            master_addr=config.master_addr,
-            master_port=config.master_port,
-        )
-    from hyperpodrun.elastic_rendezvous import create_elastic_rendezvous
-
-    return create_elastic_rendezvous(config, policy=config.policy, events=events)
 
 
 def launch(config: LaunchConfig) -> None:
@@ -34,7 +19,13 @@ def launch(config: LaunchConfig) -> None:
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="hyperpodrun: %(message)s")
     run_id = config.rdzv_id if config.rdzv_id != "none" else new_run_id()
     logs = LogDirectory(config.log_dir, run_id)
-    events = EventLog(config.event_log or logs.run_dir / "events.jsonl", job=run_id, node="")
-    rendezvous = create_rendezvous(config, events)
-    events.node = rendezvous.node_id
-    Agent(config, rendezvous, run_id=run_id, events=events, logs=logs).run()
+    succeeded = False
+    try:
+        events = EventLog(config.event_log or logs.run_dir / "events.jsonl", job=run_id, node="")
+        rendezvous = create_rendezvous(config, events)
+        events.node = rendezvous.node_id
+        agent = Agent(config, rendezvous, run_id=run_id, events=events, logs=logs, rdzv_timeout=config.rdzv_settings.join_timeout)
+        agent.run()
+        succeeded = True
+    finally:
+        logs.finish(succeeded=succeeded)  # a failed job's worker logs stay for the user to read

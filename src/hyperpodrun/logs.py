@@ -7,11 +7,17 @@ Layout (torchrun's, except that an existing attempt folder is never removed)::
 ``n`` counts every start of the worker group by this agent (restarts and scale
 events alike); if a folder of that name exists from an earlier launch, the next
 free number is used, so nothing of an earlier attempt is ever overwritten.
+
+Without ``--log-dir`` the logs go to a fresh ``hyperpodrun_*`` folder in the system
+temporary directory, which is removed when the job succeeds and kept when it fails
+(the failure message names a log file in it). torchrun keeps its ``torchelastic_*``
+folders in every case, so they pile up; a folder worth keeping needs ``--log-dir``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -40,10 +46,19 @@ class LogDirectory:
     """Allocates attempt folders under ``<root>/<run_id>``; a temporary root when none is given."""
 
     def __init__(self, root: Path | None, run_id: str) -> None:
+        self.temporary = root is None
         if root is None:
             root = Path(tempfile.mkdtemp(prefix="hyperpodrun_"))
-        self.run_dir = Path(root) / run_id
+        self.root = Path(root)
+        self.run_dir = self.root / run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def finish(self, *, succeeded: bool) -> None:
+        """Remove a temporary root after a successful job, or a failed one that started no
+        worker (nothing in it to read); keep it when workers ran and the job failed."""
+        started = any(self.run_dir.glob("attempt_*"))
+        if self.temporary and (succeeded or not started):
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def new_attempt(self, attempt: int) -> Path:
         n = attempt

@@ -14,6 +14,11 @@ Conventions:
   operator cap or world-size limit below the current size, a current size the policy does
   not allow) act at once as SCALE_DOWN, refilled from standbys where possible. Only
   scale-ups wait for stable capacity (``scaling_timeout``) and the anti-thrashing period.
+* Anti-thrashing backs off reversals, not growth: a job that grows (or shrinks) step after
+  step keeps the base stable period; only changes of direction within ``backoff_window``
+  lengthen it (:func:`required_stable_period`).
+* Arrivals that come together are admitted together: once a scale-up is due, every standby
+  present joins in the same scale event, up to the largest allowed size within the limits.
 * New memberships keep the existing members first, in their current group-rank order;
   newcomers follow by join time, then node id. The rank-0 node is therefore always an
   existing training member when one survives.
@@ -39,6 +44,7 @@ __all__ = [
     "MEMBERSHIP_ACTIONS",
     "NodeState",
     "PolicyError",
+    "ScaleEvent",
     "decide",
     "required_stable_period",
 ]
@@ -85,9 +91,10 @@ class ElasticPolicy:
     Defaults: ``graceful_shutdown_timeout`` 120 s (SageMaker's SIGTERM-to-kill window, time
     enough for a DCP save), ``scaling_timeout`` 60 s, ``faulty_scale_down_timeout`` 30 s.
     Anti-thrashing: a scale-up needs ``min_stable_period`` (60 s) since the previous scale
-    event; each event that followed its predecessor within ``backoff_window`` (900 s)
-    multiplies that period by ``backoff_factor`` (2), up to ``max_backoff`` (600 s). See
-    :func:`required_stable_period`.
+    event; each reversal of direction (a shrink after a growth or the other way round) among
+    the recent events, each within ``backoff_window`` (900 s) of the next, multiplies that
+    period by ``backoff_factor`` (2), up to ``max_backoff`` (600 s). Growth streaks keep the
+    base period. See :func:`required_stable_period`.
     """
 
     min_replicas: int
@@ -192,24 +199,37 @@ class ElasticPolicy:
         return fitting
 
 
-def required_stable_period(policy: ElasticPolicy, last_events: tuple[float, ...], now: float) -> float:
+def _reversals(events: tuple[ScaleEvent, ...], first: int) -> int:
+    """Changes of direction among ``events[first:]``; a round of the same size (a restart, or
+    one whose predecessor is unknown) has no direction and neither flips nor breaks a streak."""
+    flips, previous = 0, 0
+    for i in range(max(first, 1), len(events)):
+        direction = (events[i].replicas > events[i - 1].replicas) - (events[i].replicas < events[i - 1].replicas)
+        if direction:
+            flips += previous not in (0, direction)
+            previous = direction
+    return flips
+
+
+def required_stable_period(policy: ElasticPolicy, last_events: tuple[ScaleEvent, ...], now: float) -> float:
     """Seconds that must separate the last scale event from a scale-up at ``now``.
 
-    The base is ``min_stable_period``. Counting back from the newest event, every event that
-    came within ``backoff_window`` of its predecessor multiplies it by ``backoff_factor``;
-    the result is capped at ``max_backoff``. A scale-up at ``now`` more than
-    ``backoff_window`` after the newest event is unrelated to it and needs only the base.
+    The base is ``min_stable_period``. The recent events are those counted back from the
+    newest while each came within ``backoff_window`` of its successor; every reversal among
+    them (a shrink after a growth, a growth after a shrink; each event's direction is its size
+    against its predecessor's) multiplies the base by ``backoff_factor``, capped at
+    ``max_backoff``. Growth after growth, or shrink after shrink, never lengthens it, so a job
+    that grows one node at a time waits the base period for each. A scale-up at ``now`` more
+    than ``backoff_window`` after the newest event is unrelated to them and needs only the base.
     """
-    if not last_events or now - last_events[-1] > policy.backoff_window:
+    if not last_events or now - last_events[-1].at > policy.backoff_window:
         return policy.min_stable_period
-    streak = 0
-    for older, newer in zip(reversed(last_events[:-1]), reversed(last_events[1:])):
-        if newer - older > policy.backoff_window:
-            break
-        streak += 1
+    first = len(last_events) - 1
+    while first > 0 and last_events[first].at - last_events[first - 1].at <= policy.backoff_window:
+        first -= 1
     # Multiply step by step and stop at the cap, so a long history cannot overflow.
     period = policy.min_stable_period
-    for _ in range(streak):
+    for _ in range(_reversals(last_events, first)):
         period *= policy.backoff_factor
         if period >= policy.max_backoff:
             return policy.max_backoff
@@ -255,6 +275,19 @@ class NodeState:
 
 
 @dataclass(frozen=True)
+class ScaleEvent:
+    """A new round of the job: when it was published and how many replicas it has."""
+
+    at: float
+    replicas: int
+
+    def __post_init__(self) -> None:
+        _check_time("ScaleEvent.at", self.at)
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
+            raise ClusterViewError(f"ScaleEvent.replicas must be an integer >= 1, got {self.replicas!r}")
+
+
+@dataclass(frozen=True)
 class ClusterView:
     """A snapshot of the job, assembled by the agent from the store.
 
@@ -262,9 +295,10 @@ class ClusterView:
     INSUFFICIENT (the workers are stopped); :func:`decide` then applies the start rules.
     A member absent from ``alive`` and from ``lost_since`` has departed (e.g. its lease was
     revoked after a graceful leave) and is dropped at once; a member in ``lost_since`` gets
-    ``faulty_scale_down_timeout`` to come back. Record in ``last_events`` the time of every
-    decision that changed membership (START, SCALE_UP, SCALE_DOWN), so a scale-up right
-    after start or after a forced shrink is also rate-limited.
+    ``faulty_scale_down_timeout`` to come back. Record in ``last_events`` every new round
+    (START, SCALE_UP, SCALE_DOWN, RESTART) as a :class:`ScaleEvent`, oldest first, so a
+    scale-up right after start or after a forced shrink is also rate-limited, and reversals
+    of direction can be told from growth streaks.
     ``capacity_since``, when tracked, further delays scale-ups: the newcomers must have been
     alive (``joined_at``) *and* the capacity available (``capacity_since``) for
     ``scaling_timeout``.
@@ -274,7 +308,7 @@ class ClusterView:
     members: tuple[str, ...]
     alive: Mapping[str, NodeState]
     lost_since: Mapping[str, float]
-    last_events: tuple[float, ...] = ()
+    last_events: tuple[ScaleEvent, ...] = ()
     cap: int | None = None
     capacity_since: float | None = None
     first_min_reached_at: float | None = None
@@ -293,9 +327,10 @@ class ClusterView:
             if node_id not in self.members:
                 raise ClusterViewError(f"ClusterView.lost_since names {node_id!r}, which is not a member")
             _check_time(f"ClusterView.lost_since[{node_id!r}]", since)
-        for t in self.last_events:
-            _check_time("ClusterView.last_events[...]", t)
-        if any(a > b for a, b in zip(self.last_events, self.last_events[1:])):
+        for event in self.last_events:
+            if not isinstance(event, ScaleEvent):
+                raise ClusterViewError(f"ClusterView.last_events must hold ScaleEvent records, got {event!r}")
+        if any(a.at > b.at for a, b in zip(self.last_events, self.last_events[1:])):
             raise ClusterViewError(f"ClusterView.last_events must be oldest first, got {self.last_events!r}")
         if self.cap is not None and (not isinstance(self.cap, int) or isinstance(self.cap, bool) or self.cap < 0):
             raise ClusterViewError(f"ClusterView.cap must be None or an integer >= 0, got {self.cap!r}")
@@ -501,6 +536,9 @@ def _reshape(
 def _scale_up(
     policy: ElasticPolicy, view: ClusterView, standbys: list[NodeState], limit: _Limit, now: float
 ) -> Decision:
+    """Grow once the smallest larger allowed size has been fillable for ``scaling_timeout`` and the
+    stable period has passed; then admit every standby present, not only those that waited:
+    nodes that arrive a moment apart (as the decider happens to see them) join in one event."""
     current = len(view.members)
     reach = min(current + len(standbys), limit.replicas)
     sizes = [s for s in policy.allowed_sizes() if current < s <= reach]
@@ -508,31 +546,31 @@ def _scale_up(
         why = "no standby node" if not standbys else f"no larger allowed replica count within {limit.why}"
         return Decision(Action.NONE, reason=f"running at {current} replica(s); {why}")
     capacity_since = -math.inf if view.capacity_since is None else view.capacity_since
-    # Standbys are in join order, so the newcomers for size s joined no later than standbys[s - current - 1].
-    ready_at = {s: max(capacity_since, standbys[s - current - 1].joined_at) + policy.scaling_timeout for s in sizes}
+    # Standbys are in join order, so the newcomers for sizes[0] joined no later than standbys[sizes[0] - current - 1].
+    due = max(capacity_since, standbys[sizes[0] - current - 1].joined_at) + policy.scaling_timeout
     period = required_stable_period(policy, view.last_events, now)
-    gate = view.last_events[-1] + period if view.last_events else -math.inf
-    ready = [s for s in sizes if ready_at[s] <= now]
-    if ready and gate <= now:
-        target = ready[-1]
-        newcomers = tuple(s.node_id for s in standbys[: target - current])
-        return Decision(
-            Action.SCALE_UP,
-            view.members + newcomers,
-            f"standby(s) {_ids(newcomers)} available for scaling_timeout {policy.scaling_timeout:g}s; "
-            f"{current} -> {target} replica(s)",
-        )
-    if ready:
+    gate = view.last_events[-1].at + period if view.last_events else -math.inf
+    if due > now:
+        recheck = max(due, gate)
         return Decision(
             Action.NONE,
-            reason=f"scale-up to {ready[-1]} replica(s) held back until t={gate:.3f} "
+            reason=f"{len(standbys)} standby node(s) must stay available for scaling_timeout "
+            f"{policy.scaling_timeout:g}s; earliest scale-up to {sizes[0]} replica(s) at t={recheck:.3f}",
+            recheck_at=recheck,
+        )
+    present = sum(1 for s in standbys if s.joined_at <= now)  # a prefix of the join order
+    target = max(s for s in sizes if s <= current + present)  # sizes[0] qualifies: its standbys are present
+    if gate > now:
+        return Decision(
+            Action.NONE,
+            reason=f"scale-up to {target} replica(s) held back until t={gate:.3f} "
             f"(stable period {period:g}s after the last scale event)",
             recheck_at=gate,
         )
-    recheck = max(ready_at[sizes[0]], gate)
+    newcomers = tuple(s.node_id for s in standbys[: target - current])
     return Decision(
-        Action.NONE,
-        reason=f"{len(standbys)} standby node(s) must stay available for scaling_timeout "
-        f"{policy.scaling_timeout:g}s; earliest scale-up to {sizes[0]} replica(s) at t={recheck:.3f}",
-        recheck_at=recheck,
+        Action.SCALE_UP,
+        view.members + newcomers,
+        f"standby(s) {_ids(newcomers)} admitted, spare capacity available for scaling_timeout "
+        f"{policy.scaling_timeout:g}s; {current} -> {target} replica(s)",
     )

@@ -210,6 +210,10 @@ class WorkerGroup:
     def pids(self) -> dict[int, int]:
         return {r.local_rank: r.proc.pid for r in self._ranks}
 
+    def log_file(self, local_rank: int) -> Path:
+        """Where a local rank's stderr goes (stack dumps land there)."""
+        return self._logs[local_rank].stderr_file
+
     def poll(self) -> WorkerState:
         """Update and return the group state; FAILED as soon as any rank failed."""
         if self.state not in (WorkerState.HEALTHY,):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from elastic_events.control import ControlReader, ControlWriter, EventKind
-from hyperpodrun.elastic_rendezvous import choose_target_step
+from hyperpodrun.rendezvous.decider import choose_target_step
 
 
 def test_outside_hyperpodrun_it_is_false(monkeypatch) -> None:
@@ -58,14 +58,15 @@ def test_reader_rejects_a_foreign_file(tmp_path) -> None:
         ([10, 11], [0.1, 0.1], 1.0, 11 + 2 + 10),  # 1 s at 0.1 s/step: 10 steps of margin
         ([10, 11], [0.1, 0.05], 1.0, 11 + 2 + 20),  # the fastest rank sets the margin
         ([5], [2.0], 1.0, 5 + 2 + 1),  # slow steps: at least one step of margin
-        ([5], [0.0], 1.0, 5 + 2 + 10_000),  # unknown step time: the safe maximum
-        ([100, 99], [1e-4], 5.0, 100 + 2 + 10_000),  # capped
+        ([100, 99], [1e-4], 5.0, 100 + 2 + 50_000),  # fast steps: the margin is time, not a step count
     ],
 )
 def test_choose_target_step(steps, times, propagation, expected) -> None:
     assert choose_target_step(steps, times, propagation=propagation) == expected
 
 
-def test_choose_target_step_needs_a_rank() -> None:
+def test_choose_target_step_needs_a_rank_and_known_rates() -> None:
     with pytest.raises(ValueError, match="at least one"):
         choose_target_step([], [], propagation=1.0)
+    with pytest.raises(ValueError, match="known step times"):
+        choose_target_step([5], [0.0], propagation=1.0)  # the decider defers instead (see test_decider)

@@ -90,9 +90,10 @@ def test_lost_node_stops_survivors_and_continues_smaller(make_job, backend) -> N
     worlds = [w for w, _ in _resume_steps(job)]
     assert worlds[0] == 2 and worlds[-1] == 1
     restarted = [e for e in job.events("workers_started") if e["world_size"] == 1]
-    assert restarted[0]["reason"] == "failure"
-    decided = [e for e in job.events("scale_decided") if e["kind"] == "stop"]
-    assert decided and "lost" in decided[0]["reason"]
+    # collateral damage of the lost node (a survivor's rank may crash first): no failure restart is counted
+    assert restarted[0]["reason"] == "failure" and restarted[0]["restart_count"] == 0
+    decided = [e for e in job.events("scale_decided") if e["mode"] == "stop"]
+    assert decided and {e["kind"] for e in decided} <= {"node_lost", "rank_failure"}
 
 
 def test_standby_waits_then_replaces_a_leaving_node(make_job) -> None:

@@ -112,13 +112,41 @@ def test_summary_reads_world_sizes_and_downtime_phases_off_the_logs(tmp_path: Pa
     assert summary.world_sizes == (1, 2)
     assert [(r.first_step, r.last_step) for r in summary.rounds] == [(1, 2), (3, 4)]
     (event,) = summary.scale_events
-    assert event.downtime_s == pytest.approx(6.5)
+    assert event.mode == "restart" and event.downtime_s == pytest.approx(6.5)
     assert event.phases == pytest.approx(
         {"save": 0.5, "stop + rendezvous": 2.0, "start + load": 3.0, "first step": 1.0}
     )
     assert event.reason == "standby node-2 available"
     assert (summary.first_loss, summary.final_loss) == (5.0, 2.0)
     assert summary.exactly_once and "16 samples in 4 steps, each seen exactly once" in summary.render()
+
+
+def test_summary_of_an_in_place_event_splits_its_downtime_at_the_trainers_records(tmp_path: Path) -> None:
+    config = DemoConfig(
+        run_dir=tmp_path, steps=4, global_batch=4, seed=1, schedule=(Change(at_step=2, action="join", node="node-2"),)
+    )
+    t = 1000.0
+    events = [
+        {"ts": t + 1, "event": "rendezvous_done", "round": 1, "world_size": 1},
+        {"ts": t + 2.5, "event": "scale_decided", "round": 1, "world_size": 1, "reason": "standby vm-7 available"},
+        {"ts": t + 4.2, "event": "group_torn_down", "round": 2, "world_size": 2, "step": 2},
+        {"ts": t + 5.0, "event": "group_up", "round": 2, "world_size": 2},
+        {"ts": t + 5.3, "event": "hydrated", "round": 2, "world_size": 2, "step": 2},
+        {"ts": t + 5.6, "event": "first_step", "round": 2, "world_size": 2, "step": 3},
+        {"ts": t + 5.7, "event": "rendezvous_done", "round": 2, "world_size": 2, "in_place": True},  # after step 3
+        {"ts": t + 7, "event": "job_succeeded", "round": 2, "world_size": 2},
+    ]
+    ends = {1: t + 3, 2: t + 4, 3: t + 5.6, 4: t + 6}
+    metrics = [{"ts": ts, "step": s, "loss": 6.0 - s, "world_size": 1 if s <= 2 else 2} for s, ts in ends.items()]
+    for name, rows in (("events", events), ("metrics", metrics), ("samples", records_for(4, [1, 1, 2, 2]))):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = summarize(config, num_samples=50, started=t, exit_codes={"node-1": 0, "node-2": 0}, problems=[])
+    assert summary.problems == ()
+    assert [(r.first_step, r.last_step) for r in summary.rounds] == [(1, 2), (3, 4)]
+    (event,) = summary.scale_events
+    assert event.mode == "in place" and event.downtime_s == pytest.approx(1.6)
+    assert event.phases == pytest.approx({"group torn down": 0.2, "rendezvous + group up": 0.8, "hydrated": 0.3, "first step": 0.3})
+    assert "in place: downtime 1.6s" in summary.render()
 
 
 def test_summary_fails_when_the_world_sizes_miss_the_schedule(tmp_path: Path) -> None:

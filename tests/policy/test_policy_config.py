@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hyperpodrun.errors import ConfigError
-from hyperpodrun.policy import ElasticPolicy, PolicyError, required_stable_period
+from hyperpodrun.policy import ElasticPolicy, PolicyError, ScaleEvent, required_stable_period
 from hyperpodrun.policy_file import (
     PolicyFileError,
     build_policy,
@@ -156,26 +156,29 @@ _BACKOFF = ElasticPolicy(
     ("events", "now", "expected"),
     [
         ((), 0.0, 10.0),
-        ((0.0,), 5.0, 10.0),
-        ((0.0, 50.0), 60.0, 20.0),
-        ((0.0, 100.0), 110.0, 20.0),  # a gap of exactly backoff_window is still "within"
-        ((0.0, 100.5), 110.0, 10.0),  # just outside the window: no growth
-        ((0.0, 50.0, 100.0), 110.0, 40.0),
-        ((0.0, 50.0, 100.0, 150.0), 160.0, 70.0),  # 80 capped at max_backoff
-        ((0.0, 150.0, 200.0), 210.0, 20.0),  # the old gap breaks the streak
-        ((0.0, 50.0), 150.0, 20.0),  # quiet for exactly backoff_window: still related
-        ((0.0, 50.0), 150.5, 10.0),  # quiet for longer: back to the base period
+        (((0.0, 2),), 5.0, 10.0),
+        (((0.0, 2), (50.0, 3)), 60.0, 10.0),  # growth after start: base
+        (((0.0, 1), (50.0, 2), (60.0, 3), (70.0, 4)), 80.0, 10.0),  # a growth streak: base
+        (((0.0, 4), (50.0, 3), (60.0, 2)), 70.0, 10.0),  # a shrink streak: base
+        (((0.0, 2), (50.0, 3), (60.0, 2)), 70.0, 20.0),  # down after up
+        (((0.0, 2), (50.0, 3), (60.0, 2), (70.0, 3)), 80.0, 40.0),  # up after down after up
+        (((0.0, 2), (50.0, 3), (60.0, 2), (70.0, 3), (80.0, 2)), 90.0, 70.0),  # 80 capped at max_backoff
+        (((0.0, 2), (50.0, 3), (60.0, 3), (70.0, 2)), 80.0, 20.0),  # a same-size restart neither flips nor breaks
+        (((0.0, 2), (50.0, 3), (150.0, 2)), 160.0, 20.0),  # a gap of exactly backoff_window is still "within"
+        (((0.0, 2), (50.0, 3), (150.5, 2)), 160.0, 10.0),  # just outside the window: no reversal
+        (((0.0, 2), (10.0, 3), (20.0, 2)), 120.0, 20.0),  # quiet for exactly backoff_window: still related
+        (((0.0, 2), (10.0, 3), (20.0, 2)), 120.5, 10.0),  # quiet for longer: back to the base period
     ],
 )
-def test_required_stable_period(events: tuple[float, ...], now: float, expected: float) -> None:
-    assert required_stable_period(_BACKOFF, events, now) == expected
+def test_required_stable_period(events: tuple[tuple[float, int], ...], now: float, expected: float) -> None:
+    assert required_stable_period(_BACKOFF, tuple(ScaleEvent(at, n) for at, n in events), now) == expected
 
 
 def test_required_stable_period_long_history_is_capped_without_overflow() -> None:
     policy = ElasticPolicy(
         min_replicas=1, max_replicas=2, min_stable_period=1, backoff_window=1e6, backoff_factor=1e6, max_backoff=1e6
     )
-    events = tuple(float(i) for i in range(5000))
+    events = tuple(ScaleEvent(float(i), 1 + i % 2) for i in range(5000))  # flapping 1, 2, 1, 2, ...
     assert required_stable_period(policy, events, 5000.0) == 1e6
 
 

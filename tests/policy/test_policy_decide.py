@@ -16,6 +16,7 @@ from hyperpodrun.policy import (
     Decision,
     ElasticPolicy,
     NodeState,
+    ScaleEvent,
     decide,
 )
 
@@ -53,11 +54,12 @@ def running(
     *,
     alive: tuple = (),
     lost: dict[str, float] | None = None,
-    events: tuple[float, ...] = (),
+    events: tuple[tuple[float, int], ...] = (),
     cap: int | None = None,
     capacity_since: float | None = None,
 ) -> ClusterView:
-    """Members are alive (joined at 0) unless lost or listed with their own spec in ``alive``."""
+    """Members are alive (joined at 0) unless lost or listed with their own spec in ``alive``;
+    ``events`` are (time, replicas) of the past rounds, oldest first."""
     lost = lost or {}
     state = nodes(*(m for m in members if m not in lost))
     state.update(nodes(*alive))
@@ -66,7 +68,7 @@ def running(
         members=members,
         alive=state,
         lost_since=lost,
-        last_events=events,
+        last_events=tuple(ScaleEvent(at, n) for at, n in events),
         cap=cap,
         capacity_since=capacity_since,
     )
@@ -135,7 +137,7 @@ def test_resume_after_insufficient_uses_start_rules() -> None:
     ("policy", "view", "now", "action", "members"),
     [
         # A leaving member is dropped at once, even right after a scale event.
-        (POLICY, running(("a", "b", "c"), alive=(("b", 0.0, True),), events=(100.0,)), 100.0,
+        (POLICY, running(("a", "b", "c"), alive=(("b", 0.0, True),), events=((100.0, 3),)), 100.0,
          Action.SCALE_DOWN, ("a", "c")),
         # A standby replaces it: same size, new member last, order of the others kept.
         (POLICY, running(("a", "b", "c"), alive=(("b", 0.0, True), ("s", 50.0))), 51.0,
@@ -153,7 +155,8 @@ def test_resume_after_insufficient_uses_start_rules() -> None:
         (POLICY, ClusterView(round=2, members=("a", "b", "c"), alive=nodes("a", "c"), lost_since={}), 1.0,
          Action.SCALE_DOWN, ("a", "c")),
         # Cap below the current size: shrink at once, regardless of anti-thrashing.
-        (POLICY, running(tuple("abcde"), cap=3, events=(99.0, 100.0)), 100.0, Action.SCALE_DOWN, ("a", "b", "c")),
+        (POLICY, running(tuple("abcde"), cap=3, events=((99.0, 4), (100.0, 5))), 100.0, Action.SCALE_DOWN,
+         ("a", "b", "c")),
         (STEP, running(tuple("abcd"), cap=3), 1.0, Action.SCALE_DOWN, ("a", "b")),
         (POLICY, running(("a", "b", "c"), cap=1), 1.0, Action.INSUFFICIENT, ()),
         # A current size that is not allowed (policy changed across a resume) is reshaped at once.
@@ -261,13 +264,15 @@ def test_scale_up_respects_step(standbys, action, members) -> None:
 @pytest.mark.parametrize(
     ("events", "now", "action", "recheck"),
     [
-        ((90.0,), 94.999, Action.NONE, 95.0),  # base period 5 s
-        ((90.0,), 95.0, Action.SCALE_UP, None),
-        ((50.0, 90.0), 99.0, Action.NONE, 100.0),  # second event within the window: 10 s
-        ((50.0, 90.0), 100.0, Action.SCALE_UP, None),
-        ((10.0, 20.0, 30.0, 40.0, 90.0), 129.0, Action.NONE, 130.0),  # 5*2^4 = 80, capped at 40
-        ((10.0, 20.0, 30.0, 40.0, 90.0), 130.0, Action.SCALE_UP, None),
-        ((0.0, 101.0), 105.999, Action.NONE, 106.0),  # events further apart than the window: base
+        (((90.0, 2),), 94.999, Action.NONE, 95.0),  # base period 5 s
+        (((90.0, 2),), 95.0, Action.SCALE_UP, None),
+        (((50.0, 1), (90.0, 2)), 95.0, Action.SCALE_UP, None),  # growth after growth: still the base
+        (((10.0, 2), (50.0, 3), (90.0, 2)), 99.0, Action.NONE, 100.0),  # a reversal within the window: 10 s
+        (((10.0, 2), (50.0, 3), (90.0, 2)), 100.0, Action.SCALE_UP, None),
+        # Up and down four times: 5 * 2^4 = 80, capped at 40.
+        (((0.0, 3), (10.0, 2), (20.0, 3), (30.0, 2), (40.0, 3), (90.0, 2)), 129.0, Action.NONE, 130.0),
+        (((0.0, 3), (10.0, 2), (20.0, 3), (30.0, 2), (40.0, 3), (90.0, 2)), 130.0, Action.SCALE_UP, None),
+        (((0.0, 2), (5.0, 3), (106.0, 2)), 110.999, Action.NONE, 111.0),  # reversal further apart than the window
     ],
 )
 def test_anti_thrashing_backoff_delays_scale_up(events, now, action, recheck) -> None:
@@ -279,9 +284,9 @@ def test_anti_thrashing_backoff_delays_scale_up(events, now, action, recheck) ->
 
 
 def test_recheck_is_the_later_of_capacity_and_backoff() -> None:
-    view = running(("a", "b"), alive=(("s", 100.0),), events=(80.0, 105.0))
+    view = running(("a", "b"), alive=(("s", 100.0),), events=((50.0, 2), (80.0, 3), (105.0, 2)))
     decision = decide(POLICY, view, 106.0)
-    assert (decision.action, decision.recheck_at) == (Action.NONE, 115.0)  # 105 + 10 > 100 + 10
+    assert (decision.action, decision.recheck_at) == (Action.NONE, 115.0)  # 105 + 5 x 2 (a reversal) > 100 + 10
 
 
 def test_cap_then_lift() -> None:
@@ -289,14 +294,14 @@ def test_cap_then_lift() -> None:
     down = decide(POLICY, capped, 100.0)
     assert (down.action, down.members) == (Action.SCALE_DOWN, ("a", "b"))
     # c and d are now standbys; with the cap in place there is nothing to do.
-    after = running(("a", "b"), alive=("c", "d"), cap=2, events=(100.0,))
+    after = running(("a", "b"), alive=("c", "d"), cap=2, events=((100.0, 2),))
     assert decide(POLICY, after, 200.0).action is Action.NONE
-    lifted = running(("a", "b"), alive=("c", "d"), events=(100.0,))
+    lifted = running(("a", "b"), alive=("c", "d"), events=((100.0, 2),))
     held = decide(POLICY, lifted, 104.0)
     assert (held.action, held.recheck_at) == (Action.NONE, 105.0)
     up = decide(POLICY, lifted, 105.0)
     assert (up.action, up.members) == (Action.SCALE_UP, ("a", "b", "c", "d"))
-    partial = decide(POLICY, running(("a", "b"), alive=("c", "d"), cap=3, events=(100.0,)), 105.0)
+    partial = decide(POLICY, running(("a", "b"), alive=("c", "d"), cap=3, events=((100.0, 2),)), 105.0)
     assert partial.members == ("a", "b", "c")
 
 
@@ -317,7 +322,7 @@ def test_max_world_size_filters_sizes(members, nproc, max_world, action, expecte
 
 
 def test_decide_is_pure() -> None:
-    view = running(("a", "b"), alive=(("s", 100.0),), events=(95.0,), lost={})
+    view = running(("a", "b"), alive=(("s", 100.0),), events=((95.0, 2),), lost={})
     first = decide(POLICY, view, 104.0)
     assert first == decide(POLICY, view, 104.0)
     assert view.members == ("a", "b") and set(view.alive) == {"a", "b", "s"}
@@ -335,7 +340,9 @@ def test_decide_is_pure() -> None:
         (dict(round=1, members=("a",), alive={"b": NodeState("a", 0.0)}, lost_since={}), "holds the state of 'a'"),
         (dict(round=1, members=("a",), alive={}, lost_since={"x": 1.0}), "'x', which is not a member"),
         (dict(round=1, members=("a",), alive={}, lost_since={"a": math.nan}), "lost_since['a']"),
-        (dict(round=1, members=("a",), alive={}, lost_since={}, last_events=(2.0, 1.0)), "oldest first"),
+        (dict(round=1, members=("a",), alive={}, lost_since={}, last_events=(ScaleEvent(2.0, 1), ScaleEvent(1.0, 1))),
+         "oldest first"),
+        (dict(round=1, members=("a",), alive={}, lost_since={}, last_events=(2.0,)), "must hold ScaleEvent records"),
         (dict(round=1, members=("a",), alive={}, lost_since={}, cap=-1), "cap must be None or an integer >= 0"),
         (dict(round=0, members=(), alive={}, lost_since={}, capacity_since=math.inf), "capacity_since"),
     ],
@@ -408,7 +415,7 @@ def views(draw) -> ClusterView:
         # A member that is not alive is lost (timer running) or departed; an alive one may have come back.
         if draw(st.booleans()):
             lost[m] = draw(times)
-    events = tuple(sorted(draw(st.lists(times, max_size=4))))
+    events = tuple(ScaleEvent(t, draw(st.integers(1, 9))) for t in sorted(draw(st.lists(times, max_size=4))))
     return ClusterView(
         round=1 if members else 0,
         members=members,

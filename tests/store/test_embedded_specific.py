@@ -145,10 +145,11 @@ def test_server_binds_only_the_host_it_is_given(server: EmbeddedStoreServer) -> 
 
 def test_non_local_address_means_another_node_hosts() -> None:
     endpoint = "192.0.2.1:29400"  # TEST-NET-1: never an address of this machine
+    env = {"HYPERPODRUN_STORE_SECRET": "s" * 32}
     with pytest.raises(EmbeddedHostNotLocalError, match="not an address of this machine"):
-        create_store("embedded", endpoint, run_id="job", conf={}, host=True, timeout=0.3)
+        create_store("embedded", endpoint, run_id="job", conf={}, host=True, timeout=0.3, env=env)
     with pytest.raises(StoreUnavailableError, match=f"embedded store at {endpoint} is unreachable"):
-        create_store("embedded", endpoint, run_id="job", conf={}, timeout=0.3)
+        create_store("embedded", endpoint, run_id="job", conf={}, timeout=0.3, env=env)
 
 
 # --------------------------------------------------------------------------- factory
@@ -173,8 +174,8 @@ def test_unknown_backend_lists_the_valid_ones() -> None:
     ("run_id", "conf", "match"),
     [
         ("job", {"cacert": "/ca.pem"}, r"--rdzv-conf cacert=\.\.\. applies only to --rdzv-backend etcd"),
-        ("job/../other", {}, r"run_id 'job/\.\./other' is not a valid --rdzv-id"),
-        ("", {}, r"run_id '' is not a valid --rdzv-id"),
+        ("job/../other", {}, r"--rdzv-id 'job/\.\./other' is not a valid job id"),
+        ("", {}, r"--rdzv-id must be a non-empty string"),
     ],
 )
 def test_bad_embedded_configuration(run_id: str, conf: dict[str, str], match: str) -> None:

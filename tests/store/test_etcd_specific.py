@@ -145,7 +145,8 @@ def auth_etcd() -> Iterator[EtcdServer]:
 
 
 def _login(server: EtcdServer, run_id: str, user: tuple[str, str] | None) -> PrefixedStore:
-    conf = {} if user is None else {"user": user[0], "password": user[1]}
+    # This test server speaks plain http; a password over it must be allowed explicitly.
+    conf = {} if user is None else {"user": user[0], "password": user[1], "insecure": "true"}
     store = create_store("etcd", server.endpoint, run_id=run_id, conf=conf, timeout=5.0)
     assert isinstance(store, PrefixedStore)
     return store
@@ -217,6 +218,9 @@ def a_file(tmp_path: Path) -> str:
         ({"protocol": "http", "cacert": "FILE"}, r"protocol 'http' contradicts cacert"),
         ({"user": "alice"}, r"password is required when user is given"),
         ({"cacert": ""}, r"--rdzv-conf cacert needs a value"),
+        ({"user": "alice", "password": "pw"}, r"refusing to send the etcd password over plain http"),
+        ({"user": "alice", "password": "pw", "insecure": "maybe"}, r"insecure must be true or false"),
+        ({"secret_file": "FILE"}, r"secret_file=\.\.\. applies only to --rdzv-backend embedded"),
     ],
 )
 def test_bad_conf_is_rejected_before_connecting(conf: dict[str, str], match: str, a_file: str) -> None:

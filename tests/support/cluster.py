@@ -65,12 +65,12 @@ class ElasticJob:
         self.script = [str(script), *(script_args if script_args is not None else (str(run_dir),))]
         self.nodes: dict[str, subprocess.Popen] = {}
 
-    def start_node(self, name: str, *extra: str) -> subprocess.Popen:
+    def start_node(self, name: str, *extra: str, wrap: Callable[[list[str]], list[str]] | None = None) -> subprocess.Popen:
+        """Start a launcher; ``wrap`` runs it elsewhere (e.g. on a support.netns host) and must exec it."""
         out = open(self.run_dir / f"{name}.out", "w")
         err = open(self.run_dir / f"{name}.err", "w")
-        proc = subprocess.Popen(
-            hyperpodrun_cmd(*self.base, *extra, *self.script), stdout=out, stderr=err, env=clean_env()
-        )
+        cmd = hyperpodrun_cmd(*self.base, *extra, *self.script)
+        proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stdout=out, stderr=err, env=clean_env())
         self.nodes[name] = proc
         # Started in order: the first launcher hosts the embedded store before the next one looks for it.
         wait_until(

@@ -4,6 +4,12 @@
         store = EtcdStore(EtcdConfig(endpoints=(etcd.endpoint,)))
 
 TLS: ``EtcdServer(tls=make_tls_files(tmp_path))`` serves https with a throwaway CA.
+On a test host in a network namespace (support.netns): ``EtcdServer(host=h)``.
+
+Trouble on demand: :meth:`EtcdServer.kill` / :meth:`EtcdServer.restart` stop etcd and start
+it again on the same port and data (what an etcd restart does to clients), and
+:meth:`EtcdServer.pause` / :meth:`EtcdServer.resume` freeze it with SIGSTOP (a stalled disk
+or a long GC pause: connections stay open, nothing answers).
 """
 
 from __future__ import annotations
@@ -11,14 +17,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import requests
+
+if TYPE_CHECKING:
+    from support.netns import Host
 
 __all__ = ["EtcdServer", "EtcdTls", "free_port", "make_tls_files"]
 
@@ -81,9 +92,15 @@ def make_tls_files(directory: Path, *, client_cert_auth: bool = False) -> EtcdTl
 
 
 class EtcdServer:
-    """A single-member etcd in a temporary data directory (in /dev/shm when available)."""
+    """A single-member etcd in a temporary data directory (in /dev/shm when available).
 
-    def __init__(self, *, tls: EtcdTls | None = None, start_timeout: float = 30.0, attempts: int = 3) -> None:
+    With ``host``, etcd runs in that test host's network namespace and serves clients on its
+    address (peers on the namespace's loopback); health checks and :meth:`etcdctl` run there too.
+    """
+
+    def __init__(
+        self, *, tls: EtcdTls | None = None, start_timeout: float = 30.0, attempts: int = 3, host: Host | None = None
+    ) -> None:
         binary = shutil.which("etcd") or "/usr/bin/etcd"
         if not os.access(binary, os.X_OK):
             raise RuntimeError("etcd is not installed: apt-get install etcd-server (the tests need a real etcd)")
@@ -91,9 +108,12 @@ class EtcdServer:
         self.tls = tls
         self.start_timeout = start_timeout
         self.attempts = attempts
+        self.host = host
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
+        self._args: list[str] = []
+        self._log_path = ""
 
     @property
     def scheme(self) -> str:
@@ -101,7 +121,7 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host.addr if self.host else '127.0.0.1'}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -113,8 +133,8 @@ class EtcdServer:
         self._dir = tempfile.mkdtemp(prefix="hyperpodrun-etcd-", dir=shm)
         last_error = ""
         for attempt in range(self.attempts):
-            self.port = free_port()
-            peer = f"http://127.0.0.1:{free_port()}"
+            self.port = self.host.free_port() if self.host else free_port()
+            peer = f"http://127.0.0.1:{self.host.free_port() if self.host else free_port()}"
             args = [
                 self.binary,
                 "--name", "test",
@@ -132,34 +152,80 @@ class EtcdServer:
                 args += ["--trusted-ca-file", self.tls.cacert]
                 if self.tls.client_cert_auth:
                     args.append("--client-cert-auth")
-            log_path = os.path.join(self._dir, f"etcd{attempt}.log")
-            with open(log_path, "wb") as log:
-                self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            self._args, self._log_path = self._in_host(args), os.path.join(self._dir, f"etcd{attempt}.log")
+            self._spawn()
             if self._wait_healthy():
                 return self
-            last_error = Path(log_path).read_text(errors="replace")[-2000:]
+            last_error = Path(self._log_path).read_text(errors="replace")[-2000:]
             self._terminate()
         self.stop()
         raise RuntimeError(f"etcd did not become healthy within {self.start_timeout:g}s:\n{last_error}")
 
+    def _spawn(self) -> None:
+        with open(self._log_path, "ab") as log:
+            self._proc = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        """Stop etcd abruptly (SIGKILL), keeping its data, port and configuration."""
+        if self._proc is None:
+            raise RuntimeError("etcd is not running")
+        self._proc.send_signal(signal.SIGCONT)  # in case it was paused
+        self._proc.kill()
+        self._proc.wait(10)
+        self._proc = None
+
+    def restart(self, *, kill: bool = True) -> None:
+        """Start etcd again on the same port with the same data; wait until it is healthy."""
+        if kill and self._proc is not None:
+            self.kill()
+        if self._proc is not None:
+            raise RuntimeError("etcd is already running")
+        self._spawn()
+        if not self._wait_healthy():
+            tail = Path(self._log_path).read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"etcd did not come back on port {self.port} within {self.start_timeout:g}s:\n{tail}")
+
+    def pause(self) -> None:
+        """Freeze etcd (SIGSTOP): connections stay open and nothing answers."""
+        if self._proc is None:
+            raise RuntimeError("etcd is not running")
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is None:
+            raise RuntimeError("etcd is not running")
+        self._proc.send_signal(signal.SIGCONT)
+
     def _wait_healthy(self) -> bool:
         assert self._proc is not None
-        verify: str | bool = self.tls.cacert if self.tls else False
-        cert = (self.tls.client_cert, self.tls.client_key) if self.tls else None
         deadline = time.monotonic() + self.start_timeout
         backoff = 0.02
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 return False
-            try:
-                reply = requests.get(f"{self.url}/health", verify=verify, cert=cert, timeout=2.0)
-                if reply.ok and reply.json().get("health") == "true":
-                    return True
-            except (requests.RequestException, ValueError):
-                pass
+            if self._healthy():
+                return True
             time.sleep(backoff)  # polling an external process; nothing to wait on instead
             backoff = min(backoff * 2, 0.25)
         return False
+
+    def _healthy(self) -> bool:
+        if self.host is not None:  # not reachable from this namespace: ask from inside the host's
+            try:
+                self.etcdctl("endpoint", "health")
+                return True
+            except RuntimeError:
+                return False
+        verify: str | bool = self.tls.cacert if self.tls else False
+        cert = (self.tls.client_cert, self.tls.client_key) if self.tls else None
+        try:
+            reply = requests.get(f"{self.url}/health", verify=verify, cert=cert, timeout=2.0)
+            return reply.ok and reply.json().get("health") == "true"
+        except (requests.RequestException, ValueError):
+            return False
+
+    def _in_host(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.host.netns, *argv] if self.host else argv
 
     def etcdctl(self, *args: str, env: dict[str, str] | None = None) -> str:
         """Run ``etcdctl`` (v3 API) against this server; returns its stdout."""
@@ -168,7 +234,7 @@ class EtcdServer:
             command += [f"--cacert={self.tls.cacert}", f"--cert={self.tls.client_cert}", f"--key={self.tls.client_key}"]
         run_env = {**os.environ, "ETCDCTL_API": "3", **(env or {})}
         done = subprocess.run(
-            [*command, *args], capture_output=True, text=True, timeout=30, env=run_env, check=False
+            self._in_host([*command, *args]), capture_output=True, text=True, timeout=30, env=run_env, check=False
         )
         if done.returncode != 0:
             raise RuntimeError(f"etcdctl {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
@@ -178,6 +244,7 @@ class EtcdServer:
         if self._proc is None:
             return
         if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
             self._proc.terminate()
             try:
                 self._proc.wait(timeout)

@@ -27,10 +27,22 @@ from hyperpodrun.store.embedded import (
     EmbeddedStoreServer,
 )
 from hyperpodrun.store.etcd import EtcdConfig, EtcdStore
-from hyperpodrun.store.factory import BACKENDS, STORE_CONF_KEYS, check_store_conf, create_store, resolve_backend
+from hyperpodrun.store.factory import (
+    BACKEND_SPECS,
+    BACKENDS,
+    STORE_CONF_KEYS,
+    BackendSpec,
+    backend_spec,
+    check_store_conf,
+    create_store,
+    resolve_backend,
+)
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_SPECS",
+    "BackendSpec",
+    "backend_spec",
     "KEY_ROOT",
     "STORE_CONF_KEYS",
     "EmbeddedHostNotLocalError",

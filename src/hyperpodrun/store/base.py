@@ -23,13 +23,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
 
 from hyperpodrun.errors import ConfigError, HyperpodrunError
+from hyperpodrun.security import run_id_problem
 
 __all__ = [
     "KEY_ROOT",
@@ -56,7 +56,6 @@ logger = logging.getLogger(__name__)
 #: Every key hyperpodrun writes lives under this root; the ``v1`` names the key layout.
 KEY_ROOT = "/hyperpodrun/v1/"
 
-_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 # --------------------------------------------------------------------------- errors
@@ -240,11 +239,8 @@ def _check_timeout(name: str, value: float) -> None:
 
 def job_prefix(run_id: str) -> str:
     """The key prefix that scopes one job (``--rdzv-id``), e.g. ``/hyperpodrun/v1/llama/``."""
-    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
-        raise StoreConfigError(
-            f"run_id {run_id!r} is not a valid --rdzv-id: use letters, digits, '.', '_' "
-            "and '-', starting with a letter or digit"
-        )
+    if problem := run_id_problem(run_id):
+        raise StoreConfigError(problem)
     return f"{KEY_ROOT}{run_id}/"
 
 

@@ -11,25 +11,40 @@ watch stream whose reads are bounded by the wait's timeout.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import dataclasses
-import http.client
-import json
 import logging
 import math
-import os
 import socket
-import ssl
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import etcd3gw
 import requests
 import urllib3.exceptions
 
+from hyperpodrun.store.etcd_support import (
+    Backoff,
+    Broken,
+    DEFAULT_PORT,
+    EtcdApiError,
+    EtcdConfig,
+    INVALID_ARGUMENT,
+    MIN_ATTEMPT_TIMEOUT,
+    NOT_APPLIED,
+    NOT_FOUND,
+    PERMISSION_DENIED,
+    Retry,
+    UNAUTHENTICATED,
+    UNAVAILABLE,
+    b64,
+    json_lines,
+    key_range,
+    never_sent,
+    os_reason,
+    stream_socket,
+    unb64,
+)
 from hyperpodrun.store.base import (
     KEY_ROOT,
     Entry,
@@ -42,7 +57,6 @@ from hyperpodrun.store.base import (
     StoreError,
     StoreTimeoutError,
     StoreUnavailableError,
-    _check_timeout,
     format_endpoint,
     parse_endpoint,
 )
@@ -50,138 +64,6 @@ from hyperpodrun.store.base import (
 __all__ = ["DEFAULT_PORT", "EtcdConfig", "EtcdStore"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_PORT = 2379
-_MIN_ATTEMPT_TIMEOUT = 0.05
-
-# gRPC status codes that etcd's gateway reports in its JSON error bodies.
-_INVALID_ARGUMENT = 3
-_NOT_FOUND = 5
-_PERMISSION_DENIED = 7
-_UNAVAILABLE = 14
-_UNAUTHENTICATED = 16
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EtcdConfig:
-    """How to reach etcd. Field names match the ``--rdzv-conf`` keys they come from.
-
-    ``protocol`` defaults to ``https`` when ``cacert`` or ``cert`` is given, else ``http``.
-    ``connect_timeout`` bounds how long one call keeps trying the endpoints in turn;
-    ``request_timeout`` bounds the wait for an answer once a request was sent.
-    """
-
-    endpoints: tuple[str, ...]
-    protocol: Literal["http", "https"] | None = None
-    cacert: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    user: str | None = None
-    password: str | None = None
-    connect_timeout: float = 5.0
-    request_timeout: float = 10.0
-    api_path: str = "/v3/"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.endpoints, str) or not self.endpoints:
-            raise StoreConfigError("endpoints must be a non-empty tuple of 'host:port' strings")
-        for endpoint in self.endpoints:
-            parse_endpoint(endpoint, default_port=DEFAULT_PORT)
-        if self.protocol not in (None, "http", "https"):
-            raise StoreConfigError(f"protocol must be 'http' or 'https', got {self.protocol!r}")
-        if self.protocol == "http" and (self.cacert or self.cert):
-            raise StoreConfigError("protocol 'http' contradicts cacert/cert, which need https")
-        if (self.cert is None) != (self.key is None):
-            missing = "key" if self.key is None else "cert"
-            raise StoreConfigError(f"{missing} is required when {'cert' if missing == 'key' else 'key'} is given")
-        for name in ("cacert", "cert", "key"):
-            path = getattr(self, name)
-            if path is not None and not os.path.isfile(path):
-                raise StoreConfigError(f"{name}: file {path!r} does not exist")
-        if (self.user is None) != (self.password is None):
-            missing = "password" if self.password is None else "user"
-            raise StoreConfigError(f"{missing} is required when {'user' if missing == 'password' else 'password'} is given")
-        if self.user == "":
-            raise StoreConfigError("user must be non-empty")
-        _check_timeout("connect_timeout", self.connect_timeout)
-        _check_timeout("request_timeout", self.request_timeout)
-        if not (self.api_path.startswith("/") and self.api_path.endswith("/")):
-            raise StoreConfigError(f"api_path must start and end with '/', got {self.api_path!r}")
-
-    @property
-    def scheme(self) -> str:
-        if self.protocol is not None:
-            return self.protocol
-        return "https" if (self.cacert or self.cert) else "http"
-
-
-class _EtcdApiError(StoreError):
-    """etcd answered a request with an error status."""
-
-    def __init__(self, endpoint: str, what: str, status: int, code: int | None, message: str) -> None:
-        super().__init__(f"etcd at {endpoint} failed {what}: {message} (HTTP {status})")
-        self.status = status
-        self.code = code
-        self.message = message
-
-
-class _Retry(Exception):
-    """Internal: this attempt failed in a way that is safe to retry on another endpoint."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)
-
-
-def _key_range(prefix: str) -> tuple[bytes, bytes]:
-    """etcd's [key, range_end) that covers every key starting with ``prefix``."""
-    start = prefix.encode()
-    end = bytearray(start)
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return start, bytes(end)
-        end.pop()
-    return (start or b"\0"), b"\0"  # no upper bound: to the end of the keyspace
-
-
-def _os_reason(exc: BaseException) -> str:
-    """A short reason ("connection refused") from a requests/urllib3 exception chain."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, http.client.RemoteDisconnected):
-            return "the server closed the connection without an answer"
-        if isinstance(e, OSError) and e.strerror:
-            return e.strerror if isinstance(e, ssl.SSLError) else e.strerror.lower()
-        if isinstance(e, (requests.ConnectTimeout, urllib3.exceptions.ConnectTimeoutError)) and not isinstance(
-            e, urllib3.exceptions.NewConnectionError
-        ):
-            return "connection timed out"
-        todo.extend([e.__cause__, e.__context__, getattr(e, "reason", None)])
-        todo.extend(a for a in e.args if isinstance(a, BaseException))
-    return str(exc)
-
-
-def _never_sent(exc: requests.ConnectionError) -> bool:
-    """Whether the request failed before reaching the server (safe to resend anywhere)."""
-    if isinstance(exc, requests.ConnectTimeout):
-        return True
-    reason = getattr(exc.args[0], "reason", None) if exc.args else None
-    return isinstance(reason, urllib3.exceptions.ConnectTimeoutError)  # includes NewConnectionError
-
 
 class _EtcdLease(Lease):
     def __init__(self, store: EtcdStore, lease_id: int, ttl: float) -> None:
@@ -196,8 +78,8 @@ class _EtcdLease(Lease):
     def revoke(self) -> None:
         try:
             self._store._post("lease/revoke", {"ID": self._id}, idempotent=True)
-        except _EtcdApiError as e:
-            if e.code != _NOT_FOUND:
+        except EtcdApiError as e:
+            if e.code != NOT_FOUND:
                 raise
 
 
@@ -234,7 +116,7 @@ class EtcdStore(Store):
                 self.current_revision()
             else:
                 # A key read, unlike a status call, fails when etcd requires credentials.
-                self._post("kv/range", {"key": _b64(KEY_ROOT.encode()), "count_only": True}, idempotent=True)
+                self._post("kv/range", {"key": b64(KEY_ROOT.encode()), "count_only": True}, idempotent=True)
         except BaseException:
             self._session.close()
             raise
@@ -255,15 +137,21 @@ class EtcdStore(Store):
                 idempotent=True,
                 authenticated=False,
             )
-        except _EtcdApiError as e:
+        except EtcdApiError as e:
             raise StoreAuthError(f"etcd at {self._names} rejected user {self.config.user!r}: {e.message}") from e
         with self._lock:
             self._token = reply.get("token") or None
 
     def _post(
-        self, path: str, payload: dict[str, Any], *, idempotent: bool, authenticated: bool = True
+        self,
+        path: str,
+        payload: dict[str, Any],
+        *,
+        idempotent: bool,
+        authenticated: bool = True,
+        retries: list[str] | None = None,
     ) -> dict[str, Any]:
-        response = self._send(path, payload, idempotent=idempotent, authenticated=authenticated)
+        response = self._send(path, payload, idempotent=idempotent, authenticated=authenticated, retries=retries)
         try:
             return response.json()
         finally:
@@ -278,20 +166,26 @@ class EtcdStore(Store):
         authenticated: bool = True,
         stream: bool = False,
         read_timeout: float | None = None,
+        retries: list[str] | None = None,
     ) -> requests.Response:
-        """POST to the first endpoint that answers, trying each in turn until the deadline."""
+        """POST to the first endpoint that answers, trying each in turn until the deadline.
+
+        Resent (after a jittered, growing pause once every endpoint failed) when that is
+        safe: the request never reached etcd, etcd answered that it did not apply it, or
+        it is ``idempotent``. Each retry's reason is appended to ``retries``.
+        """
         deadline = time.monotonic() + self.config.connect_timeout
         failures: dict[str, str] = {}
         reauthenticated = not authenticated or self.config.user is None
         tried_in_cycle = 0
-        backoff = 0.05
+        backoff = Backoff()
         while True:
             if self._closed.is_set():
                 raise StoreClosedError(f"etcd store for {self._names} is closed")
             with self._lock:
                 index = self._current
             name, client = self._endpoints[index]
-            attempt_timeout = max(min(self.config.connect_timeout, deadline - time.monotonic()), _MIN_ATTEMPT_TIMEOUT)
+            attempt_timeout = max(min(self.config.connect_timeout, deadline - time.monotonic()), MIN_ATTEMPT_TIMEOUT)
             try:
                 return self._attempt(
                     name,
@@ -303,14 +197,16 @@ class EtcdStore(Store):
                     stream=stream,
                     timeout=(attempt_timeout, read_timeout or self.config.request_timeout),
                 )
-            except _EtcdApiError as e:
-                if e.code == _UNAUTHENTICATED and not reauthenticated:
+            except EtcdApiError as e:
+                if e.code == UNAUTHENTICATED and not reauthenticated:
                     reauthenticated = True  # the token expired: log in again, once
                     self._authenticate()
                     continue
                 raise
-            except _Retry as e:
+            except Retry as e:
                 failures[name] = e.reason
+                if retries is not None:
+                    retries.append(e.reason)
                 logger.debug("etcd at %s failed %s: %s", name, path, e.reason)
             with self._lock:
                 if self._current == index:
@@ -321,8 +217,7 @@ class EtcdStore(Store):
             tried_in_cycle += 1
             if tried_in_cycle >= len(self._endpoints):
                 tried_in_cycle = 0
-                self._closed.wait(min(backoff, remaining))
-                backoff = min(backoff * 2, 1.0)
+                self._closed.wait(min(backoff.next(), remaining))
 
     def _unreachable_message(self, failures: dict[str, str]) -> str:
         if len(failures) == 1 and len(self._endpoints) == 1:
@@ -357,7 +252,7 @@ class EtcdStore(Store):
                 cert=self._cert,
             )
         except requests.exceptions.SSLError as e:
-            reason = _os_reason(e)
+            reason = os_reason(e)
             if "certificate verify failed" in reason:
                 hint = " (set --rdzv-conf cacert=... to the CA that signed etcd's certificate)"
             elif self._cert is None:
@@ -368,10 +263,10 @@ class EtcdStore(Store):
         except requests.ReadTimeout as e:
             raise StoreTimeoutError(f"etcd {path} request to {name}", timeout[1]) from e
         except requests.ConnectionError as e:
-            if idempotent or _never_sent(e):
-                raise _Retry(_os_reason(e)) from e
+            if idempotent or never_sent(e):
+                raise Retry(os_reason(e)) from e
             raise StoreUnavailableError(
-                name, f"etcd at {name} dropped the connection during {path}; it may have been applied: {_os_reason(e)}"
+                name, f"etcd at {name} dropped the connection during {path}; it may have been applied: {os_reason(e)}"
             ) from e
         if response.status_code == requests.codes.ok:
             return response
@@ -383,14 +278,14 @@ class EtcdStore(Store):
             response.close()
         code = body.get("code") if isinstance(body, dict) else None
         message = str(body.get("message") or body.get("error") or response.reason) if isinstance(body, dict) else ""
-        if code == _UNAVAILABLE or response.status_code == 503:
-            if idempotent:
-                raise _Retry(message)
+        if code == UNAVAILABLE or response.status_code == 503:
+            if idempotent or any(phrase in message for phrase in NOT_APPLIED):
+                raise Retry(message)
             raise StoreUnavailableError(name, f"etcd at {name} is unavailable for {path}: {message}")
-        if code == _PERMISSION_DENIED or (code == _INVALID_ARGUMENT and "user name is empty" in message):
+        if code == PERMISSION_DENIED or (code == INVALID_ARGUMENT and "user name is empty" in message):
             hint = "" if self.config.user else " (etcd has auth enabled: set --rdzv-conf user=... password=...)"
             raise StoreAuthError(f"etcd at {name} refused {path}: {message}{hint}")
-        raise _EtcdApiError(name, path, response.status_code, code, message)
+        raise EtcdApiError(name, path, response.status_code, code, message)
 
     # ---- Store
 
@@ -399,34 +294,34 @@ class EtcdStore(Store):
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
     def get(self, key: str) -> Entry | None:
-        kvs = self._post("kv/range", {"key": _b64(key.encode())}, idempotent=True).get("kvs", [])
+        kvs = self._post("kv/range", {"key": b64(key.encode())}, idempotent=True).get("kvs", [])
         if not kvs:
             return None
-        return Entry(_unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"]))
+        return Entry(unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"]))
 
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
-        start, end = _key_range(prefix)
-        reply = self._post("kv/range", {"key": _b64(start), "range_end": _b64(end)}, idempotent=True)
+        start, end = key_range(prefix)
+        reply = self._post("kv/range", {"key": b64(start), "range_end": b64(end)}, idempotent=True)
         return {
-            _unb64(kv["key"]).decode(): Entry(_unb64(kv.get("value", "")), int(kv["mod_revision"]))
+            unb64(kv["key"]).decode(): Entry(unb64(kv.get("value", "")), int(kv["mod_revision"]))
             for kv in reply.get("kvs", [])
         }
 
     def _put_request(self, key: str, value: bytes, lease: Lease | None) -> dict[str, Any]:
-        request: dict[str, Any] = {"key": _b64(key.encode()), "value": _b64(bytes(value))}
+        request: dict[str, Any] = {"key": b64(key.encode()), "value": b64(bytes(value))}
         if lease is not None:
             request["lease"] = lease.id
         return request
 
-    def _lease_error(self, error: _EtcdApiError, lease: Lease | None) -> StoreError:
-        if lease is not None and error.code == _NOT_FOUND:
+    def _lease_error(self, error: EtcdApiError, lease: Lease | None) -> StoreError:
+        if lease is not None and error.code == NOT_FOUND:
             return LeaseExpiredError(lease.id, error.message)
         return error
 
     def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
         try:
             reply = self._post("kv/put", self._put_request(key, value, lease), idempotent=False)
-        except _EtcdApiError as e:
+        except EtcdApiError as e:
             raise self._lease_error(e, lease) from e
         return int(reply["header"]["revision"])
 
@@ -437,7 +332,7 @@ class EtcdStore(Store):
         txn = {
             "compare": [
                 {
-                    "key": _b64(key.encode()),
+                    "key": b64(key.encode()),
                     "result": "EQUAL",
                     "target": "MOD",
                     "mod_revision": expected_revision,
@@ -446,19 +341,34 @@ class EtcdStore(Store):
             "success": [{"request_put": self._put_request(key, value, lease)}],
             "failure": [],
         }
-        try:
-            reply = self._post("kv/txn", txn, idempotent=False)
-        except _EtcdApiError as e:
+        retries: list[str] = []
+        try:  # resending cannot apply it twice: the first copy applied moves the key's revision
+            reply = self._post("kv/txn", txn, idempotent=True, retries=retries)
+        except EtcdApiError as e:
             raise self._lease_error(e, lease) from e
-        return bool(reply.get("succeeded", False))
+        if reply.get("succeeded", False):
+            return True
+        if not retries:
+            return False
+        # Resent: a failed compare may mean our first copy was applied. It was if the key
+        # holds our value, under our lease, written after the revision we expected.
+        kvs = self._post("kv/range", {"key": b64(key.encode())}, idempotent=True).get("kvs", [])
+        if not kvs:
+            return False
+        kv = kvs[0]
+        return (
+            unb64(kv.get("value", "")) == bytes(value)
+            and int(kv["mod_revision"]) > expected_revision
+            and int(kv.get("lease", 0)) == (lease.id if lease is not None else 0)
+        )
 
     def delete(self, key: str) -> bool:
-        reply = self._post("kv/deleterange", {"key": _b64(key.encode())}, idempotent=False)
+        reply = self._post("kv/deleterange", {"key": b64(key.encode())}, idempotent=False)
         return int(reply.get("deleted", 0)) > 0
 
     def delete_prefix(self, prefix: str) -> int:
-        start, end = _key_range(prefix)
-        reply = self._post("kv/deleterange", {"key": _b64(start), "range_end": _b64(end)}, idempotent=False)
+        start, end = key_range(prefix)
+        reply = self._post("kv/deleterange", {"key": b64(start), "range_end": b64(end)}, idempotent=False)
         return int(reply.get("deleted", 0))
 
     def grant_lease(self, ttl: float) -> Lease:
@@ -473,32 +383,50 @@ class EtcdStore(Store):
         return int(self._post("maintenance/status", {}, idempotent=True)["header"]["revision"])
 
     def wait_for_change(self, prefix: str, *, after_revision: int, timeout: float) -> int | None:
+        """See :meth:`Store.wait_for_change`. A watch stream that breaks (etcd restarted, a
+        proxy dropped it) is opened again from ``after_revision`` until ``timeout``: no
+        event can be missed, since the wait returns at the first one. Only an etcd that
+        stays unreachable for ``connect_timeout`` ends the wait with an error."""
         self._check_revision("after_revision", after_revision)
         if not timeout >= 0:
             raise ValueError(f"timeout must be >= 0, got {timeout!r}")
-        start, end = _key_range(prefix)
-        request = {
-            "create_request": {"key": _b64(start), "range_end": _b64(end), "start_revision": after_revision + 1}
-        }
         deadline = time.monotonic() + timeout
+        backoff = Backoff()
+        while True:
+            outcome = self._watch_once(prefix, after_revision=after_revision, deadline=deadline)
+            if not isinstance(outcome, Broken):
+                return outcome
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            logger.info("etcd watch on %r broke (%s); watching again from revision %d", prefix, outcome.reason, after_revision + 1)
+            if self._closed.wait(min(backoff.next(), remaining)):
+                raise StoreClosedError(f"etcd store for {self._names} was closed during a wait")
+
+    def _watch_once(self, prefix: str, *, after_revision: int, deadline: float) -> int | None | Broken:
+        """One watch stream: the revision of a change, ``None`` at the deadline, or why it broke."""
+        start, end = key_range(prefix)
+        request = {
+            "create_request": {"key": b64(start), "range_end": b64(end), "start_revision": after_revision + 1}
+        }
         response = self._send("watch", request, idempotent=True, stream=True)
         name = response.url
-        sock = _stream_socket(response)
+        sock = stream_socket(response)
         with self._lock:
             closing = self._closed.is_set()
             self._watches.add(sock)
         try:
             if closing:  # close() ran before it could see this watch
                 raise StoreClosedError(f"etcd store for {self._names} is closed")
-            for message in _json_lines(response, sock, deadline=deadline):
+            for message in json_lines(response, sock, deadline=deadline):
                 result = message.get("result") or {}
                 if result.get("canceled"):
-                    if "compact_revision" in result:  # history before it is gone: report a change
+                    if "compact_revision" in result:  # history before it is gone: report a change, callers re-read
                         return max(self.current_revision(), after_revision + 1)
                     reason = result.get("cancel_reason", "")
                     if "user name is empty" in reason or "permission denied" in reason or "auth" in reason:
                         raise StoreAuthError(f"etcd refused to watch {prefix!r}: {reason}")
-                    raise StoreError(f"etcd cancelled the watch on {prefix!r}: {reason}")
+                    return Broken(f"etcd cancelled it: {reason}")
                 if result.get("events"):
                     return int(result["header"]["revision"])
                 if time.monotonic() >= deadline:
@@ -510,14 +438,16 @@ class EtcdStore(Store):
                 e.args[0] if e.args else None, urllib3.exceptions.ReadTimeoutError
             ):
                 return None
-            raise StoreUnavailableError(self._names, f"etcd dropped the watch on {prefix!r} ({name}): {_os_reason(e)}") from e
+            return Broken(f"{name}: {os_reason(e)}")
+        except ValueError as e:  # a message cut in half by the server going away
+            return Broken(f"{name}: {e}")
         finally:
             with self._lock:
                 self._watches.discard(sock)
             response.close()
         if self._closed.is_set():
             raise StoreClosedError(f"etcd store for {self._names} was closed during a wait")
-        raise StoreUnavailableError(self._names, f"etcd closed the watch on {prefix!r} ({name}) without an answer")
+        return Broken(f"{name} ended the stream")
 
     def close(self) -> None:
         """Close connections; waits in flight on other threads end with StoreClosedError."""
@@ -534,32 +464,3 @@ class EtcdStore(Store):
 
     def __repr__(self) -> str:
         return f"EtcdStore({self._names!r}, {self.config.scheme})"
-
-
-def _stream_socket(response: requests.Response) -> socket.socket | None:
-    """The socket under a streamed response (urllib3 exposes it as ``raw.connection.sock``)."""
-    return getattr(getattr(response.raw, "connection", None), "sock", None)
-
-
-def _json_lines(
-    response: requests.Response, sock: socket.socket | None, *, deadline: float
-) -> Iterator[dict[str, Any]]:
-    """The newline-delimited JSON messages of a gateway stream, read until ``deadline``.
-
-    Each read of ``sock`` is given the time left, so a quiet stream raises urllib3's
-    ``ReadTimeoutError`` (wrapped in ``requests.ConnectionError``) at the deadline.
-    Without the socket, reads are bounded by the request timeout instead.
-    """
-    chunks = response.iter_content(chunk_size=None)
-    buffer = b""
-    while True:
-        if sock is not None:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        chunk = next(chunks, None)
-        if chunk is None:
-            return
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            if line.strip():
-                yield json.loads(line)

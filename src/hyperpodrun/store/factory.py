@@ -4,8 +4,11 @@ Backends:
 
 * ``etcd`` (alias ``etcd-v3``): an etcd v3 cluster, ``host:port[,host:port...]``.
   ``--rdzv-conf`` keys ``cacert``, ``cert``, ``key``, ``protocol`` (TLS) and ``user``,
-  ``password`` (etcd authentication) apply.
+  ``password`` (etcd authentication; refused over plain http unless ``insecure=true``) apply.
 * ``embedded``: a store hosted inside one agent (see :mod:`hyperpodrun.store.embedded`).
+  ``--rdzv-conf secret_file`` (or ``HYPERPODRUN_STORE_SECRET``) names the shared secret
+  every connection must prove; required unless the endpoint is loopback (see
+  :mod:`hyperpodrun.store.auth`).
   torchrun's ``c10d`` and ``static`` are accepted as aliases of it, so torchrun command
   lines work unchanged: like c10d's TCPStore, the store lives in one agent and the job
   ends with that agent. (``static`` rendezvous itself needs no store; when one is asked
@@ -18,9 +21,13 @@ so several jobs can share one etcd without seeing each other's keys.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
+from hyperpodrun.security import STORE_SECRET_ENV
+from hyperpodrun.store.auth import is_loopback, new_secret, resolve_store_secret
 from hyperpodrun.store.base import (
     PrefixedStore,
     Store,
@@ -33,37 +40,58 @@ from hyperpodrun.store.embedded import DEFAULT_PORT as EMBEDDED_DEFAULT_PORT
 from hyperpodrun.store.embedded import EmbeddedHostNotLocalError, EmbeddedStoreClient, EmbeddedStoreServer
 from hyperpodrun.store.etcd import EtcdConfig, EtcdStore
 
-__all__ = ["BACKENDS", "STORE_CONF_KEYS", "check_store_conf", "create_store", "resolve_backend"]
+__all__ = ["BACKENDS", "BACKEND_SPECS", "BackendSpec", "STORE_CONF_KEYS", "backend_spec", "check_store_conf", "create_store", "resolve_backend"]
 
-#: ``--rdzv-backend`` spellings and the store implementation each one selects.
-BACKENDS: Mapping[str, str] = {
-    "etcd": "etcd",
-    "etcd-v3": "etcd",
-    "embedded": "embedded",
-    "c10d": "embedded",
-    "static": "embedded",
+@dataclass(frozen=True, kw_only=True)
+class BackendSpec:
+    """One ``--rdzv-backend`` value: the store it selects and what that store takes."""
+
+    name: str
+    kind: str  # "etcd" or "embedded": the store implementation
+    default_port: int
+    conf_keys: tuple[str, ...] = ()  # --rdzv-conf keys the store consumes
+    hosted: bool = False  # the store lives inside one agent (the job ends with that agent)
+
+
+#: ``--rdzv-conf`` keys the stores consume, per backend kind (see docs/security.md for
+#: ``insecure`` and ``secret_file``).
+_ETCD_KEYS: tuple[str, ...] = ("cacert", "cert", "key", "protocol", "user", "password", "insecure")
+_EMBEDDED_KEYS: tuple[str, ...] = ("secret_file",)
+STORE_CONF_KEYS: tuple[str, ...] = _ETCD_KEYS + _EMBEDDED_KEYS
+
+_ETCD = dict(kind="etcd", default_port=2379, conf_keys=_ETCD_KEYS)
+_EMBEDDED = dict(kind="embedded", default_port=EMBEDDED_DEFAULT_PORT, conf_keys=_EMBEDDED_KEYS, hosted=True)
+
+#: ``--rdzv-backend`` spellings and the store each one selects.
+BACKEND_SPECS: Mapping[str, BackendSpec] = {
+    "etcd": BackendSpec(name="etcd", **_ETCD),
+    "etcd-v3": BackendSpec(name="etcd-v3", **_ETCD),
+    "embedded": BackendSpec(name="embedded", **_EMBEDDED),
+    "c10d": BackendSpec(name="c10d", **_EMBEDDED),
+    "static": BackendSpec(name="static", **_EMBEDDED),
 }
+BACKENDS: Mapping[str, str] = {name: spec.kind for name, spec in BACKEND_SPECS.items()}
 
-#: ``--rdzv-conf`` keys the store consumes (all etcd-only). Other keys belong to the
-#: rendezvous and are left alone, unless they look like a misspelt store key.
-STORE_CONF_KEYS: tuple[str, ...] = ("cacert", "cert", "key", "protocol", "user", "password")
+
+def backend_spec(backend: str) -> BackendSpec:
+    """The :class:`BackendSpec` of a ``--rdzv-backend`` value (either spelling, any case)."""
+    spec = BACKEND_SPECS.get(backend.strip().lower().replace("_", "-"))
+    if spec is None:
+        raise StoreConfigError(f"unknown --rdzv-backend {backend!r}; valid backends: {', '.join(BACKEND_SPECS)}")
+    return spec
+
 
 # Words that only make sense in a store/TLS/auth key: a key containing one of them that is
 # not in STORE_CONF_KEYS is a typo, not a rendezvous option.
 _STORE_WORDS = frozenset(
     {"ca", "cafile", "cacrt", "cert", "certfile", "certificate", "crt", "keyfile", "key", "tls", "ssl",
-     "https", "user", "username", "password", "passwd", "pass", "token"}
+     "https", "user", "username", "password", "passwd", "pass", "token", "secret", "insecure"}
 )  # fmt: skip
 
 
 def resolve_backend(backend: str) -> str:
     """The implementation (``"etcd"`` or ``"embedded"``) for a ``--rdzv-backend`` value."""
-    kind = BACKENDS.get(backend.strip().lower().replace("_", "-"))
-    if kind is None:
-        raise StoreConfigError(
-            f"unknown --rdzv-backend {backend!r}; valid backends: {', '.join(BACKENDS)}"
-        )
-    return kind
+    return backend_spec(backend).kind
 
 
 def check_store_conf(backend: str, conf: Mapping[str, str]) -> None:
@@ -71,9 +99,10 @@ def check_store_conf(backend: str, conf: Mapping[str, str]) -> None:
     kind = resolve_backend(backend)
     for key, value in conf.items():
         if key in STORE_CONF_KEYS:
-            if kind != "etcd":
+            if (key in _ETCD_KEYS) != (kind == "etcd"):
+                wanted = "etcd" if key in _ETCD_KEYS else "embedded, c10d or static"
                 raise StoreConfigError(
-                    f"--rdzv-conf {key}=... applies only to --rdzv-backend etcd, not {backend!r}"
+                    f"--rdzv-conf {key}=... applies only to --rdzv-backend {wanted}, not {backend!r}"
                 )
             if value is None or value == "":
                 raise StoreConfigError(f"--rdzv-conf {key} needs a value")
@@ -97,7 +126,11 @@ def _etcd_config(endpoint: str, conf: Mapping[str, str], timeout: float) -> Etcd
         protocol = protocol.lower()
         if protocol not in ("http", "https"):
             raise StoreConfigError(f"--rdzv-conf protocol must be http or https, got {protocol!r}")
+    insecure = conf.get("insecure", "false").lower()
+    if insecure not in ("true", "false", "1", "0", "yes", "no"):
+        raise StoreConfigError(f"--rdzv-conf insecure must be true or false, got {conf['insecure']!r}")
     return EtcdConfig(
+        insecure=insecure in ("true", "1", "yes"),
         endpoints=endpoints,
         protocol=protocol,  # type: ignore[arg-type]  # checked just above
         cacert=conf.get("cacert"),
@@ -109,26 +142,31 @@ def _etcd_config(endpoint: str, conf: Mapping[str, str], timeout: float) -> Etcd
     )
 
 
-def _embedded_store(endpoint: str, host: bool | None, timeout: float) -> EmbeddedStoreClient:
+def _embedded_store(
+    endpoint: str, host: bool | None, timeout: float, conf: Mapping[str, str], env: Mapping[str, str]
+) -> EmbeddedStoreClient:
     endpoint = endpoint.strip() or f"127.0.0.1:{EMBEDDED_DEFAULT_PORT}"
     if "," in endpoint:
         raise StoreConfigError(f"the embedded store takes one --rdzv-endpoint, got {endpoint!r}")
-    if host is False:
-        return EmbeddedStoreClient(endpoint, connect_timeout=timeout)
     address, port = parse_endpoint(endpoint, default_port=EMBEDDED_DEFAULT_PORT)
-    server = EmbeddedStoreServer(address, port)
+    secret = resolve_store_secret(conf, env)
+    if secret is None and not is_loopback(address):
+        raise StoreConfigError(
+            f"the embedded store at {endpoint} is reachable from other hosts, so the job needs a shared "
+            f"secret: set --rdzv-conf secret_file=PATH (or {STORE_SECRET_ENV}) on every node"
+        )
+    if host is False:
+        return EmbeddedStoreClient(endpoint, connect_timeout=timeout, secret=secret)
+    # One host, no secret given: generate one and leave it where this user's agents find it.
+    server = EmbeddedStoreServer(address, port, secret=secret or new_secret(), publish_secret=secret is None)
     try:
         server.start()
-    except StoreAddressInUseError:
+    except (StoreAddressInUseError, EmbeddedHostNotLocalError):
         if host:
             raise
-        return EmbeddedStoreClient(endpoint, connect_timeout=timeout)
-    except EmbeddedHostNotLocalError:
-        if host:
-            raise
-        return EmbeddedStoreClient(endpoint, connect_timeout=timeout)
+        return EmbeddedStoreClient(endpoint, connect_timeout=timeout, secret=secret)
     try:
-        return EmbeddedStoreClient(server.endpoint, connect_timeout=timeout, server=server)
+        return EmbeddedStoreClient(server.endpoint, connect_timeout=timeout, secret=server.secret, server=server)
     except BaseException:
         server.close()
         raise
@@ -142,6 +180,7 @@ def create_store(
     conf: Mapping[str, str],
     host: bool | None = None,
     timeout: float,
+    env: Mapping[str, str] | None = None,
 ) -> Store:
     """Connect to (or, for the embedded backend, host) the job's store.
 
@@ -156,6 +195,7 @@ def create_store(
             The store of a hosting agent owns the server: closing it ends the job's store.
         timeout: how long to keep trying to reach the store before
             :class:`~hyperpodrun.store.base.StoreUnavailableError`.
+        env: where ``HYPERPODRUN_STORE_SECRET`` is looked up (default ``os.environ``).
 
     Raises:
         StoreConfigError: unknown backend, bad endpoint or conf key, before connecting.
@@ -170,5 +210,5 @@ def create_store(
             raise StoreConfigError("host= applies only to the embedded store; etcd is never hosted by an agent")
         inner: Store = EtcdStore(_etcd_config(endpoint, conf, timeout))
     else:
-        inner = _embedded_store(endpoint, host, timeout)
+        inner = _embedded_store(endpoint, host, timeout, conf, os.environ if env is None else env)
     return PrefixedStore(inner, prefix)

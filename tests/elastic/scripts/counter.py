@@ -42,7 +42,6 @@ while True:
     if rank == 0:
         with open(run / "progress.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "world": world, "ts": time.time()}) + "\n")
-    time.sleep(0.05)
     if elastic_event_detected():
         save(step)
         print(f"rank {rank} saved at step {step} for a scale event", flush=True)

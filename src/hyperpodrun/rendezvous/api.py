@@ -1,0 +1,158 @@
+"""The rendezvous interface the agent drives, and the values it exchanges with it.
+
+The agent runs one loop for every kind of job (see :mod:`hyperpodrun.agent`)::
+
+    rdzv.join()
+    while True:
+        round = rdzv.next_round(timeout)          # membership, ranks, master address of the round
+        start the ranks
+        while directive is None:
+            directive = rdzv.poll(LocalStatus)    # every monitor tick
+        act on the directive (stop, save and exit, reconfigure, exit); rdzv.report_stopped(...)
+
+:class:`~hyperpodrun.rendezvous.static.StaticRendezvous` (torchrun's fixed membership) and
+:class:`~hyperpodrun.rendezvous.elastic.ElasticRendezvous` (store-backed) implement it.
+"""
+
+from __future__ import annotations
+
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from hyperpodrun.errors import RendezvousError
+from hyperpodrun.rendezvous.records import EventKind
+from hyperpodrun.supervisor import GroupAssignment, WorkerState
+
+
+class RestartReason(str, Enum):
+    """Why a worker group is (re)started; exported as ``HYPERPODRUN_RESTART_REASON``."""
+
+    START = "start"
+    SCALE = "scale"
+    FAILURE = "failure"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundInfo:
+    round: int
+    assignment: GroupAssignment
+    members: tuple[str, ...]
+    reason: RestartReason = RestartReason.START
+    restarts: int = 0  # failure restarts used by the job so far (TORCHELASTIC_RESTART_COUNT)
+    admission: Directive | None = None  # admitted in place (RECONFIGURE) into a running job
+
+class DirectiveKind(str, Enum):
+    """What the agent must do with its running ranks.
+
+    SAVE_AND_EXIT and RECONFIGURE go to the ranks over the control channel with a target
+    step; STOP and EXIT are carried out by the agent at once.
+    """
+
+    SAVE_AND_EXIT = "save_and_exit"  # ranks save at target_step and exit; restarted at the new size
+    RECONFIGURE = "reconfigure"  # ranks rebuild their process group in place at target_step
+    STOP = "stop"  # stop the ranks now (lost node, failed rank, ranks that do not cooperate)
+    EXIT = "exit"  # the job is over for this node: exit with exit_code
+
+
+@dataclass(frozen=True, kw_only=True)
+class Directive:
+    kind: DirectiveKind
+    event_id: int = 0
+    event_kind: EventKind | None = None
+    target_step: int = -1
+    next_round: int = 0
+    world_size: int = -1
+    reason: str = ""
+    exit_code: int = 0
+    # RECONFIGURE: this node's place in the next round (group_rank -1: it leaves the job).
+    group_rank: int = -1
+    group_world_size: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalStatus:
+    """What the agent tells the rendezvous on every tick."""
+
+    group_state: WorkerState
+    steps: tuple[int, ...]  # each local rank's count of elastic_event_detected() calls
+    step_times: tuple[float, ...]  # each local rank's recent fastest seconds per step (0: not known yet)
+    reconfigurable: bool = False  # every local rank declared the in-process API
+    failure: str | None = None
+
+    @property
+    def cooperative(self) -> bool:
+        """Every local rank calls ``elastic_event_detected()`` (one rank that does not would hang the others)."""
+        return bool(self.steps) and all(s > 0 for s in self.steps) and self.group_state == WorkerState.HEALTHY
+
+
+class RendezvousHandler(ABC):
+    """One node's view of the job's membership."""
+
+    @property
+    @abstractmethod
+    def node_id(self) -> str: ...
+
+    @property
+    def local_addr(self) -> str | None:
+        """This node's address on the route to the store (None: no store, e.g. static membership)."""
+        return None
+
+    @property
+    def lease_lost(self) -> bool:
+        """Whether this node lost its membership (elastic jobs only)."""
+        return False
+
+    @property
+    def elastic(self) -> bool:
+        """Whether membership changes during the job: SIGTERM then means "leave at the next agreed step"."""
+        return False
+
+    @property
+    def tick(self) -> float:
+        """Seconds between store polls while ranks run."""
+        return 0.2
+
+    @property
+    def graceful_timeout(self) -> float:
+        """Seconds ranks get to reach the target step and leave the round."""
+        return 120.0
+
+    def join(self) -> None:  # noqa: B027 - optional hook
+        """Become known to the job (before the first round)."""
+
+    @abstractmethod
+    def next_round(self, *, timeout: float, prewarm: Callable[[], None] | None = None) -> RoundInfo:
+        """Block until this node is a member of a new round; raises RendezvousTimeoutError or RendezvousClosedError.
+
+        ``prewarm`` is called (once) while this node waits as a standby of a job whose ranks
+        reconfigure in place: the agent starts its ranks parked, so admission costs no process start.
+        """
+
+    def entered_in_place(self, directive: Directive) -> RoundInfo:
+        """The round a RECONFIGURE directive moved this node's running ranks into."""
+        raise RendezvousError(f"{type(self).__name__}: static membership never reconfigures in place")
+
+    @abstractmethod
+    def poll(self, status: LocalStatus) -> Directive | None:
+        """Called every monitor tick while this node's ranks run; a directive ends or changes the round."""
+
+    def report_stopped(self, event_id: int, *, ok: bool, reconfigured: bool = False) -> None:  # noqa: B027
+        """This node's ranks have left the round of ``event_id`` (or moved to the next one in place)."""
+
+    def request_leave(self) -> None:  # noqa: B027
+        """Leave the job at the next agreed step (elastic jobs)."""
+
+    def shutdown(self, *, succeeded: bool) -> None:  # noqa: B027 - optional hook
+        """Leave the job for good (the agent is exiting)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (torchrun picks MASTER_PORT the same way)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,380 @@
+"""The decider: one scale-event step as a pure function of the job's records and the time.
+
+One agent at a time decides for the job (it holds the leased ``decider`` key). Each tick
+it reads a :class:`JobSnapshot`, calls :func:`plan`, and hands the resulting
+compare-and-swap writes to the executor (:func:`execute`), which stops at the first write
+that loses a race: the next tick re-reads and plans again. :func:`plan` reads no clock and
+does no I/O, so every rule of the protocol is tested by passing records and a time.
+
+An event runs through these steps (``EventRecord``)::
+
+    decided (target None) --every live member acked, rates known--> targeted (target >= 0)
+        |                                  |--a rank does not cooperate--> mode STOP
+        |--no ack within ack_timeout--> mode STOP
+    targeted / STOP --every live member stopped (or deadline)--> complete
+        --> next round published with the live next members, or the round HALTED
+
+A next member that vanished between decision and completion is never published: the
+round halts and the start rules pick the next membership from the live nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hyperpodrun.config import RestartMode
+from hyperpodrun.policy import Action, ClusterView, Decision, ElasticPolicy, NodeState, ScaleEvent, decide
+from hyperpodrun.rendezvous.api import RestartReason
+from hyperpodrun.rendezvous.records import (
+    AckRecord,
+    ClosedRecord,
+    EventKind,
+    EventMode,
+    EventRecord,
+    FailedRecord,
+    JobOutcome,
+    Keys,
+    NodeRecord,
+    RoundRecord,
+    RoundState,
+    StoppedRecord,
+    encode,
+    evolve,
+)
+
+__all__ = ["DeciderContext", "DeciderMemory", "JobSnapshot", "Note", "Plan", "RestartMode", "Write", "choose_target_step", "plan"]
+
+
+def choose_target_step(steps: Sequence[int], step_times: Sequence[float], *, propagation: float) -> int:
+    """The step at which every rank acts: ahead of the furthest rank by the propagation delay.
+
+    ``steps`` are the members' furthest steps as acked, ``step_times`` their fastest recent
+    seconds per step (all > 0), ``propagation`` the worst-case seconds from now until
+    every agent has written the target into its ranks' control channel. Synchronous data
+    parallelism keeps ranks within a step of each other, so ``max(steps) + 2 +
+    ceil(propagation / fastest)`` is reached by no rank before it has learnt the target.
+    """
+    if not steps:
+        raise ValueError("choose_target_step needs at least one member's step")
+    if not step_times or min(step_times) <= 0:
+        raise ValueError(f"choose_target_step needs known step times > 0, got {list(step_times)}")
+    return max(steps) + 2 + math.ceil(propagation / min(step_times))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeciderContext:
+    """What the decider knows besides the records: the job's settings."""
+
+    policy: ElasticPolicy
+    nproc_per_node: int
+    max_restarts: int
+    lease_ttl: float
+    ack_timeout: float
+    propagation: float
+    tick: float
+    max_world_size: int | None = None
+    restart_mode: RestartMode = RestartMode.AUTO
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSnapshot:
+    """The records the decider reads in one tick, with the revisions its writes compare against."""
+
+    nodes: Mapping[str, NodeRecord]
+    round: RoundRecord | None = None
+    round_rev: int = 0
+    event: EventRecord | None = None
+    event_rev: int = 0
+    acks: Mapping[str, AckRecord] = field(default_factory=dict)  # of the pending event
+    stopped: Mapping[str, StoppedRecord] = field(default_factory=dict)  # of the pending event
+    done: frozenset[str] = frozenset()  # of the running round
+    failed: Mapping[str, FailedRecord] = field(default_factory=dict)  # of the running round
+    cap: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeciderMemory:
+    """Decider-local observations, on this agent's clock (no cross-node clock skew)."""
+
+    first_seen: Mapping[str, float] = field(default_factory=dict)
+    lost_since: Mapping[str, float] = field(default_factory=dict)
+    capacity_since: float | None = None
+    first_min_reached_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Write:
+    """Compare-and-swap ``key`` from ``expected_revision`` (0: must not exist) to ``value``."""
+
+    key: str
+    value: bytes
+    expected_revision: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Note:
+    """What to tell people once the writes succeeded: a log line, a history entry, an event record."""
+
+    round: int
+    what: str
+    reason: str
+    event: str | None = None  # hyperpodrun.events.EventType value
+    fields: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    writes: tuple[Write, ...] = ()
+    notes: tuple[Note, ...] = ()
+    memory: DeciderMemory = field(default_factory=DeciderMemory)
+    waiting_for: str = ""  # the policy's reason when nothing happens (progress messages)
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext) -> Plan:
+    """The writes that move the job on from ``snap`` at time ``now`` (none: nothing to do yet)."""
+    ev, rnd = snap.event, snap.round
+    if ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete:
+        return _drive_event(snap, ev, rnd, now, ctx, mem)
+    if rnd is not None and rnd.state is RoundState.RUNNING:
+        if rnd.members and all(m in snap.done for m in rnd.members):
+            closed = ClosedRecord(status=JobOutcome.SUCCEEDED, message="all ranks exited 0")
+            return Plan(writes=(Write(Keys.CLOSED, encode(closed), 0),), memory=mem,
+                        notes=(Note(round=rnd.round, what="job succeeded", reason=closed.message, event="job_succeeded"),))  # fmt: skip
+        if snap.failed:
+            message = next(iter(snap.failed.values())).message
+            return _new_event(snap, rnd, now, mem, kind=EventKind.RANK_FAILURE, mode=EventMode.STOP,
+                              next_members=None, reason=f"rank failure: {message}", failure=message)  # fmt: skip
+        if (
+            not rnd.inprocess
+            and ctx.restart_mode is RestartMode.AUTO
+            and all(m in snap.nodes and snap.nodes[m].reconfigurable for m in rnd.members)
+        ):  # standbys now pre-warm their ranks, so an admission costs no process start
+            marked = evolve(rnd, inprocess=True)
+            note = Note(round=rnd.round, what=f"round {rnd.round} runs in-process", reason="every rank declared the in-process API")
+            return Plan(writes=(Write(Keys.ROUND, encode(marked), snap.round_rev),), notes=(note,), memory=mem)
+    if rnd is not None and rnd.state is RoundState.HALTED and rnd.halt_kind is EventKind.RANK_FAILURE:
+        after = _after_failure(snap, rnd, now, ctx, mem)
+        if after is not None:
+            return after
+    mem, view = _view(snap, mem, now, ctx)
+    decision = decide(ctx.policy, view, now, nproc_per_node=ctx.nproc_per_node, max_world_size=ctx.max_world_size)
+    running = rnd is not None and rnd.state is RoundState.RUNNING
+    if decision.action is Action.NONE:
+        return Plan(memory=mem, waiting_for=decision.reason)
+    if decision.action is Action.INSUFFICIENT:
+        if not running:
+            return Plan(memory=mem, waiting_for=decision.reason)
+        return _new_event(snap, rnd, now, mem, kind=EventKind.INSUFFICIENT, mode=EventMode.RESTART,
+                          next_members=None, reason=decision.reason)  # fmt: skip
+    if decision.action is Action.WAIT_FOR_LOST:
+        if not running:  # halted already: wait for the lost members to come back or time out
+            return Plan(memory=mem, waiting_for=decision.reason)
+        return _new_event(snap, rnd, now, mem, kind=EventKind.NODE_LOST, mode=EventMode.STOP,
+                          next_members=None, reason=decision.reason)  # fmt: skip
+    if running:
+        kind = _event_kind(snap, rnd, decision)
+        mode = EventMode.STOP if kind is EventKind.NODE_LOST else EventMode.RESTART
+        return _new_event(snap, rnd, now, mem, kind=kind, mode=mode, next_members=decision.members, reason=decision.reason)
+    if rnd is None:
+        reason = RestartReason.START
+    elif rnd.halt_kind in (EventKind.RANK_FAILURE, EventKind.NODE_LOST):
+        reason = RestartReason.FAILURE
+    else:
+        reason = RestartReason.SCALE
+    return _publish_round(snap, decision.members, now, mem, decision.reason, reason)
+
+
+def _event_kind(snap: JobSnapshot, rnd: RoundRecord, decision: Decision) -> EventKind:
+    if any(m not in snap.nodes for m in rnd.members):
+        return EventKind.NODE_LOST
+    if any(snap.nodes[m].leaving for m in rnd.members):
+        return EventKind.LEAVE
+    if decision.action is Action.SCALE_UP:
+        return EventKind.JOIN
+    return EventKind.YIELD
+
+
+def _view(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext) -> tuple[DeciderMemory, ClusterView]:
+    rnd = snap.round
+    first_seen = {n: mem.first_seen.get(n, now) for n in snap.nodes}
+    members: tuple[str, ...] = rnd.members if rnd is not None else ()
+    lost_since = {m: mem.lost_since.get(m, now) for m in members if m not in snap.nodes}
+    alive = {n: NodeState(n, first_seen[n], r.leaving) for n, r in snap.nodes.items()}
+    standbys = [n for n in alive if n not in members and not alive[n].leaving]
+    capacity_since = (mem.capacity_since if mem.capacity_since is not None else now) if standbys else None
+    first_min = mem.first_min_reached_at
+    if first_min is None and len(alive) >= ctx.policy.min_replicas:
+        first_min = now
+    new_mem = DeciderMemory(first_seen=first_seen, lost_since=lost_since, capacity_since=capacity_since, first_min_reached_at=first_min)
+    if rnd is not None and rnd.state is RoundState.HALTED and rnd.halt_kind is EventKind.INSUFFICIENT:
+        members = ()  # halted for lack of nodes: the start rules apply again
+    view = ClusterView(
+        round=rnd.round if rnd is not None else 0,
+        members=members,
+        alive=alive,
+        lost_since={m: t for m, t in lost_since.items() if m in members},
+        last_events=tuple(ScaleEvent(at, n) for at, n in rnd.events) if rnd is not None else (),
+        cap=snap.cap,
+        capacity_since=capacity_since,
+        first_min_reached_at=first_min,
+    )
+    return new_mem, view
+
+
+def _new_event(
+    snap: JobSnapshot,
+    rnd: RoundRecord,
+    now: float,
+    mem: DeciderMemory,
+    *,
+    kind: EventKind,
+    mode: EventMode,
+    next_members: tuple[str, ...] | None,
+    reason: str,
+    failure: str | None = None,
+) -> Plan:
+    ev = EventRecord(
+        id=(snap.event.id if snap.event else 0) + 1, round=rnd.round, kind=kind, mode=mode,
+        next_members=next_members, reason=reason, decided_at=now, failure=failure,
+    )  # fmt: skip
+    note = Note(
+        round=rnd.round, what=f"event {ev.id} ({kind.value}, {mode.value})", reason=reason, event="scale_decided",
+        fields={"event_id": ev.id, "kind": kind.value, "mode": mode.value, "next_members": list(next_members) if next_members is not None else None},
+    )  # fmt: skip
+    return Plan(writes=(Write(Keys.EVENT, encode(ev), snap.event_rev),), notes=(note,), memory=mem)
+
+
+def _drive_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: float, ctx: DeciderContext, mem: DeciderMemory) -> Plan:
+    live = [m for m in rnd.members if m in snap.nodes]
+    if ev.mode is not EventMode.STOP and ev.target is None:
+        return _target_event(snap, ev, live, now, ctx, mem)
+    waiting = [m for m in live + _joiners(snap, ev, rnd) if m not in snap.stopped]
+    deadline = ev.decided_at + ctx.policy.graceful_shutdown_timeout + ctx.ack_timeout
+    if waiting and now < deadline:
+        return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for {len(waiting)} member(s) to stop")
+    return _finish_event(snap, ev, rnd, now, mem)
+
+
+def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: float, ctx: DeciderContext, mem: DeciderMemory) -> Plan:
+    """Every live member acked: agree on the step (or stop ranks that do not cooperate)."""
+    elapsed = now - ev.decided_at
+    acks = {m: snap.acks[m] for m in live if m in snap.acks}
+    missing = [m for m in live if m not in acks]
+    if missing:
+        if elapsed <= ctx.ack_timeout:
+            return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for acks from {missing}")
+        reason = ev.reason + f"; no ack from {missing} within {ctx.ack_timeout:g}s"
+        return _update(snap, evolve(ev, mode=EventMode.STOP, reason=reason), mem)
+    if not all(a.cooperative for a in acks.values()):
+        reason = ev.reason + "; ranks do not call elastic_event_detected() on every rank"
+        return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=reason), mem)
+    times = [a.step_time for a in acks.values() if a.step_time > 0]
+    if len(times) < len(acks):
+        if elapsed <= ctx.ack_timeout:  # defer (bounded) until every member knows its step rate
+            return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for the ranks' step rate")
+        times.append(ctx.ack_timeout)  # no second step within the bound: steps are at least that slow
+    # Ranks kept stepping since they acked (every ack came after decided_at): budget for it.
+    target = choose_target_step([a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, elapsed))
+    mode = ev.mode
+    master_addr, master_port = "", 0
+    if ev.next_members:
+        head = ev.next_members[0]
+        node = snap.nodes.get(head)
+        if node is not None:
+            master_addr = node.addr
+            master_port = acks[head].port if head in acks and acks[head].port else node.port
+        if (
+            ctx.restart_mode is RestartMode.AUTO
+            and ev.kind in (EventKind.JOIN, EventKind.LEAVE, EventKind.YIELD)
+            and all(a.reconfigurable for a in acks.values())
+            and head in acks  # rank 0 of the next round must be a survivor holding the state
+        ):
+            mode = EventMode.RECONFIGURE
+    return _update(snap, evolve(ev, target=target, mode=mode, master_addr=master_addr, master_port=master_port), mem)
+
+
+def _joiners(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord) -> list[str]:
+    """Live standbys a RECONFIGURE event admits: they report too, once their ranks run in the new round."""
+    if ev.mode is not EventMode.RECONFIGURE or ev.target is None or not ev.next_members:
+        return []
+    return [m for m in ev.next_members if m not in rnd.members and m in snap.nodes]
+
+
+def _update(snap: JobSnapshot, ev: EventRecord, mem: DeciderMemory) -> Plan:
+    return Plan(writes=(Write(Keys.EVENT, encode(ev), snap.event_rev),), memory=mem)
+
+
+def _finish_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: float, mem: DeciderMemory) -> Plan:
+    """Every live member's ranks left the round: publish the next round, or halt."""
+    complete = Write(Keys.EVENT, encode(evolve(ev, complete=True)), snap.event_rev)
+    nxt = ev.next_members
+    if ev.mode is EventMode.RECONFIGURE and nxt and all(m in snap.nodes for m in nxt):
+        if all(m in snap.stopped and snap.stopped[m].reconfigured for m in nxt):
+            published = _publish_round(snap, nxt, now, mem, ev.reason, RestartReason.SCALE, mode=ev.mode,
+                                       master=(ev.master_addr, ev.master_port), inprocess=True)  # fmt: skip
+        else:  # some node could not move in place: every rank restarts; the skipped number tells the others
+            failed = [m for m in nxt if not (m in snap.stopped and snap.stopped[m].reconfigured)]
+            why = f"{ev.reason}; in-place reconfiguration failed on {failed}: restarting the ranks"
+            published = _publish_round(snap, nxt, now, mem, why, RestartReason.SCALE, number=ev.next_round + 1)
+        return Plan(writes=(complete, *published.writes), notes=published.notes, memory=mem)
+    if nxt and all(m in snap.nodes for m in nxt):
+        reason = RestartReason.FAILURE if ev.mode is EventMode.STOP else RestartReason.SCALE
+        published = _publish_round(snap, nxt, now, mem, ev.reason, reason, mode=ev.mode, master=(ev.master_addr, ev.master_port))
+        return Plan(writes=(complete, *published.writes), notes=published.notes, memory=mem)
+    halt_kind = ev.kind
+    if nxt:  # a next member vanished since the decision: let the start rules choose from the live nodes
+        halt_kind = EventKind.NODE_LOST
+    halted = evolve(rnd, state=RoundState.HALTED, halt_kind=halt_kind, failure=ev.failure, halted_at=now)
+    note = Note(round=rnd.round, what=f"round {rnd.round} halted ({halt_kind.value})", reason=ev.reason)
+    return Plan(writes=(complete, Write(Keys.ROUND, encode(halted), snap.round_rev)), notes=(note,), memory=mem)
+
+
+def _after_failure(snap: JobSnapshot, rnd: RoundRecord, now: float, ctx: DeciderContext, mem: DeciderMemory) -> Plan | None:
+    """Halted after a rank failure. Wait one lease ttl: if a member vanished meanwhile, the failure
+    was collateral damage of a lost node (the policy handles it, no restart is counted: None);
+    otherwise restart the same members, counting a restart, or close the job when none are left."""
+    if any(m not in snap.nodes for m in rnd.members):
+        return None
+    if now < (rnd.halted_at or now) + ctx.lease_ttl + ctx.tick:
+        return Plan(memory=mem, waiting_for="rank failure: waiting one lease ttl to tell it from a node loss")
+    failure = rnd.failure or "rank failed"
+    if rnd.restarts >= ctx.max_restarts:
+        suffix = f" (after {rnd.restarts} restart{'s' * (rnd.restarts != 1)})" if rnd.restarts else ""
+        closed = ClosedRecord(status=JobOutcome.FAILED, message=failure + suffix)
+        note = Note(round=rnd.round, what="job failed", reason=failure, event="job_failed")
+        return Plan(writes=(Write(Keys.CLOSED, encode(closed), 0),), notes=(note,), memory=mem)
+    return _publish_round(snap, rnd.members, now, mem, f"rank failure: {failure}", RestartReason.FAILURE, count_restart=True)
+
+
+def _publish_round(
+    snap: JobSnapshot,
+    members: Sequence[str],
+    now: float,
+    mem: DeciderMemory,
+    why: str,
+    reason: RestartReason,
+    *,
+    count_restart: bool = False,
+    mode: EventMode = EventMode.RESTART,
+    master: tuple[str, int] = ("", 0),
+    inprocess: bool = False,
+    number: int | None = None,
+) -> Plan:
+    rnd = snap.round
+    head = snap.nodes[members[0]]
+    master_addr, master_port = master if master[1] else (head.addr, head.port)
+    events = ((rnd.events if rnd is not None else ()) + ((now, len(members)),))[-16:]
+    new = RoundRecord(
+        round=number or (rnd.round if rnd is not None else 0) + 1, members=tuple(members), master_addr=master_addr,
+        master_port=master_port, restarts=(rnd.restarts if rnd is not None else 0) + int(count_restart),
+        events=events, reason=reason.value, why=why, mode=mode if mode is EventMode.RECONFIGURE else EventMode.RESTART,
+        inprocess=inprocess,
+    )  # fmt: skip
+    world = len(members) * head.nproc
+    note = Note(round=new.round, what=f"round {new.round}: {len(members)} node(s), world {world}", reason=why)
+    return Plan(writes=(Write(Keys.ROUND, encode(new), snap.round_rev),), notes=(note,), memory=mem)

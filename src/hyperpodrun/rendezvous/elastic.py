@@ -1,0 +1,488 @@
+"""Store-backed elastic rendezvous: one node's membership, and the decider when it holds the key.
+
+Every agent joins with a leased ``nodes/<id>`` record (:mod:`.records` has the layout).
+One agent at a time is the *decider*, the holder of the leased ``decider`` key (the first
+to take it; another takes it within a lease ttl when its holder dies or leaves). It reads
+the job's records, plans with the pure :func:`~.decider.plan` and executes the plan's
+compare-and-swap writes, so a change of decider mid-event is safe.
+
+The member side of a cooperative event: when the round's event appears, the agent acks
+with its ranks' furthest step, fastest step time and a port free on this node; once the
+decider has written the target step, :meth:`ElasticRendezvous.poll` returns a
+SAVE_AND_EXIT or RECONFIGURE directive that the agent puts on the control channel; the
+agent reports ``stopped`` when its ranks have left the round. A STOP event (lost node,
+failed rank, ranks that do not cooperate) stops the ranks at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hyperpodrun.errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
+from hyperpodrun.events import EventLog, EventType
+from hyperpodrun.job_settings import check_join, job_settings
+from hyperpodrun.policy import ElasticPolicy
+from hyperpodrun.rendezvous.api import (
+    Directive,
+    DirectiveKind,
+    LocalStatus,
+    RendezvousHandler,
+    RestartReason,
+    RoundInfo,
+    free_port,
+)
+from hyperpodrun.rendezvous.decider import DeciderContext, DeciderMemory, JobSnapshot, Plan, plan
+from hyperpodrun.rendezvous.records import (
+    AckRecord,
+    ClosedRecord,
+    EventKind,
+    EventMode,
+    EventRecord,
+    FailedRecord,
+    HistoryEntry,
+    JobOutcome,
+    Keys,
+    NodeRecord,
+    RoundRecord,
+    RoundState,
+    StoppedRecord,
+    cap_of,
+    decode,
+    decode_list,
+    encode,
+)
+from hyperpodrun.store import LeaseKeeper, Store, StoreError
+from hyperpodrun.supervisor import GroupAssignment, WorkerState
+
+log = logging.getLogger(__name__)
+
+HISTORY_KEEP = 50
+
+
+class ElasticRendezvous(RendezvousHandler):
+    """One node's membership in an elastic job, over a :class:`Store`."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        context: DeciderContext,
+        local_addr: str,
+        join_timeout: float,
+        events: EventLog | None = None,
+        clock: Callable[[], float] = time.time,
+        node_id: str | None = None,
+    ) -> None:
+        self.store = store
+        self.ctx = context
+        self._local_addr = local_addr
+        self.join_timeout = join_timeout
+        self.events = events
+        self.clock = clock
+        self._node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._mem = DeciderMemory()
+        self._last_decide = -float("inf")
+        self._waiting_for = ""
+        self._round: RoundRecord | None = None  # the round this node runs in
+        self._handled_event = 0
+        self._acked: AckRecord | None = None
+        self._acked_event = 0
+        self._stopped_reported = 0
+        self._leaving = False
+        self._reconfigurable = False  # this node's ranks declared the in-process API
+        self._in_place_event: EventRecord | None = None  # the event this node's ranks moved rounds in place for
+        self._keeper: LeaseKeeper | None = None
+        self._lease = None
+
+    # -- the handler's properties ------------------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    @property
+    def local_addr(self) -> str:
+        return self._local_addr
+
+    @property
+    def policy(self) -> ElasticPolicy:
+        return self.ctx.policy
+
+    @property
+    def lease_lost(self) -> bool:
+        return self._keeper is not None and self._keeper.lost
+
+    @property
+    def elastic(self) -> bool:
+        return True
+
+    @property
+    def tick(self) -> float:
+        return self.ctx.tick
+
+    @property
+    def graceful_timeout(self) -> float:
+        return self.ctx.policy.graceful_shutdown_timeout
+
+    @property
+    def leaving(self) -> bool:
+        return self._leaving
+
+    # -- membership --------------------------------------------------------------------
+
+    def join(self) -> None:
+        self._lease = self.store.grant_lease(self.ctx.lease_ttl)
+        closed = decode(ClosedRecord, Keys.CLOSED, _value(self.store.get(Keys.CLOSED)))
+        if closed is not None:
+            raise RendezvousClosedError(
+                f"a job with this --rdzv-id already ran and {closed.status.value}; use a new --rdzv-id "
+                "(or delete the old job's keys, e.g. etcdctl del --prefix /hyperpodrun/v1/<id>/)",
+                status="failed",
+            )
+        check_join(self.store, self._node_id, self._settings())  # a node that differs is refused
+        self._put_node()
+        self._keeper = LeaseKeeper(self._lease, on_lost=lambda e: log.warning("membership lease lost: %s", e)).start()
+
+    def _settings(self) -> dict[str, Any]:
+        return job_settings(nproc_per_node=self.ctx.nproc_per_node, policy=self.ctx.policy, max_world_size=self.ctx.max_world_size)
+
+    def _put_node(self) -> None:
+        """(Re)write this node's record with a port free now: the next round's master port if it hosts rank 0."""
+        record = NodeRecord(
+            addr=self._local_addr, port=free_port(self._local_addr), nproc=self.ctx.nproc_per_node,
+            pid=os.getpid(), leaving=self._leaving, reconfigurable=self._reconfigurable, settings=self._settings(),
+        )  # fmt: skip
+        self.store.put(Keys.node(self._node_id), encode(record), lease=self._lease)
+
+    def request_leave(self) -> None:
+        """Graceful leave (SIGTERM): members leave at the next agreed step; standbys at once."""
+        if self._leaving:
+            return
+        self._leaving = True
+        self._put_node()
+        if self.events:
+            self.events.emit(EventType.NODE_LEAVING, node_leaving=self._node_id)
+
+    def shutdown(self, *, succeeded: bool) -> None:
+        try:
+            if self._keeper is not None:
+                self._keeper.stop()
+            if self._hosts_store() and self.store.get(Keys.CLOSED) is not None:
+                # The job is over: keep the embedded store up until the other agents have read
+                # that (they revoke their leases on the way out), or they would see it vanish.
+                self._wait_for_others_to_leave(timeout=self.ctx.lease_ttl + 5.0)
+            if self._lease is not None:
+                self._lease.revoke()
+        except StoreError as e:
+            log.info("leaving the store: %s", e)
+        finally:
+            self.store.close()
+
+    def _hosts_store(self) -> bool:
+        """Whether this agent's process hosts the job's (embedded) store."""
+        return bool(getattr(getattr(self.store, "inner", self.store), "is_host", False))
+
+    def _wait_for_others_to_leave(self, *, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            rev = self.store.current_revision()
+            others = [k for k in self.store.get_prefix(Keys.NODES) if k != Keys.node(self._node_id)]
+            remaining = deadline - time.monotonic()
+            if not others:
+                return
+            if remaining <= 0:
+                log.warning("the job is over but %d agent(s) had not left; closing the store", len(others))
+                return
+            self.store.wait_for_change(Keys.NODES, after_revision=rev, timeout=remaining)
+
+    # -- the agent's entry points --------------------------------------------------------
+
+    def next_round(self, *, timeout: float, prewarm: Callable[[], None] | None = None) -> RoundInfo:
+        """Wait until this node is a member of a running round newer than the last one it ran,
+        or a RECONFIGURE event admits it into a running job in place."""
+        deadline = time.monotonic() + timeout
+        last = self._round.round if self._round else 0
+        waited_msg = 0.0
+        prewarmed = False
+        while True:
+            rev = self.store.current_revision()  # before reading: a change after it wakes the wait below
+            rnd, _, closed = self._read_round()
+            if closed is not None:
+                raise RendezvousClosedError(closed.message, status=closed.status.value)
+            if self._leaving and not self._is_member(rnd):
+                raise RendezvousClosedError("left the job gracefully", status="left")
+            decider = self._claim_decider()
+            if decider:
+                # At most one decision per tick: a burst of N joins costs the decider O(N) reads, not O(N^2).
+                coalesce = self._last_decide + self.ctx.tick - time.monotonic()
+                if coalesce > 0:
+                    self.store.wait_for_change(Keys.ROUND, after_revision=rev, timeout=coalesce)
+                    continue
+                self._last_decide = time.monotonic()
+                if self._decide():
+                    rnd, _, _ = self._read_round()
+            if rnd is not None and rnd.round > last and rnd.state is RoundState.RUNNING and self._node_id in rnd.members:
+                return self._enter(rnd)
+            standby_in_process = rnd is not None and rnd.inprocess and rnd.state is RoundState.RUNNING and not self._leaving
+            if standby_in_process and (admission := self._admission(rnd, self._read_event())) is not None:
+                return admission
+            if standby_in_process and prewarm is not None and not prewarmed:
+                prewarmed = True
+                prewarm()
+            now = time.monotonic()
+            if now > deadline:
+                raise RendezvousTimeoutError(
+                    f"no round of the job included this node within {timeout:g}s (policy min "
+                    f"{self.ctx.policy.min_replicas} node(s); a node past max or below a cap waits as a standby)"
+                )
+            if now - waited_msg > 10.0:
+                waited_msg = now
+                log.info("waiting for a round: %s", self._waiting_for or "waiting for nodes")
+            # The decider wakes on any change (joins, acks); the others only when the round changes,
+            # so a rendezvous of N nodes costs O(N) store operations in all, not O(N^2).
+            # A pre-warmed standby also wakes for the event that admits it (events are few: O(1) per event).
+            watch = "" if decider or standby_in_process else Keys.ROUND
+            self.store.wait_for_change(watch, after_revision=rev, timeout=self.ctx.tick * 5)
+            if standby_in_process and not decider:
+                self.store.wait_for_change(Keys.ROUND, after_revision=rev, timeout=self.ctx.tick)  # at most one read per tick
+
+    def poll(self, status: LocalStatus) -> Directive | None:
+        """Called every monitor tick while this node's ranks run (or have just finished)."""
+        rnd, ev, closed = self._read_round(with_event=True)
+        if closed is not None:
+            code = 0 if closed.status is JobOutcome.SUCCEEDED else 1
+            return Directive(kind=DirectiveKind.EXIT, exit_code=code, reason=closed.message)
+        if status.reconfigurable and not self._reconfigurable:
+            self._reconfigurable = True
+            self._put_node()  # once: the decider marks the round in-process when every member has
+        my_round = self._round.round if self._round else 0
+        if (stop := self._left_behind(rnd, ev, my_round)) is not None:
+            return stop
+        event_of_round = ev is not None and ev.round == my_round
+        if status.group_state == WorkerState.SUCCEEDED and not event_of_round:
+            self._put_once(Keys.done(my_round) + self._node_id, b"{}")
+        if status.group_state == WorkerState.FAILED:
+            self._put_once(Keys.failed(my_round) + self._node_id, encode(FailedRecord(message=status.failure or "rank failed")))
+        directive = None
+        if event_of_round and ev.id > self._handled_event:
+            directive = self._follow_event(ev, status)
+        if self._claim_decider():
+            self._decide()
+        return directive
+
+    def report_stopped(self, event_id: int, *, ok: bool, reconfigured: bool = False) -> None:
+        if event_id and event_id > self._stopped_reported:
+            self._stopped_reported = event_id
+            self._handled_event = max(self._handled_event, event_id)
+            if not reconfigured:
+                self._put_node()  # a fresh port for the next round before the decider publishes it
+            self.store.put(Keys.stopped(event_id) + self._node_id, encode(StoppedRecord(ok=ok, reconfigured=reconfigured)))
+
+    # -- member side of an event ---------------------------------------------------------
+
+    def _follow_event(self, ev: EventRecord, status: LocalStatus) -> Directive | None:
+        base = dict(event_id=ev.id, event_kind=ev.kind, reason=ev.reason, next_round=ev.next_round)
+        if ev.mode is EventMode.STOP and (ev.target is None or ev.target < 0):
+            self._handled_event = ev.id
+            return Directive(kind=DirectiveKind.STOP, **base)
+        if ev.target is None:
+            self._ack(ev, status)
+            return None
+        self._handled_event = ev.id
+        if any(s >= ev.target for s in status.steps):
+            # A rank is already at/past the target: it cannot act at the agreed step with the others.
+            return Directive(kind=DirectiveKind.STOP, **{**base, "reason": ev.reason + "; a rank passed the target step"})
+        nxt = ev.next_members or ()
+        world = len(nxt) * self.ctx.nproc_per_node if nxt else -1
+        if ev.mode is EventMode.RECONFIGURE:
+            return Directive(
+                kind=DirectiveKind.RECONFIGURE, target_step=ev.target, world_size=world,
+                group_rank=nxt.index(self._node_id) if self._node_id in nxt else -1, group_world_size=len(nxt),
+                master_addr=ev.master_addr, master_port=ev.master_port, **base,
+            )  # fmt: skip
+        return Directive(kind=DirectiveKind.SAVE_AND_EXIT, target_step=ev.target, world_size=world, **base)
+
+    def _admission(self, rnd: RoundRecord, ev: EventRecord | None) -> RoundInfo | None:
+        """A targeted RECONFIGURE event of the running round that admits this standby in place."""
+        if (
+            ev is None or ev.round != rnd.round or ev.complete or ev.mode is not EventMode.RECONFIGURE
+            or ev.target is None or ev.target < 0 or not ev.next_members or self._node_id not in ev.next_members
+        ):  # fmt: skip
+            return None
+        nxt = ev.next_members
+        directive = Directive(
+            kind=DirectiveKind.RECONFIGURE, event_id=ev.id, event_kind=ev.kind, reason=ev.reason, next_round=ev.next_round,
+            target_step=ev.target, world_size=len(nxt) * self.ctx.nproc_per_node, group_rank=nxt.index(self._node_id),
+            group_world_size=len(nxt), master_addr=ev.master_addr, master_port=ev.master_port,
+        )  # fmt: skip
+        self._handled_event = ev.id
+        info = self.entered_in_place(directive)
+        return dataclasses.replace(info, members=nxt, admission=directive)
+
+    def _left_behind(self, rnd: RoundRecord | None, ev: EventRecord | None, my_round: int) -> Directive | None:
+        """STOP when the job moved on without this node's running ranks: a newer round (an in-place
+        reconfiguration fell back to a restart), or an in-place round that was never published."""
+        moved_on = rnd is not None and rnd.round > my_round and rnd.state is RoundState.RUNNING
+        placed = self._in_place_event
+        unpublished = (
+            placed is not None and ev is not None and ev.id == placed.id and ev.complete
+            and not (rnd is not None and rnd.round == my_round and rnd.state is RoundState.RUNNING)
+        )  # fmt: skip
+        if not (moved_on or unpublished):
+            return None
+        self._in_place_event = None
+        why = rnd.why if rnd is not None and rnd.why else "the job moved on without this node's ranks"
+        return Directive(kind=DirectiveKind.STOP, event_id=0, reason=f"round {my_round} ended: {why}")
+
+    def _ack(self, ev: EventRecord, status: LocalStatus) -> None:
+        """Ack once; again when the step rate, unknown at the first ack, has become known (the decider waits for it)."""
+        step_time = min((t for t in status.step_times if t > 0), default=0.0)
+        if self._acked_event == ev.id and not (self._acked is not None and self._acked.step_time == 0 and step_time > 0):
+            return
+        ack = AckRecord(
+            step=max(status.steps, default=0), step_time=step_time, cooperative=status.cooperative,
+            reconfigurable=status.reconfigurable, port=free_port(self._local_addr),
+        )  # fmt: skip
+        self._acked, self._acked_event = ack, ev.id
+        self.store.put(Keys.acks(ev.id) + self._node_id, encode(ack))
+
+    # -- decider -------------------------------------------------------------------------
+
+    def _claim_decider(self) -> bool:
+        """Whether this node decides for the job: it holds the leased ``decider`` key, or takes it when free.
+
+        The key dies with its holder's lease (crash, kill -9, graceful exit), so another
+        node takes over within one lease ttl; everything a decider needs is in the store.
+        """
+        entry = self.store.get(Keys.DECIDER)
+        if entry is not None:
+            return entry.value.decode() == self._node_id
+        return self.store.compare_and_swap(Keys.DECIDER, self._node_id.encode(), expected_revision=0, lease=self._lease)
+
+    def _decide(self) -> bool:
+        """One decider tick: read, plan, execute. Whether anything was written."""
+        snap = self._read_job()
+        result = plan(snap, self._mem, self.clock(), self.ctx)
+        self._mem = result.memory
+        self._waiting_for = result.waiting_for
+        return self._execute(result)
+
+    def _read_job(self) -> JobSnapshot:
+        """What the decider reads: O(1) keys plus the node records, and the current event's acks or stops."""
+        nodes = {Keys.leaf(k): decode(NodeRecord, k, e.value) for k, e in self.store.get_prefix(Keys.NODES).items()}
+        rnd_entry, ev_entry = self.store.get(Keys.ROUND), self.store.get(Keys.EVENT)
+        rnd = decode(RoundRecord, Keys.ROUND, _value(rnd_entry))
+        ev = decode(EventRecord, Keys.EVENT, _value(ev_entry))
+        cap_entry = self.store.get(Keys.CAP)
+        cap = cap_of(cap_entry.value) if cap_entry is not None else None
+        acks, stopped, done, failed = {}, {}, frozenset(), {}
+        pending = ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete
+        if pending and ev.target is None and ev.mode is not EventMode.STOP:
+            acks = {Keys.leaf(k): decode(AckRecord, k, e.value) for k, e in self.store.get_prefix(Keys.acks(ev.id)).items()}
+        elif pending:
+            stopped = {Keys.leaf(k): decode(StoppedRecord, k, e.value) for k, e in self.store.get_prefix(Keys.stopped(ev.id)).items()}
+        elif rnd is not None and rnd.state is RoundState.RUNNING:
+            done = frozenset(Keys.leaf(k) for k in self.store.get_prefix(Keys.done(rnd.round)))
+            failed = {Keys.leaf(k): decode(FailedRecord, k, e.value) for k, e in self.store.get_prefix(Keys.failed(rnd.round)).items()}
+        return JobSnapshot(
+            nodes=nodes, round=rnd, round_rev=rnd_entry.revision if rnd_entry else 0, event=ev,
+            event_rev=ev_entry.revision if ev_entry else 0, acks=acks, stopped=stopped, done=done, failed=failed, cap=cap,
+        )  # fmt: skip
+
+    def _execute(self, result: Plan) -> bool:
+        """Apply the plan's writes in order; stop at the first that lost a race (the next tick re-plans)."""
+        for write in result.writes:
+            if not self.store.compare_and_swap(write.key, write.value, expected_revision=write.expected_revision):
+                return False
+        for note in result.notes:
+            log.warning("%s: %s", note.what, note.reason)
+            self._record(note.round, note.what, note.reason)
+            if self.events and note.event:
+                self.events.emit(note.event, reason=note.reason, **note.fields)
+        return bool(result.writes)
+
+    def _record(self, round_no: int, what: str, reason: str) -> None:
+        """Append to the job's bounded decision history (read by ``hyperpodctl status``)."""
+        for _ in range(5):  # CAS retry: only deciders write here, so contention is rare
+            entry = self.store.get(Keys.HISTORY)
+            items = decode_list(HistoryEntry, Keys.HISTORY, _value(entry))
+            items = (items + [HistoryEntry(ts=self.clock(), round=round_no, what=what, reason=reason)])[-HISTORY_KEEP:]
+            if self.store.compare_and_swap(Keys.HISTORY, encode(items), expected_revision=entry.revision if entry else 0):
+                return
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _read_event(self) -> EventRecord | None:
+        return decode(EventRecord, Keys.EVENT, _value(self.store.get(Keys.EVENT)))
+
+    def _read_round(self, *, with_event: bool = False) -> tuple[RoundRecord | None, EventRecord | None, ClosedRecord | None]:
+        """What every node reads each tick: O(1) keys, whatever the size of the job."""
+        rnd = decode(RoundRecord, Keys.ROUND, _value(self.store.get(Keys.ROUND)))
+        ev = self._read_event() if with_event else None
+        closed = decode(ClosedRecord, Keys.CLOSED, _value(self.store.get(Keys.CLOSED)))
+        return rnd, ev, closed
+
+    def _is_member(self, rnd: RoundRecord | None) -> bool:
+        return rnd is not None and self._node_id in rnd.members and rnd.state is RoundState.RUNNING
+
+    def _put_once(self, key: str, value: bytes) -> None:
+        self.store.compare_and_swap(key, value, expected_revision=0)
+
+    def _enter(self, rnd: RoundRecord) -> RoundInfo:
+        self._round = rnd
+        members = rnd.members
+        if self.events:
+            self.events.round, self.events.world_size = rnd.round, len(members) * self.ctx.nproc_per_node
+        return RoundInfo(
+            round=rnd.round,
+            assignment=GroupAssignment(
+                group_rank=members.index(self._node_id),
+                group_world_size=len(members),
+                nproc_per_node=self.ctx.nproc_per_node,
+                master_addr=rnd.master_addr,
+                master_port=int(rnd.master_port),
+            ),
+            members=tuple(members),
+            reason=RestartReason(rnd.reason),
+            restarts=rnd.restarts,
+        )
+
+    def entered_in_place(self, directive: Directive) -> RoundInfo:
+        """The round a RECONFIGURE directive moved this node into, without a rendezvous wait.
+
+        The decider publishes that round once every member reported; this node's ranks are
+        already in it, so the agent does not wait for the record.
+        """
+        if directive.group_rank < 0:
+            raise RendezvousError("this node left the job at the reconfiguration")
+        rnd = RoundRecord(
+            round=directive.next_round, members=(), master_addr=directive.master_addr, master_port=directive.master_port,
+            reason=RestartReason.SCALE.value, mode=EventMode.RECONFIGURE,
+        )  # fmt: skip
+        self._round = rnd
+        self._in_place_event = EventRecord(
+            id=directive.event_id, round=directive.next_round - 1, kind=directive.event_kind or EventKind.JOIN,
+            mode=EventMode.RECONFIGURE, next_members=None, reason=directive.reason, decided_at=0.0,
+        )  # fmt: skip
+        if self.events:
+            self.events.round, self.events.world_size = rnd.round, directive.world_size
+        return RoundInfo(
+            round=rnd.round,
+            assignment=GroupAssignment(
+                group_rank=directive.group_rank, group_world_size=directive.group_world_size,
+                nproc_per_node=self.ctx.nproc_per_node, master_addr=directive.master_addr, master_port=directive.master_port,
+            ),  # fmt: skip
+            members=(),
+            reason=RestartReason.SCALE,
+        )
+
+
+def _value(entry) -> bytes | None:
+    return entry.value if entry is not None else None
+

@@ -1,0 +1,328 @@
+"""The embedded store's server: a :class:`KeyValueState` served over TCP by one agent.
+
+See :mod:`hyperpodrun.store.embedded` for the backend as a whole and
+:mod:`hyperpodrun.store.wire` for the frames and the handshake every connection passes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hyperpodrun.store.auth import publish_local_secret
+from hyperpodrun.store.base import (
+    LeaseExpiredError,
+    StoreAddressInUseError,
+    StoreClosedError,
+    StoreConfigError,
+    StoreError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+    format_endpoint,
+)
+from hyperpodrun.store.memory import KeyValueState
+from hyperpodrun.store.wire import PROTOCOL_VERSION, arg, b64, new_nonce, proof, proofs_match, recv_frame, send_frame, unb64
+
+__all__ = ["EmbeddedHostNotLocalError", "EmbeddedStoreGoneError", "EmbeddedStoreServer"]
+
+logger = logging.getLogger(__name__)
+
+_HANDSHAKE_TIMEOUT = 10.0
+
+
+class EmbeddedHostNotLocalError(StoreConfigError):
+    """The address to host the store on is not one of this machine's (another node hosts it)."""
+
+
+class EmbeddedStoreGoneError(StoreUnavailableError):
+    """The agent hosting the embedded store exited, taking the store with it."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(
+            endpoint,
+            f"embedded store hosted at {endpoint} is gone (the agent that hosted it "
+            "exited); the job cannot outlive its host agent — use --rdzv-backend etcd for that",
+        )
+
+
+# --------------------------------------------------------------------------- server
+
+
+class EmbeddedStoreServer:
+    """Serves a :class:`KeyValueState` over TCP from threads of the calling process.
+
+    Binds exactly ``host`` (loopback by default), never a wider address; ``port=0`` picks
+    a free port (see :attr:`endpoint`). :meth:`start` raises
+    :class:`~hyperpodrun.store.base.StoreAddressInUseError` when the address is taken,
+    typically by another agent hosting the store, so the caller can become a client.
+
+    With a ``secret``, every connection must prove it knows it before any other request
+    (see :mod:`hyperpodrun.store.wire`); ``publish_secret`` also writes it where this
+    user's other agents on this host find it (:mod:`hyperpodrun.store.auth`).
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        secret: bytes | None = None,
+        publish_secret: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not host:
+            raise StoreConfigError("EmbeddedStoreServer host must be non-empty")
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise StoreConfigError(f"EmbeddedStoreServer port must be in [0, 65535], got {port!r}")
+        if publish_secret and not secret:
+            raise StoreConfigError("EmbeddedStoreServer publish_secret needs a secret")
+        self.host = host
+        self.port = port
+        self._secret = secret
+        self._publish_secret = publish_secret
+        self._published: Path | None = None
+        self._state = KeyValueState(clock=clock)
+        self._listener: socket.socket | None = None
+        self._wake_r: socket.socket | None = None  # wakes the accept loop on close()
+        self._wake_w: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._accept_thread: threading.Thread | None = None
+        self._closed = False
+        self._handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "revision": lambda r: self._state.revision(),
+            "get": self._op_get,
+            "get_prefix": self._op_get_prefix,
+            "put": lambda r: self._state.put(
+                arg(r, "key", str), unb64(arg(r, "value", str)), lease_id=arg(r, "lease", int)
+            ),
+            "cas": lambda r: self._state.compare_and_swap(
+                arg(r, "key", str),
+                unb64(arg(r, "value", str)),
+                expected_revision=arg(r, "expected", int),
+                lease_id=arg(r, "lease", int),
+            ),
+            "delete": lambda r: self._state.delete(arg(r, "key", str)),
+            "delete_prefix": lambda r: self._state.delete_prefix(arg(r, "prefix", str)),
+            "grant": self._op_grant,
+            "keepalive": lambda r: self._state.refresh_lease(arg(r, "lease", int)),
+            "revoke": lambda r: self._state.revoke_lease(arg(r, "lease", int)),
+            "wait": lambda r: self._state.wait_for_change(
+                arg(r, "prefix", str),
+                after_revision=arg(r, "after", int),
+                timeout=float(arg(r, "timeout", (int, float))),
+            ),
+        }
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound (host, port); only valid after :meth:`start`."""
+        if self._listener is None:
+            raise StoreError("the embedded store server has not been started")
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    @property
+    def endpoint(self) -> str:
+        return format_endpoint(*self.address)
+
+    @property
+    def secret(self) -> bytes | None:
+        """The secret every connection must prove (its host agent's own clients use it)."""
+        return self._secret
+
+    def start(self) -> EmbeddedStoreServer:
+        if self._listener is not None or self._closed:
+            raise StoreError("an EmbeddedStoreServer can be started only once")
+        wanted = format_endpoint(self.host, self.port)
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(
+                self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+        except socket.gaierror as e:
+            raise StoreConfigError(f"cannot host the embedded store at {wanted}: {e}") from e
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(sockaddr)
+            if self._publish_secret and self._secret:  # before anyone can connect
+                self._published = publish_local_secret(self.host, listener.getsockname()[1], self._secret)
+            listener.listen(128)
+            listener.setblocking(False)
+        except OSError as e:
+            listener.close()
+            self._unpublish()
+            if e.errno == errno.EADDRINUSE:
+                raise StoreAddressInUseError(wanted) from e
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise EmbeddedHostNotLocalError(
+                    f"cannot host the embedded store at {wanted}: not an address of this machine"
+                ) from e
+            raise StoreConfigError(f"cannot host the embedded store at {wanted}: {e.strerror or e}") from e
+        self._listener = listener
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"embedded-store-{self.endpoint}", daemon=True
+        )
+        self._accept_thread.start()
+        logger.info("embedded store listening on %s", self.endpoint)
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving: waits are cut short and every client connection is closed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+            threads = list(self._threads)
+        self._state.close()
+        if self._wake_w is not None:
+            self._wake_w.send(b"x")
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            if sock is not None:
+                sock.close()
+        self._unpublish()
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck or (self._accept_thread is not None and self._accept_thread.is_alive()):
+            raise StoreTimeoutError(f"stopping the embedded store threads {stuck}", timeout)
+
+    def _unpublish(self) -> None:
+        if self._published is not None:
+            self._published.unlink(missing_ok=True)
+            self._published = None
+
+    def __enter__(self) -> EmbeddedStoreServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- serving
+
+    def _accept_loop(self) -> None:
+        if self._listener is None or self._wake_r is None:
+            raise StoreClosedError("the embedded store server is not started")
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select():
+                    if key.fileobj is self._wake_r:
+                        return
+                    try:
+                        conn, _ = self._listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as e:
+                        logger.warning("embedded store accept failed: %s", e)
+                        continue
+                    self._spawn(conn)
+
+    def _spawn(self, conn: socket.socket) -> None:
+        conn.setblocking(True)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        thread = threading.Thread(target=self._serve, args=(conn,), name="embedded-store-conn", daemon=True)
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            self._conns.add(conn)
+            self._threads.add(thread)
+        thread.start()
+
+    def _handshake(self, conn: socket.socket) -> bool:
+        """Answer ``hello`` and, with a secret, check the client's proof; False drops it."""
+        hello = recv_frame(conn)
+        if hello is None:
+            return False
+        if hello.get("op") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
+            send_frame(conn, {"error": {"kind": "protocol", "message": f"expected hello of protocol {PROTOCOL_VERSION}"}})
+            return False
+        if self._secret is None:
+            send_frame(conn, {"ok": {"protocol": PROTOCOL_VERSION, "auth": False}})
+            return True
+        client_nonce, server_nonce = str(hello.get("nonce", "")), new_nonce()
+        mine = proof(self._secret, "server", client_nonce, server_nonce)
+        send_frame(conn, {"ok": {"protocol": PROTOCOL_VERSION, "auth": True, "nonce": server_nonce, "proof": mine}})
+        answer = recv_frame(conn)
+        expected = proof(self._secret, "client", client_nonce, server_nonce)
+        if answer is None or answer.get("op") != "auth" or not proofs_match(expected, answer.get("proof")):
+            logger.warning("embedded store refused a connection from %s: wrong or no secret", _peer(conn))
+            send_frame(conn, {"error": {"kind": "auth", "message": "wrong store secret"}})
+            return False
+        send_frame(conn, {"ok": True})
+        return True
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(_HANDSHAKE_TIMEOUT)  # a silent peer must not hold a thread
+            if not self._handshake(conn):
+                return
+            conn.settimeout(None)
+            while True:
+                request = recv_frame(conn)
+                if request is None:
+                    return
+                response = self._dispatch(request)
+                if response is None:
+                    return
+                send_frame(conn, response)
+        except OSError as e:  # includes ProtocolError: drop the connection
+            if not self._closed:
+                logger.debug("embedded store connection dropped: %s", e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.close()
+
+    def _dispatch(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        handler = self._handlers.get(request.get("op"))  # type: ignore[arg-type]
+        if handler is None:
+            return {"error": {"kind": "bad_request", "message": f"unknown op {request.get('op')!r}"}}
+        try:
+            return {"ok": handler(request)}
+        except StoreClosedError:
+            return None
+        except LeaseExpiredError as e:
+            return {"error": {"kind": "lease_expired", "lease": e.lease_id, "message": str(e)}}
+        except (ValueError, TypeError) as e:
+            return {"error": {"kind": "bad_request", "message": str(e)}}
+
+    def _op_get(self, request: dict[str, Any]) -> list[Any] | None:
+        entry = self._state.get(arg(request, "key", str))
+        return None if entry is None else [b64(entry.value), entry.revision]
+
+    def _op_get_prefix(self, request: dict[str, Any]) -> list[list[Any]]:
+        entries = self._state.get_prefix(arg(request, "prefix", str))
+        return [[k, b64(e.value), e.revision] for k, e in entries.items()]
+
+    def _op_grant(self, request: dict[str, Any]) -> list[Any]:
+        lease_id, ttl = self._state.grant_lease(float(arg(request, "ttl", (int, float))))
+        return [lease_id, ttl]
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        return format_endpoint(*conn.getpeername()[:2])
+    except OSError:
+        return "a closed connection"

@@ -1,0 +1,68 @@
+"""A stand-in trainer on the in-process API: ranks survive scale events, newcomers hydrate from peers.
+
+argv: RUN_DIR. A tiny linear model trained by DDP on data derived from the step number, so the
+parameters depend only on how many steps were trained. Rank 0 appends {"step", "world", "ts"} to
+RUN_DIR/progress.jsonl every step; every rank appends {"pid", "rank", "world", "round", "step",
+"how"} to RUN_DIR/worlds.jsonl when it starts and after every reconfiguration, and its final
+parameters to RUN_DIR/final.jsonl. Training ends at the first step after RUN_DIR/stop exists
+(agreed through an all-reduce). No sleeps: steps are as fast as gloo allows.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elastic_events import ElasticTraining, elastic_event_detected
+
+run = Path(sys.argv[1])
+
+
+def log(name: str, record: dict) -> None:
+    with open(run / name, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+elastic = ElasticTraining(model_fn=build, optimizer_fn=lambda m: torch.optim.SGD(m.parameters(), lr=0.01)).start()
+
+
+def note(how: str) -> None:
+    log("worlds.jsonl", {"pid": os.getpid(), "rank": elastic.rank, "world": elastic.world_size,
+                         "round": elastic.round, "step": elastic.step, "how": how})  # fmt: skip
+
+
+note(elastic.resumed_from)
+while True:
+    g = torch.Generator().manual_seed(elastic.step)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    rows = x.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else x[:0]
+    target = y.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else y[:0]
+    loss = (elastic.model(rows) - target).square().sum() * elastic.world_size / 8
+    loss.backward()
+    elastic.optimizer.step()
+    elastic.optimizer.zero_grad()
+    stop = torch.tensor([float((run / "stop").exists())])
+    dist.all_reduce(stop)
+    elastic.step += 1
+    if elastic.rank == 0:
+        log("progress.jsonl", {"step": elastic.step, "world": elastic.world_size, "ts": time.time()})
+    if elastic_event_detected():
+        if not elastic.reconfigure():
+            note("left")
+            break
+        note("reconfigured")
+        continue
+    if stop.item() > 0:
+        break
+params = [p.detach().flatten().tolist() for p in elastic.module.parameters()]
+log("final.jsonl", {"rank": elastic.rank, "step": elastic.step, "params": params})
+elastic.close()

@@ -1,0 +1,76 @@
+"""Checkpointless scale events end to end: real launchers, real gloo ranks, the in-process API.
+
+Surviving ranks keep their process (same pid) through a join and a graceful leave; the joiner
+is pre-warmed as a standby and hydrated from its peers; no step is lost or redone; the final
+parameters equal a single process trained for the same number of steps. Steps are not padded.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+INPLACE = Path(__file__).resolve().parent / "scripts" / "inplace_counter.py"
+
+
+def worlds(job) -> list[dict]:
+    path = job.run_dir / "worlds.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def reference_params(at_steps: set[int]) -> dict[int, list[list[float]]]:
+    """What one process has trained after each of ``at_steps`` steps of the same data (DDP averages the same gradient)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    out = {}
+    for step in range(max(at_steps)):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        (model(x) - y).square().sum().div(8).backward()
+        opt.step()
+        opt.zero_grad()
+        if step + 1 in at_steps:
+            out[step + 1] = [p.detach().flatten().tolist() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("backend_name", ["c10d", "etcd"])
+def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, backend_name, request) -> None:
+    endpoint = request.getfixturevalue("etcd_endpoint") if backend_name == "etcd" else None
+    job = make_job(backend=backend_name, endpoint=endpoint, script=INPLACE)
+    job.start_node("a")
+    job.wait_steps(5)
+    job.start_node("b")
+    joined = job.wait_for_world(2, timeout=90)
+    job.signal("b", signal.SIGTERM)  # b leaves at the next agreed step; a goes on alone, in place
+    job.wait_for_world(1, after_step=joined, timeout=90)
+    job.wait_steps(5)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+
+    records = worlds(job)
+    survivor = records[0]["pid"]  # node a's rank, started fresh
+    assert records[0]["how"] == "fresh"
+    assert {r["pid"] for r in records if r["how"] == "reconfigured"} == {survivor}, records  # never restarted
+    assert sum(r["how"] == "fresh" for r in records) == 1, records  # and nothing else started from scratch
+    hows = [(r["world"], r["how"]) for r in records]
+    assert (2, "peers") in hows, hows  # b's rank was hydrated from a, not from storage
+    assert ("reconfigured" in {h for _, h in hows}) and (1, "reconfigured") in hows, hows
+    signalled = [e["kind"] for e in job.events("workers_signalled") if e.get("target_step") is not None]
+    assert signalled.count("reconfigure") >= 3 and "save_and_exit" not in signalled, signalled  # a, b at leave; a at join
+    assert len(job.events("workers_reconfigured")) >= 3  # a at the join, b admitted, a at the leave
+    # every step trained exactly once, in order, at the sizes the events say
+    steps = [p["step"] for p in job.progress()]
+    assert steps == list(range(1, len(steps) + 1))
+    assert {p["world"] for p in job.progress()} == {1, 2}
+    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
+    assert max(f["step"] for f in final) == steps[-1] and len(final) == 2  # the survivor, and the leaver at its last step
+    reference = reference_params({f["step"] for f in final})
+    for f in final:  # both nodes' parameters equal an unbroken single-process run at their step
+        for got, want in zip(f["params"], reference[f["step"]]):
+            assert got == pytest.approx(want, abs=1e-5)

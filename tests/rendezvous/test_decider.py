@@ -1,0 +1,177 @@
+"""The decider's protocol as a pure function: records and a time in, compare-and-swap writes out.
+
+Each defect of the old protocol has a test here that failed on the code before the fix
+(named in the docstring); none sleeps or pads a step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hyperpodrun.agent import StepRates, missed_target
+from hyperpodrun.config import RestartMode
+from hyperpodrun.policy import ElasticPolicy
+from hyperpodrun.rendezvous.api import LocalStatus
+from hyperpodrun.rendezvous.decider import DeciderContext, DeciderMemory, JobSnapshot, plan
+from hyperpodrun.rendezvous.records import (
+    AckRecord,
+    EventKind,
+    EventMode,
+    EventRecord,
+    Keys,
+    NodeRecord,
+    RoundRecord,
+    RoundState,
+    StoppedRecord,
+)
+from hyperpodrun.supervisor import WorkerState
+from elastic_events.control import ControlReader, ControlWriter, EventKind as ChannelKind
+
+NOW = 1_000.0
+
+
+def ctx(**kw) -> DeciderContext:
+    policy = ElasticPolicy(min_replicas=1, max_replicas=3, scaling_timeout=0.0, min_stable_period=0.0)
+    base = dict(policy=policy, nproc_per_node=2, max_restarts=0, lease_ttl=5.0, ack_timeout=30.0, propagation=1.0, tick=0.2)
+    return DeciderContext(**{**base, **kw})
+
+
+def node(name: str, *, port: int = 40000, leaving: bool = False) -> NodeRecord:
+    return NodeRecord(addr=f"10.0.0.{ord(name[-1]) - 96}", port=port, nproc=2, leaving=leaving)
+
+
+def running(*members: str, round_no: int = 3) -> RoundRecord:
+    return RoundRecord(round=round_no, members=members, master_addr="10.0.0.1", master_port=40000, events=((NOW - 100, len(members)),))
+
+
+def event(*, next_members=("a", "b"), target=None, mode=EventMode.RESTART, kind=EventKind.JOIN, decided_at=NOW - 1.0) -> EventRecord:
+    return EventRecord(id=5, round=3, kind=kind, mode=mode, next_members=next_members, reason="r", decided_at=decided_at, target=target)
+
+
+def decoded(write) -> dict:
+    return json.loads(write.value)
+
+
+def ack(step: int, step_time: float, **kw) -> AckRecord:
+    return AckRecord(step=step, step_time=step_time, cooperative=kw.pop("cooperative", True), port=kw.pop("port", 41000), **kw)
+
+
+# --------------------------------------------------------------------------- target step
+
+
+def test_target_waits_for_unknown_step_rates_instead_of_guessing() -> None:
+    """Defect 2: with one member's rate unknown the old code set the target 10,000 steps ahead."""
+    snap = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=running("a"), event=event(), acks={"a": ack(7, 0.0)})
+    assert plan(snap, DeciderMemory(), NOW, ctx()).writes == ()  # deferred, bounded by ack_timeout
+    known = JobSnapshot(nodes=snap.nodes, round=snap.round, event=snap.event, acks={"a": ack(9, 0.1)})
+    (write,) = plan(known, DeciderMemory(), NOW, ctx()).writes
+    # 1 s of propagation plus the 1 s since the decision, at 0.1 s per step: 20 steps of margin
+    assert write.key == Keys.EVENT and decoded(write)["target"] == 9 + 2 + 20
+
+
+def test_a_rate_that_never_becomes_known_is_bounded_by_the_ack_timeout() -> None:
+    snap = JobSnapshot(nodes={"a": node("a")}, round=running("a"), event=event(next_members=("a",), decided_at=NOW - 31.0),
+                       acks={"a": ack(4, 0.0)})  # fmt: skip
+    (write,) = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    assert decoded(write)["target"] == 4 + 2 + 2  # steps take at least ack_timeout: a margin of two steps
+
+
+def test_step_rate_is_the_fastest_recent_interval_so_a_checkpoint_step_does_not_shrink_the_margin() -> None:
+    """Defect 2: the old rate came from the last interval alone; a 5 s checkpoint step made ranks look slow."""
+    from elastic_events.control import RankProgress
+
+    rates = StepRates(1)
+    for step, t in [(1, 0.0), (2, 0.1), (3, 0.2), (4, 5.2)]:  # the last step saved a checkpoint
+        steps, times = rates.update([RankProgress(step=step, time=100.0 + t, acked_event=0)])
+    assert steps == (4,) and times == (pytest.approx(0.1),)
+
+
+def test_a_node_is_cooperative_only_when_every_local_rank_calls_the_api() -> None:
+    """Defect 3: one rank of a node calling elastic_event_detected() made the whole node count."""
+    assert not LocalStatus(group_state=WorkerState.HEALTHY, steps=(12, 0), step_times=(0.1, 0.0)).cooperative
+    assert LocalStatus(group_state=WorkerState.HEALTHY, steps=(12, 11), step_times=(0.1, 0.1)).cooperative
+    snap = JobSnapshot(nodes={"a": node("a")}, round=running("a"), event=event(next_members=("a",)),
+                       acks={"a": ack(12, 0.1, cooperative=False)})  # fmt: skip
+    (write,) = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    assert decoded(write)["mode"] == "stop" and decoded(write)["target"] == -1
+
+
+def test_a_rank_that_passed_the_target_before_it_was_published_is_detected(tmp_path) -> None:
+    """Defect 1: a rank past the target when it was written never saw the event and the job stalled."""
+    writer = ControlWriter(tmp_path / "ctl", nproc=2)
+    ranks = [ControlReader(tmp_path / "ctl", r) for r in range(2)]
+    for _ in range(10):  # both ranks at step 10 when the agent read progress ...
+        for r in ranks:
+            r.check()
+    ranks[1].check()  # ... and rank 1 took step 11 before the agent wrote target 11
+    writer.publish(event_id=5, target_step=11, kind=ChannelKind.SAVE_AND_EXIT, round=4, world_size=4)
+    assert missed_target(writer.progress(), 5, 11) == [1]
+    assert ranks[0].check() is True  # rank 0 acts at step 11 ...
+    assert missed_target(writer.progress(), 5, 11) == [1]  # ... which does not hide rank 1's miss
+
+
+def test_reconfigure_mode_only_when_every_member_declared_the_in_process_api() -> None:
+    acks = {"a": ack(3, 0.1, reconfigurable=True), "b": ack(3, 0.1, reconfigurable=False)}
+    snap = JobSnapshot(nodes={"a": node("a"), "b": node("b"), "c": node("c")}, round=running("a", "b"),
+                       event=event(next_members=("a", "b", "c")), acks=acks)  # fmt: skip
+    assert decoded(plan(snap, DeciderMemory(), NOW, ctx()).writes[0])["mode"] == "restart"
+    all_in = {k: AckRecord(**{**v.__dict__, "reconfigurable": True}) for k, v in acks.items()}
+    snap = JobSnapshot(nodes=snap.nodes, round=snap.round, event=snap.event, acks=all_in)
+    written = decoded(plan(snap, DeciderMemory(), NOW, ctx()).writes[0])
+    assert written["mode"] == "reconfigure" and (written["master_addr"], written["master_port"]) == ("10.0.0.1", 41000)
+    forced = decoded(plan(snap, DeciderMemory(), NOW, ctx(restart_mode=RestartMode.PROCESS)).writes[0])
+    assert forced["mode"] == "restart"
+
+
+# --------------------------------------------------------------------------- next round
+
+
+def test_a_next_member_killed_during_the_save_is_never_published() -> None:
+    """Defect 4: the old decider published the precomputed membership, dead node included."""
+    snap = JobSnapshot(
+        nodes={"a": node("a")},  # b's lease expired while the ranks were saving
+        round=running("a", "b"), event=event(target=40), stopped={"a": StoppedRecord(ok=True)},
+    )  # fmt: skip
+    writes = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    assert [w.key for w in writes] == [Keys.EVENT, Keys.ROUND]
+    halted = decoded(writes[1])
+    assert halted["state"] == RoundState.HALTED.value and halted["halt_kind"] == EventKind.NODE_LOST.value
+    # the next tick's start rules form the round from the live nodes only
+    after = JobSnapshot(nodes=snap.nodes, round=RoundRecord(**{**running("a", "b").__dict__, "state": RoundState.HALTED,
+                        "halt_kind": EventKind.NODE_LOST, "halted_at": NOW}), event=EventRecord(**{**snap.event.__dict__, "complete": True}))  # fmt: skip
+    policy = ElasticPolicy(min_replicas=1, max_replicas=3, scaling_timeout=0.0, min_stable_period=0.0, faulty_scale_down_timeout=0.0)
+    (write,) = plan(after, DeciderMemory(lost_since={"b": NOW - 1}), NOW, ctx(policy=policy)).writes
+    assert decoded(write)["members"] == ["a"] and decoded(write)["state"] == "running"
+
+
+def test_each_round_gets_the_port_its_head_published_for_it() -> None:
+    """Defect 5: the port chosen at join was reused for every round (a collision repeated on every restart)."""
+    snap = JobSnapshot(nodes={"a": node("a", port=45001), "b": node("b", port=45002)}, round=running("a", "b"),
+                       event=event(next_members=("a", "b"), target=40), stopped={"a": StoppedRecord(ok=True), "b": StoppedRecord(ok=True)})  # fmt: skip
+    nxt = decoded(plan(snap, DeciderMemory(), NOW, ctx()).writes[1])
+    assert (nxt["round"], nxt["master_addr"], nxt["master_port"]) == (4, "10.0.0.1", 45001)
+    assert nxt["master_port"] != running("a", "b").master_port
+
+
+def test_stop_event_waits_for_every_live_member_then_halts() -> None:
+    snap = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=running("a", "b"),
+                       event=event(mode=EventMode.STOP, next_members=None, kind=EventKind.RANK_FAILURE),
+                       stopped={"a": StoppedRecord(ok=False)})  # fmt: skip
+    assert plan(snap, DeciderMemory(), NOW, ctx()).writes == ()
+    done = JobSnapshot(**{**snap.__dict__, "stopped": {"a": StoppedRecord(ok=False), "b": StoppedRecord(ok=False)}})
+    writes = plan(done, DeciderMemory(), NOW, ctx()).writes
+    assert decoded(writes[1])["halt_kind"] == "rank_failure"
+
+
+@pytest.mark.parametrize(
+    ("leaving", "standbys", "cap", "kind"),
+    [(False, ("c",), None, "join"), (True, (), None, "leave"), (False, (), 1, "yield")],
+)
+def test_the_event_says_why(leaving: bool, standbys: tuple[str, ...], cap: int | None, kind: str) -> None:
+    nodes = {"a": node("a"), "b": node("b", leaving=leaving), **{s: node(s) for s in standbys}}
+    snap = JobSnapshot(nodes=nodes, round=running("a", "b"), cap=cap)
+    mem = DeciderMemory(first_seen={n: NOW - 100 for n in nodes}, capacity_since=NOW - 100)
+    (write,) = plan(snap, mem, NOW, ctx()).writes
+    assert write.key == Keys.EVENT and decoded(write)["kind"] == kind and decoded(write)["mode"] == "restart"
