@@ -49,6 +49,7 @@ from elastic_events import eventlog
 from elastic_events.errors import ElasticTrainingError, HydrationError
 from elastic_events.control import CAP_RECONFIGURE, ControlReader, Event, EventKind, RankPhase
 from elastic_events.group import RoundSpec, backend_for, default_device, init_env_group, init_round_group, teardown_group
+from elastic_events.inprocess_config import ElasticConfig, default_wrap
 from elastic_events.hydration import (
     FullState,
     RankReport,
@@ -82,39 +83,6 @@ class _Kept:
     checksum: str | None
     full: FullState | None = None  # a sharded model's full state, on the new round's rank 0
     small: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ElasticConfig:
-    """How :class:`ElasticTraining` waits and moves state."""
-
-    timeout_s: float = 600.0  # forming a group, hydration and every collective of a round
-    admission_timeout_s: float = 86_400.0  # how long a parked joiner waits to be admitted
-    poll_s: float = 0.005  # a parked joiner's look at the control channel
-    bucket_mb: float = 64.0  # largest broadcast of the state transfer
-    device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
-    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
-
-    def __post_init__(self) -> None:
-        for name in ("timeout_s", "admission_timeout_s", "poll_s", "bucket_mb"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_mb * 2**20))
-
-
-def default_wrap(module: torch.nn.Module) -> torch.nn.Module:
-    """DDP over the current group (``device_ids`` on CUDA); the bare model in a single process."""
-    if not dist.is_initialized():
-        return module
-    device = next(module.parameters()).device
-    ids = [device.index] if device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -346,7 +314,7 @@ class ElasticTraining:
             else:
                 self._replicate(plan.source, plan.newcomers, fresh_module)
                 if survivor:
-                    self.model = self._wrap(self.module)  # DDP over the new group (newcomers wrapped above)
+                    self.model = self._rewrap()  # DDP over the new group (newcomers wrapped above)
         except ElasticTrainingError:
             raise
         except RuntimeError as exc:  # gloo/NCCL report dead peers and timeouts as RuntimeError
@@ -413,7 +381,7 @@ class ElasticTraining:
             bucket_bytes=self.config.bucket_bytes,
         )  # fmt: skip
         if not sending:
-            self.model = self._wrap(self.module)
+            self.model = self._rewrap()
             self._build_optimizer()
             if optim_state is not None:
                 self.optimizer.load_state_dict(optim_state)
@@ -465,6 +433,12 @@ class ElasticTraining:
         self.model = self._wrap(module)
         self._check_materialised()
         self._build_optimizer()
+
+    def _rewrap(self) -> torch.nn.Module:
+        """Wrap the hydrated replica for the new group (no second broadcast with the default DDP)."""
+        if self._wrap is default_wrap:
+            return default_wrap(self.module, init_sync=False)
+        return self._wrap(self.module)
 
     def _build_optimizer(self) -> None:
         self.optimizer = self._optimizer_fn(self.model) if self._optimizer_fn is not None else None
