@@ -372,12 +372,15 @@ def parallelize(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime) -> torch.
         for block in model.layers:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)  # the root keeps tok_embeddings, shared by tied embeddings
-    if any(p.is_meta for p in model.parameters()):
+    fresh = any(p.is_meta for p in model.parameters())
+    if fresh:
         model.to_empty(device=rt.device)
         model.init_weights(seed=cfg.seed)
-    if distributed and not cfg.fsdp:
+    if distributed and not cfg.fsdp:  # a survivor's or hydrated replica is already rank 0's: no broadcast
         ids = [rt.device.index] if rt.device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=ids, gradient_as_bucket_view=True, init_sync=fresh
+        )
     return model
 
 

@@ -48,7 +48,7 @@ _LAZY = {
     "build_token_dataset": "elastic_events.dataset",
     "load_scale_config": "elastic_events.scale_config",
     "ElasticTraining": "elastic_events.inprocess",
-    "ElasticConfig": "elastic_events.inprocess",
+    "ElasticConfig": "elastic_events.inprocess_config",
     "ElasticTrainingError": "elastic_events.errors",
     "HydrationError": "elastic_events.errors",
     "StateMismatchError": "elastic_events.errors",

@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,9 +46,10 @@ import torch.distributed as dist
 
 import elastic_events
 from elastic_events import eventlog
-from elastic_events.errors import ElasticTrainingError
+from elastic_events.errors import ElasticTrainingError, HydrationError
 from elastic_events.control import CAP_RECONFIGURE, ControlReader, Event, EventKind, RankPhase
 from elastic_events.group import RoundSpec, backend_for, default_device, init_env_group, init_round_group, teardown_group
+from elastic_events.inprocess_config import ElasticConfig, default_wrap
 from elastic_events.hydration import (
     FullState,
     RankReport,
@@ -81,39 +83,6 @@ class _Kept:
     checksum: str | None
     full: FullState | None = None  # a sharded model's full state, on the new round's rank 0
     small: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ElasticConfig:
-    """How :class:`ElasticTraining` waits and moves state."""
-
-    timeout_s: float = 600.0  # forming a group, hydration and every collective of a round
-    admission_timeout_s: float = 86_400.0  # how long a parked joiner waits to be admitted
-    poll_s: float = 0.005  # a parked joiner's look at the control channel
-    bucket_mb: float = 64.0  # largest broadcast of the state transfer
-    device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
-    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
-
-    def __post_init__(self) -> None:
-        for name in ("timeout_s", "admission_timeout_s", "poll_s", "bucket_mb"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_mb * 2**20))
-
-
-def default_wrap(module: torch.nn.Module) -> torch.nn.Module:
-    """DDP over the current group (``device_ids`` on CUDA); the bare model in a single process."""
-    if not dist.is_initialized():
-        return module
-    device = next(module.parameters()).device
-    ids = [device.index] if device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -174,6 +143,7 @@ class ElasticTraining:
         self.backend = self.config.backend or backend_for(self.device)
         self._base_seed = torch.initial_seed()
         self._store: Any = None
+        self._control_step = 0  # a newcomer's step count on the control channel, from its source
         self._reader: ControlReader | None = None
         self._started = False
 
@@ -334,16 +304,24 @@ class ElasticTraining:
             sharded=kept.sharded if survivor else None,
         )
         reports: list[Any] = [None] * spec.world_size
-        dist.all_gather_object(reports, report)
-        plan = plan_hydration(reports)
-        if plan.source is None:
-            self._rebuild_from_storage(fresh_module)
-        elif plan.sharded:
-            self._reshard(plan.source, kept, fresh_module)
-        else:
-            self._replicate(plan.source, plan.newcomers, fresh_module)
-            if survivor:
-                self.model = self._wrap(self.module)  # DDP over the new group (newcomers wrapped above)
+        try:
+            dist.all_gather_object(reports, report)
+            plan = plan_hydration(reports)
+            if plan.source is None:
+                self._rebuild_from_storage(fresh_module)
+            elif plan.sharded:
+                self._reshard(plan.source, kept, fresh_module)
+            else:
+                self._replicate(plan.source, plan.newcomers, fresh_module)
+                if survivor:
+                    self.model = self._rewrap()  # DDP over the new group (newcomers wrapped above)
+        except ElasticTrainingError:
+            raise
+        except RuntimeError as exc:  # gloo/NCCL report dead peers and timeouts as RuntimeError
+            raise HydrationError(
+                f"rank {spec.rank}: bringing round {spec.round}'s {spec.world_size} ranks to one state failed "
+                f"or timed out (limit {self.config.timeout_s:.0f}s): {exc}"
+            ) from exc
         self._set_world()
         seed_all(derive_rank_seed(self._base_seed, self.step, self.rank))
         if self._reader is not None and not survivor:
@@ -379,7 +357,8 @@ class ElasticTraining:
         if not newcomers:
             return
         members = sorted((source, *newcomers))
-        group = None if len(members) == self.world_size else dist.new_group(members, timeout=self._timeout())
+        timeout = timedelta(seconds=self.config.timeout_s)
+        group = None if len(members) == self.world_size else dist.new_group(members, timeout=timeout)
         if self.rank not in members:
             return
         sending = self.rank == source
@@ -402,7 +381,7 @@ class ElasticTraining:
             bucket_bytes=self.config.bucket_bytes,
         )  # fmt: skip
         if not sending:
-            self.model = self._wrap(self.module)
+            self.model = self._rewrap()
             self._build_optimizer()
             if optim_state is not None:
                 self.optimizer.load_state_dict(optim_state)
@@ -455,6 +434,12 @@ class ElasticTraining:
         self._check_materialised()
         self._build_optimizer()
 
+    def _rewrap(self) -> torch.nn.Module:
+        """Wrap the hydrated replica for the new group (no second broadcast with the default DDP)."""
+        if self._wrap is default_wrap:
+            return default_wrap(self.module, init_sync=False)
+        return self._wrap(self.module)
+
     def _build_optimizer(self) -> None:
         self.optimizer = self._optimizer_fn(self.model) if self._optimizer_fn is not None else None
         if self._scheduler_fn is not None and self.optimizer is not None:
@@ -472,11 +457,6 @@ class ElasticTraining:
 
     def _comm_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
-
-    def _timeout(self):
-        from datetime import timedelta
-
-        return timedelta(seconds=self.config.timeout_s)
 
     def _phase(self, phase: RankPhase) -> None:
         if self._reader is not None:

@@ -48,7 +48,10 @@ def assert_equal_state(a: dict, b: dict, *, keys=("step", "extra", "sampler", "s
 
 
 def assert_equal_optimizer(a: dict, b: dict) -> None:
-    assert a["param_groups"] == b["param_groups"]
+    def groups(state: dict) -> list:  # a full-state round trip turns tuples (betas) into lists
+        return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in state["param_groups"]]
+
+    assert groups(a) == groups(b)
     assert a["state"].keys() == b["state"].keys()
     for i in a["state"]:
         for k, v in a["state"][i].items():
@@ -90,7 +93,9 @@ def test_parked_joiner_is_hydrated_from_peers_and_survivors_keep_running(tmp_pat
     for n in "bc":
         assert_equal_state(after["a"], after[n])
     if fsdp:
-        reference = load(out, "before", "a")["params"]  # gathered on the old 2-rank mesh
+        before = load(out, "before", "a")  # gathered on the old 2-rank mesh
+        assert_equal_optimizer(before["optimizer"], after["c"]["optimizer"])
+        reference = before["params"]
         for name, full in reference.items():
             assert torch.equal(after["c"]["params"][name], full), name
             expected = torch.chunk(full, 3, dim=0)[2] if full.shape[0] > 2 else full.new_empty(0, *full.shape[1:])
@@ -129,12 +134,13 @@ def test_a_leaving_node_exits_zero_and_survivors_reform_without_it(tmp_path, nod
 def test_a_joiner_counts_steps_with_its_peers_and_later_leaves_in_place(tmp_path, nodes) -> None:
     """1 -> 2 -> 1: the joiner adopts the job's step count, so the next event fires on both at once,
     and the run ends on the parameters of a fixed-size run (same samples in every step)."""
-    out, gate = tmp_path / "out", tmp_path / "gate"
+    out, gate, ckpt = tmp_path / "out", tmp_path / "gate", tmp_path / "ckpt"
     out.mkdir(), gate.mkdir()
     a, b = nodes("a"), nodes("b")
     r0, r1, r2 = (Round.new(n, world_size=w, nodes=w) for n, w in ((0, 1), (1, 2), (2, 1)))
-    a.start(cmd(out, 9, "--gate", str(gate)), round=r0, group_rank=0)
-    b.start(cmd(out, 9, "--gate", str(gate)), round=None)
+    flags = ("--gate", str(gate), "--ckpt-dir", str(ckpt), "--ckpt-every", "2")  # saves in every round
+    a.start(cmd(out, 9, *flags), round=r0, group_rank=0)
+    b.start(cmd(out, 9, *flags), round=None)
     for node, rank in ((a, 0), (b, 1)):
         node.reconfigure(target_step=3, round=r1, group_rank=rank)
     for node in (a, b):
@@ -149,12 +155,26 @@ def test_a_joiner_counts_steps_with_its_peers_and_later_leaves_in_place(tmp_path
     end = load(out, "end", "a")
     assert (end["pid"], end["world_size"], end["round"], end["step"]) == (a.procs[0].pid, 1, 2, 9)
     assert end["sampler"]["consumed"] == 9 * 6 and a.progress()[0].step == 9
+    saved = [(int(p.name[5:]), json.loads((p / "COMPLETE").read_text())["world_size"]) for p in sorted(ckpt.glob("step_*"))]
+    assert saved == [(2, 1), (4, 2), (8, 1)]  # the checkpointer follows the group through both rounds
     fixed = nodes("fixed")  # the same 9 steps at a fixed world size of 1
     fixed.start(cmd(out, 9), round=Round.new(0, world_size=1, nodes=1), group_rank=0)
     assert fixed.wait() == [0], fixed.output()
     reference = load(out, "end", "fixed")["params"]
     for name, value in reference.items():
         torch.testing.assert_close(end["params"][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_an_admitted_joiner_whose_round_never_forms_fails_with_one_clear_error(tmp_path, nodes) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    c = nodes("c")
+    c.start(cmd(out, 8, "--timeout", "2"), round=None)
+    c.reconfigure(target_step=EVENT_STEP, round=Round.new(1, world_size=2, nodes=2), group_rank=1)
+    assert c.wait()[0] != 0
+    assert "GroupError: rank 1: forming round 1's group of 2 ranks at 127.0.0.1:" in c.output()
+    assert "failed or timed out (limit 2s)" in c.output()
+    assert c.progress()[0].phase is RankPhase.FAILED and c.progress()[0].acked_event == 1
 
 
 def test_survivors_at_different_steps_refuse_to_train(tmp_path, nodes) -> None:

@@ -215,6 +215,20 @@ def test_loading_state_invalidates_running_iterators() -> None:
         next(it)
 
 
+def test_set_world_keeps_the_position_and_splits_the_next_batches_over_the_new_world() -> None:
+    s = make(24, 2, 1, g=6, m=3)
+    it = iter(s)
+    next(it)
+    s.mark_step()
+    s.set_world(rank=2, world_size=3)
+    assert (s.rank, s.world_size, s.consumed, s.plan.micro_batches()) == (2, 3, 6, [2])
+    assert next(iter(s)) == epoch_permutation(24, seed=0, epoch=0)[10:12].tolist()
+    with pytest.raises(SamplerUsageError, match="state was loaded while this iterator was running"):
+        next(it)
+    with pytest.raises(SamplerConfigError, match="rank"):
+        s.set_world(rank=3, world_size=3)
+
+
 def test_epochs_roll_over_with_exactly_once_per_epoch() -> None:
     n, g, world = 20, 6, 2  # 3 steps per epoch, 2 samples dropped
     state, seen = None, Counter()

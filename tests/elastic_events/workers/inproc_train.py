@@ -35,6 +35,14 @@ def fsdp_wrap(module: torch.nn.Module) -> torch.nn.Module:
     return fully_shard(module)
 
 
+def full_optimizer_state(elastic: ElasticTraining) -> dict:
+    """The FSDP2 optimizer state gathered to full tensors (collective), keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    return get_optimizer_state_dict(elastic.model, elastic.optimizer, options=options)
+
+
 def dump(args: argparse.Namespace, elastic: ElasticTraining, tag: str) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -49,7 +57,7 @@ def dump(args: argparse.Namespace, elastic: ElasticTraining, tag: str) -> None:
         "pid": os.getpid(), "rank": elastic.rank, "world_size": elastic.world_size, "round": elastic.round,
         "step": elastic.step, "extra": dict(elastic.extra), "sampler": elastic.sampler.state_dict(),
         "scheduler": elastic.scheduler.state_dict(), "params": params, "shards": shards,
-        "optimizer": None if shards else elastic.optimizer.state_dict(),
+        "optimizer": full_optimizer_state(elastic) if shards else elastic.optimizer.state_dict(),
         "plan": (elastic.sampler.rank, elastic.sampler.world_size),
     }  # fmt: skip
     torch.save(state, args.out / f"{tag}-{os.environ['HYPERPODRUN_NODE_ID']}-{os.environ['LOCAL_RANK']}.pt")
@@ -71,6 +79,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--ckpt-dir", type=Path, help="a Checkpointer: loaded at start, saved at a restart event")
+    p.add_argument("--timeout", type=float, default=60.0, help="ElasticConfig.timeout_s")
+    p.add_argument("--ckpt-every", type=int, default=0, help="save through the checkpointer every N steps")
     p.add_argument("--gate", type=Path, help="after joining round R, wait for GATE/go-R (the test's next move)")
     p.add_argument("--skew-step-of-rank", type=int, default=-1, help="this rank's step is off by one at the event")
     args = p.parse_args()
@@ -84,7 +94,7 @@ def main() -> int:
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.95),
         sampler=sampler,
         checkpointer=Checkpointer(CheckpointConfig(dir=args.ckpt_dir, timeout_s=60)) if args.ckpt_dir else None,
-        config=ElasticConfig(timeout_s=60, bucket_mb=0.0001),  # 104-byte buckets: tensors split and packed
+        config=ElasticConfig(timeout_s=args.timeout, bucket_mb=0.0001, device="cpu"),  # gloo; 104-byte buckets
     ).start()
     parked = os.environ.get("HYPERPODRUN_PARKED") == "1"
     dump(args, elastic, "after" if parked else "start")
@@ -115,6 +125,8 @@ def main() -> int:
                 dump(args, elastic, "after")
                 wait_for_gate(args.gate, elastic.round)
                 break
+            if args.ckpt_every and elastic.step % args.ckpt_every == 0:
+                elastic.save_checkpoint()
             if elastic.step >= args.steps:
                 break
     dump(args, elastic, "end")

@@ -1,0 +1,48 @@
+"""What a user configures of :class:`~elastic_events.inprocess.ElasticTraining`: how it waits and
+moves state, and the default wrapper of a replicated model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ElasticConfig", "default_wrap"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticConfig:
+    """How :class:`ElasticTraining` waits and moves state."""
+
+    timeout_s: float = 600.0  # forming a group, hydration and every collective of a round
+    admission_timeout_s: float = 86_400.0  # how long a parked joiner waits to be admitted
+    poll_s: float = 0.005  # a parked joiner's look at the control channel
+    bucket_mb: float = 64.0  # largest broadcast of the state transfer
+    device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
+    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "admission_timeout_s", "poll_s", "bucket_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
+
+
+def default_wrap(module: torch.nn.Module, *, init_sync: bool = True) -> torch.nn.Module:
+    """DDP over the current group (``device_ids`` on CUDA); the bare model in a single process.
+
+    ``init_sync=False`` skips DDP's broadcast of rank 0's parameters: after a hydration every
+    replica is already bitwise the same.
+    """
+    if not dist.is_initialized():
+        return module
+    device = next(module.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, init_sync=init_sync)
