@@ -228,6 +228,9 @@ class Agent:
                 self.events.emit(EventType.WORKERS_RECONFIGURED, event_id=pending.event_id, round=pending.next_round, world_size=pending.world_size)
                 self._guard_store(lambda: rdzv.report_stopped(pending.event_id, ok=True, reconfigured=True), group)
                 return pending, True
+            if pending is not None and pending.kind == DirectiveKind.RECONFIGURE and self._failed_in_place():
+                _say(f"event {pending.event_id}: a local rank could not move to round {pending.next_round} in place; falling back to a restart")
+                return self._ranks_left(group, pending, WorkerState.FAILED, timed_out=False), False
             if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
                 return self._ranks_left(group, pending, state, timed_out=state == WorkerState.HEALTHY), False
             self._wake.wait(self.config.monitor_interval)
@@ -318,6 +321,10 @@ class Agent:
                          idle_s=round(idle, 3), hang_timeout=limit, log_file=str(group.log_file(r)))  # fmt: skip
         _say(self._hang)
         group.stop(grace=self.config.shutdown_timeout)
+
+    def _failed_in_place(self) -> bool:
+        """A local rank reported FAILED while moving rounds (its new group did not form, hydration failed)."""
+        return any(p.phase == RankPhase.FAILED for p in self._control.progress())
 
     def _moved_in_place(self, pending: Directive) -> bool:
         """Every local rank runs in the RECONFIGURE event's round (a leaving node's ranks never do)."""
