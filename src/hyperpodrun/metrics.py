@@ -131,6 +131,8 @@ class AgentMetrics:
             if reason != "start":
                 self.restarts.labels(reason=reason).inc()
             self._round_steps = self._saved_steps = 0
+        elif event == "scale_targeted":
+            self.scale_events.labels(kind=str(record.get("kind", "unknown")), mode=str(record.get("mode", "restart"))).inc()
         elif event == "worker_failed":
             self.worker_failures.inc()
         elif event == "node_lost":
@@ -140,10 +142,11 @@ class AgentMetrics:
 
     def _on_decided(self, record: dict[str, Any], ts: float) -> None:
         kind = str(record.get("kind", "unknown"))
-        mode = str(record.get("mode", "restart"))  # every event restarts the ranks until in-place reconfiguration lands
-        self.scale_events.labels(kind=kind, mode=mode).inc()
-        if kind == "stop":  # ranks stopped without a save: what they trained since the last checkpoint is lost
+        mode = str(record.get("mode", "restart"))
+        if mode == "stop":  # ranks stopped without a save: what they trained since the last checkpoint is lost
+            self.scale_events.labels(kind=kind, mode=mode).inc()
             self.steps_lost.inc(max(0, self._round_steps - self._saved_steps))
+        # a cooperative event is counted once its mode is settled (scale_targeted: reconfigure or restart)
         self._event = {"kind": kind, "start": ts, "last": ts, "index": 0, "round": record.get("round", 0)}
 
     def _on_phase(self, event: str, record: dict[str, Any], ts: float) -> None:
@@ -152,7 +155,7 @@ class AgentMetrics:
         ev = self._event
         if ev is None and event == "workers_signalled":  # another agent decided: the event starts here for us
             ev = self._event = {
-                "kind": str(record.get("kind", "save")), "start": ts, "last": ts, "index": 1, "round": record.get("round", 0),
+                "kind": str(record.get("event_kind") or "unknown"), "start": ts, "last": ts, "index": 1, "round": record.get("round", 0),
             }  # fmt: skip
             return
         if ev is None:

@@ -32,7 +32,7 @@ def test_metrics_move_as_the_event_log_says(make_job) -> None:
     def grown():
         s = scrape(url)
         worlds.append(value(s, "hyperpodrun_world_size"))
-        return s if value(s, "hyperpodrun_scale_downtime_seconds_count", kind="save") else None
+        return s if value(s, "hyperpodrun_scale_downtime_seconds_count", kind="join") else None
     after = wait_until(grown, timeout=90, what="the scale event's downtime to be observed", interval=0.05)
     job.wait_steps(3)
     assert job.finish() == {"a": 0, "b": 0}
@@ -45,12 +45,12 @@ def test_metrics_move_as_the_event_log_says(make_job) -> None:
     assert value(after, "hyperpodrun_world_size") == last_round["world_size"] == 2
     assert value(after, "hyperpodrun_members") == len(last_round["members"]) == 2
     decided = [e for e in mine if e["event"] == "scale_decided"]
-    assert value(after, "hyperpodrun_scale_events_total", kind="save", mode="restart") == (len(decided) or None)
+    assert value(after, "hyperpodrun_scale_events_total", kind="join", mode="restart") == (len(decided) or None)
     assert value(after, "hyperpodrun_restarts_total", reason="scale") == 1
     # downtime: from this agent's first record of the event to the trainer's first step of the new round
     start = decided[0] if decided else next(e for e in mine if e["event"] == "workers_signalled")
     first = next(e for e in job.events("first_step") if e["round"] == last_round["round"])
-    assert value(after, "hyperpodrun_scale_downtime_seconds_sum", kind="save") == pytest.approx(first["ts"] - start["ts"])
+    assert value(after, "hyperpodrun_scale_downtime_seconds_sum", kind="join") == pytest.approx(first["ts"] - start["ts"])
     stopped = next(e for e in mine if e["event"] == "workers_stopped")
     signalled = next(e for e in mine if e["event"] == "workers_signalled")
     assert value(after, "hyperpodrun_scale_phase_seconds_count", phase="workers_stopped") == 1

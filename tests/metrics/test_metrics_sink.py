@@ -19,9 +19,10 @@ def _values(metrics: AgentMetrics) -> dict:
     return parse(generate_latest(metrics.registry).decode())
 
 
-def _scale_event(log: EventLog, t0: float, *, kind: str = "save", new_round: int = 2, world: int = 2) -> None:
+def _scale_event(log: EventLog, t0: float, *, kind: str = "join", new_round: int = 2, world: int = 2) -> None:
     """One event's phase records as an agent and its trainer log them, 1 s .. 8 s after t0."""
-    log.emit("scale_decided", ts=t0, kind=kind, action="scale_up", reason="node joined", event_id=1)
+    log.emit("scale_decided", ts=t0, kind=kind, mode="restart", reason="node joined", event_id=1)
+    log.emit("scale_targeted", ts=t0, kind=kind, mode="restart", event_id=1, target_step=40)  # the mode is settled
     for dt, phase in enumerate(("workers_signalled", "checkpoint_saved", "workers_stopped"), start=1):
         log.emit(phase, ts=t0 + dt)
     log.emit("rendezvous_done", ts=t0 + 4, round=new_round, world_size=world, members=["a", "b"])
@@ -57,9 +58,9 @@ def test_scale_event_counts_downtime_and_phases(fed) -> None:
     metrics, log = fed
     _scale_event(log, 100.0)
     v = _values(metrics)
-    assert value(v, "hyperpodrun_scale_events_total", kind="save", mode="restart") == 1
-    assert value(v, "hyperpodrun_scale_downtime_seconds_count", kind="save") == 1
-    assert value(v, "hyperpodrun_scale_downtime_seconds_sum", kind="save") == 8.0
+    assert value(v, "hyperpodrun_scale_events_total", kind="join", mode="restart") == 1
+    assert value(v, "hyperpodrun_scale_downtime_seconds_count", kind="join") == 1
+    assert value(v, "hyperpodrun_scale_downtime_seconds_sum", kind="join") == 8.0
     expected = {"workers_signalled": 1, "checkpoint_saved": 1, "workers_stopped": 1, "rendezvous_done": 1,
                 "workers_started": 1, "checkpoint_loaded": 2, "first_step": 1}  # fmt: skip
     for phase, seconds in expected.items():
@@ -70,22 +71,22 @@ def test_scale_event_counts_downtime_and_phases(fed) -> None:
 
 def test_event_decided_elsewhere_is_timed_from_the_signal(fed) -> None:
     metrics, log = fed
-    log.emit("workers_signalled", ts=10.0, event_id=3, target_step=40)
+    log.emit("workers_signalled", ts=10.0, event_id=3, event_kind="join", target_step=40)
     log.emit("workers_stopped", ts=12.0)
     log.emit("first_step", ts=15.0, round=1)
     v = _values(metrics)
-    assert value(v, "hyperpodrun_scale_events_total", kind="save", mode="restart") is None  # not decided here
-    assert value(v, "hyperpodrun_scale_downtime_seconds_sum", kind="save") == 5.0
+    assert value(v, "hyperpodrun_scale_events_total", kind="join", mode="restart") is None  # not decided here
+    assert value(v, "hyperpodrun_scale_downtime_seconds_sum", kind="join") == 5.0
 
 
 def test_late_first_step_of_the_old_round_does_not_end_the_event(fed) -> None:
     metrics, log = fed
     log.round = 3
-    log.emit("scale_decided", ts=50.0, kind="save", round=3)
+    log.emit("scale_decided", ts=50.0, kind="join", round=3)
     log.emit("first_step", ts=50.5, round=3)  # the previous round's, read late from the file
-    assert value(_values(metrics), "hyperpodrun_scale_downtime_seconds_count", kind="save") is None  # nothing observed
+    assert value(_values(metrics), "hyperpodrun_scale_downtime_seconds_count", kind="join") is None  # nothing observed
     log.emit("first_step", ts=54.0, round=4)
-    assert value(_values(metrics), "hyperpodrun_scale_downtime_seconds_sum", kind="save") == 4.0
+    assert value(_values(metrics), "hyperpodrun_scale_downtime_seconds_sum", kind="join") == 4.0
 
 
 def test_stop_counts_steps_lost_since_the_last_checkpoint(fed) -> None:
@@ -94,13 +95,13 @@ def test_stop_counts_steps_lost_since_the_last_checkpoint(fed) -> None:
     metrics.observe_progress((10, 10), (0.1, 0.1))
     log.emit("checkpoint_saved", round=1)
     metrics.observe_progress((17, 16), (0.1, 0.1))
-    log.emit("scale_decided", kind="stop", reason="node lost")
+    log.emit("scale_decided", kind="node_lost", mode="stop", reason="node lost")
     log.emit("node_lost")
     log.emit("worker_failed")
     log.emit("store_lost")
     v = _values(metrics)
     assert value(v, "hyperpodrun_steps_lost_total") == 7
-    assert value(v, "hyperpodrun_scale_events_total", kind="stop", mode="restart") == 1
+    assert value(v, "hyperpodrun_scale_events_total", kind="node_lost", mode="stop") == 1
     assert value(v, "hyperpodrun_nodes_lost_total") == 1
     assert value(v, "hyperpodrun_worker_failures_total") == 1
     assert value(v, "hyperpodrun_store_lost_total") == 1
