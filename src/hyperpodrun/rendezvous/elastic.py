@@ -261,8 +261,12 @@ class ElasticRendezvous(RendezvousHandler):
             # The decider wakes on any change (joins, acks); the others only when the round changes,
             # so a rendezvous of N nodes costs O(N) store operations in all, not O(N^2).
             # A pre-warmed standby also wakes for the event that admits it (events are few: O(1) per event).
+            # The decider re-plans at least every few ticks (its timers); the others wait for the round
+            # for up to a lease ttl (a dead decider's key expires by then and one of them takes over), so
+            # a long rendezvous does not cost a waiting node a read per second.
             watch = "" if decider or standby_in_process else Keys.ROUND
-            self.store.wait_for_change(watch, after_revision=rev, timeout=self.ctx.tick * 5)
+            patience = self.ctx.tick * 5 if decider or standby_in_process else self.ctx.lease_ttl
+            self.store.wait_for_change(watch, after_revision=rev, timeout=min(patience, max(0.0, deadline - now)))
             if standby_in_process and not decider:
                 self.store.wait_for_change(Keys.ROUND, after_revision=rev, timeout=self.ctx.tick)  # at most one read per tick
 
