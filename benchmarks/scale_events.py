@@ -72,6 +72,7 @@ from common import (
     require_train_script,
     torchrun_cmd,
 )
+import torchft_peer
 from scale_analysis import (
     OURS,
     VARIANTS,
@@ -370,6 +371,17 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- driver
 
 
+def torchft_ratios(summary: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
+    """Survivors' pause, hyperpodrun in place over torchft, per event kind both ran (leave: ours graceful)."""
+    out = {}
+    for kind in ("join", "leave"):
+        ours = summary["by_kind"].get(kind, {}).get("hyperpodrun", {}).get("pause_median_s")
+        theirs = (peer.get(kind) or {}).get("pause_median_s")
+        if ours is not None and theirs:
+            out[kind] = ours / theirs
+    return out
+
+
 def plot(result: BenchmarkResult, runs: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
@@ -472,6 +484,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     result.samples["runs"] = runs
     result.summary = summary
+    if torchft_peer.available():
+        print(f"{NAME}: torchft {torchft_peer.CYCLES[args.mode]} join/leave cycle(s) ...", flush=True)
+        try:
+            peer = torchft_peer.measure(args.mode, work_root / "torchft")
+        except BenchmarkError as e:
+            peer = {"failure": str(e), "summary": {}, "events": []}
+        result.samples["torchft"] = peer
+        summary["torchft"] = {**peer["summary"], "failure": peer["failure"],
+                              "pause_ratio_hyperpodrun_over_torchft": torchft_ratios(summary, peer["summary"])}  # fmt: skip
+    else:
+        print(f"{NAME}: torchft is not installed (pip install -e .[torchft]): its peer scenario is skipped")
     result.notes += [
         (
             "Downtime runs from the end of the last step before the change to the end of the first step at "
@@ -512,6 +535,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{variant} phases, median s: " + ", ".join(
             f"{k.removesuffix('_median_s')} {v:.2f}" for k, v in phases.items() if v is not None
         ))  # fmt: skip
+    if "torchft" in summary:
+        ft = summary["torchft"]
+        print("torchft survivors' pause, median s: " + ", ".join(
+            f"{k} {ft[k]['pause_median_s']:.3f}" for k in ("join", "leave") if (ft.get(k) or {}).get("pause_median_s") is not None
+        ) + "; hyperpodrun in place / torchft: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in ft["pause_ratio_hyperpodrun_over_torchft"].items()
+        ) + (f"; stopped: {ft['failure'].splitlines()[0]}" if ft["failure"] else ""))  # fmt: skip
     print(f"wrote {path}")
     return 0
 

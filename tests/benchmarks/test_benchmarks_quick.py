@@ -245,6 +245,23 @@ def test_phase_breakdown_by_variant_and_mode(bench: Any) -> None:
     assert se.phase_breakdown([]) == {}
 
 
+def test_torchft_survivor_pause_sums_the_time_beyond_a_normal_step(bench: Any) -> None:
+    ft = bench("torchft_peer")
+    steps = [(0.0, 1, True), (0.5, 1, True), (1.0, 1, True), (1.5, 1, True), (2.8, 1, False), (3.5, 2, True),
+             (4.0, 2, True)]  # fmt: skip
+    records = [{"ts": ts, "step": i, "participants": p, "committed": c} for i, (ts, p, c) in enumerate(steps)]
+    m = ft.survivor_pause(records, t_event=1.2, participants=2)
+    assert m["step_interval_s"] == pytest.approx(0.5)
+    assert m["pause_s"] == pytest.approx(0.8 + 0.2)  # 1.5 -> 2.8 and 2.8 -> 3.5, each beyond 0.5
+    assert m["longest_step_s"] == pytest.approx(1.3) and m["steps_lost"] == 1 and m["to_new_s"] == pytest.approx(2.3)
+    assert ft.survivor_pause(records[:5], t_event=1.2, participants=2) is None  # not at the new size yet
+    se = bench("scale_events")
+    summary = {"by_kind": {"join": {"hyperpodrun": {"pause_median_s": 0.1}}}}
+    assert se.torchft_ratios(summary, {"join": {"pause_median_s": 0.4}, "leave": {"pause_median_s": 2.0}}) == {
+        "join": 0.25
+    }
+
+
 def test_event_phases_cover_the_checkpoint_interval(bench: Any) -> None:
     se = bench("scale_events")
     assert sorted(se.event_phase(i, 10) for i in range(10)) == list(range(10))
