@@ -1,16 +1,17 @@
-"""Pure analysis of scale-event runs (``scale_events.py``): per-event downtime, steps lost,
-phases from the launcher's event log, and medians / ratios across launcher variants.
+"""Analysis of scale-event runs (``scale_events.py``): per-event downtime, steps lost,
+phases from the launcher's event log, medians / ratios across launcher variants, the plot.
 
-Everything here works on plain records (rank 0's ``--metrics`` lines, event-log lines),
-so it is unit-tested without starting anything.
+Everything but the plot is pure and works on plain records (rank 0's ``--metrics``
+lines, event-log lines), so it is unit-tested without starting anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from common import median
+from common import BenchmarkResult, median, pyplot
 
 #: Launcher variants, ours first. ``hyperpodrun``: default ``--restart-mode auto`` (in place
 #: when every rank uses ``ElasticTraining``); ``hyperpodrun-restart``: ``--restart-mode process``.
@@ -203,3 +204,48 @@ def summarize_events(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     if mine is not None and base:
                         summary[ratio].setdefault(ours, {}).setdefault(theirs, {})[kind] = mine / base
     return summary
+
+
+def plot(result: BenchmarkResult, runs: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for i, run in enumerate(runs):
+        tl = run["timeline"]
+        if not tl:
+            continue
+        t0 = tl[0][0]
+        for world, marker in ((1, "."), (2, "^")):
+            pts = [(t - t0, step) for t, step, w in tl if w == world]
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=f"C{i}", markersize=3,
+                     label=f"{run['variant']}, world {world}")  # fmt: skip
+        for ev in run["events"]:
+            ax1.axvline(ev["t_event"] - t0, color=f"C{i}", alpha=0.3, linestyle=":")
+    ax1.set_xlabel("seconds since the first logged step")
+    ax1.set_ylabel("step (rank 0)")
+    ax1.set_title("progress: gaps = downtime, steps going back = recomputation (dotted: events)", fontsize=10)
+    ax1.legend(fontsize=7, ncol=2)
+    ax1.grid(True, alpha=0.3)
+    kinds = list(summary["by_kind"])
+    width = 0.8 / len(VARIANTS)
+    for j, variant in enumerate(VARIANTS):
+        stats = [summary["by_kind"][k].get(variant) for k in kinds]
+        xs = [x + (j - (len(VARIANTS) - 1) / 2) * width for x in range(len(kinds))]
+        lost = [(s or {}).get("lost_time_median_s") or 0 for s in stats]
+        down = [(s or {}).get("downtime_median_s") or 0 for s in stats]
+        ax2.bar(xs, lost, width, color=f"C{j}", alpha=0.35)
+        ax2.bar(xs, down, width, color=f"C{j}", label=variant)
+        for x, st in zip(xs, stats):
+            if st is not None and st["ok"] == 0:
+                ax2.text(
+                    x, 0.2, "/".join(sorted(set(st["outcomes"]))), rotation=90, ha="center", va="bottom", fontsize=8
+                )
+    ax2.set_xticks(range(len(kinds)), kinds)
+    ax2.set_ylabel("seconds (median)")
+    ax2.set_title("downtime (solid) and + recomputed steps (light)", fontsize=10)
+    ax2.legend(fontsize=8)
+    ax2.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"scale_events ({result.mode}, step time {result.params['timers']['step_time_s']} s, "
+                 f"checkpoint every {result.params['train']['ckpt_every']} steps)")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -67,7 +67,6 @@ from common import (
     free_port,
     hyperpodrun_cmd,
     parse_args,
-    pyplot,
     read_metrics,
     require_train_script,
     torchrun_cmd,
@@ -81,6 +80,7 @@ from scale_analysis import (
     hyperpodrun_phases,
     measure_event,
     phase_breakdown,
+    plot,
     summarize_events,
 )
 
@@ -380,51 +380,6 @@ def torchft_ratios(summary: dict[str, Any], peer: dict[str, Any]) -> dict[str, f
         if ours is not None and theirs:
             out[kind] = ours / theirs
     return out
-
-
-def plot(result: BenchmarkResult, runs: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    for i, run in enumerate(runs):
-        tl = run["timeline"]
-        if not tl:
-            continue
-        t0 = tl[0][0]
-        for world, marker in ((1, "."), (2, "^")):
-            pts = [(t - t0, step) for t, step, w in tl if w == world]
-            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=f"C{i}", markersize=3,
-                     label=f"{run['variant']}, world {world}")  # fmt: skip
-        for ev in run["events"]:
-            ax1.axvline(ev["t_event"] - t0, color=f"C{i}", alpha=0.3, linestyle=":")
-    ax1.set_xlabel("seconds since the first logged step")
-    ax1.set_ylabel("step (rank 0)")
-    ax1.set_title("progress: gaps = downtime, steps going back = recomputation (dotted: events)", fontsize=10)
-    ax1.legend(fontsize=7, ncol=2)
-    ax1.grid(True, alpha=0.3)
-    kinds = list(summary["by_kind"])
-    width = 0.8 / len(VARIANTS)
-    for j, variant in enumerate(VARIANTS):
-        stats = [summary["by_kind"][k].get(variant) for k in kinds]
-        xs = [x + (j - (len(VARIANTS) - 1) / 2) * width for x in range(len(kinds))]
-        lost = [(s or {}).get("lost_time_median_s") or 0 for s in stats]
-        down = [(s or {}).get("downtime_median_s") or 0 for s in stats]
-        ax2.bar(xs, lost, width, color=f"C{j}", alpha=0.35)
-        ax2.bar(xs, down, width, color=f"C{j}", label=variant)
-        for x, st in zip(xs, stats):
-            if st is not None and st["ok"] == 0:
-                ax2.text(
-                    x, 0.2, "/".join(sorted(set(st["outcomes"]))), rotation=90, ha="center", va="bottom", fontsize=8
-                )
-    ax2.set_xticks(range(len(kinds)), kinds)
-    ax2.set_ylabel("seconds (median)")
-    ax2.set_title("downtime (solid) and + recomputed steps (light)", fontsize=10)
-    ax2.legend(fontsize=8)
-    ax2.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"scale_events ({result.mode}, step time {result.params['timers']['step_time_s']} s, "
-                 f"checkpoint every {result.params['train']['ckpt_every']} steps)")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
