@@ -47,6 +47,7 @@ __all__ = [
     "BenchmarkResult",
     "BenchmarkTimeoutError",
     "Completed",
+    "CpuSample",
     "ManagedProcess",
     "OutputBus",
     "OutputLine",
@@ -62,6 +63,7 @@ __all__ = [
     "parse_args",
     "percentile",
     "pyplot",
+    "ratio_ci",
     "read_metrics",
     "require_train_script",
     "run_to_completion",
@@ -156,6 +158,34 @@ def summarize(values: Iterable[float]) -> dict[str, float | int]:
 
 
 # --------------------------------------------------------------------------- machine
+
+
+#: Two-sided 95 % quantiles of Student's t by degrees of freedom (1 .. 30; normal beyond).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def ratio_ci(ratios: Sequence[float]) -> dict[str, float | int]:
+    """Geometric mean of paired ratios with its 95 % confidence interval (t on the log ratios).
+
+    Each ratio compares two measurements taken next to each other (interleaved runs), so
+    slow drifts of a shared machine cancel within a pair; the interval says how well the
+    pairs pin the ratio down (``half_width_pct``: half its width, in percent of the mean).
+    """
+    if len(ratios) < 2 or min(ratios) <= 0:
+        raise ValueError(f"ratio_ci needs at least 2 positive ratios, got {list(ratios)}")
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
+    return {
+        "n": n,
+        "ratio": math.exp(mean),
+        "ci_low": math.exp(mean - half),
+        "ci_high": math.exp(mean + half),
+        "half_width_pct": 100.0 * (math.exp(half) - 1.0),
+    }
 
 
 def _run_text(cmd: Sequence[str], timeout: float = 10.0) -> str:
@@ -490,7 +520,15 @@ def single_node_cmd(launcher: str, nproc: int, train: TrainArgs, *, work: Path, 
 
 
 def run_training(
-    launcher: str, nproc: int, train: TrainArgs, *, work: Path, data_cache: Path, timeout: float, env: Mapping[str, str]
+    launcher: str,
+    nproc: int,
+    train: TrainArgs,
+    *,
+    work: Path,
+    data_cache: Path,
+    timeout: float,
+    env: Mapping[str, str],
+    sample_interval: float = 1.0,
 ) -> dict[str, Any]:
     """Run the example to completion on one node (raises on failure).
 
@@ -499,7 +537,10 @@ def run_training(
     """
     work.mkdir(parents=True, exist_ok=True)
     cmd = single_node_cmd(launcher, nproc, train, work=work, data_cache=data_cache)
-    done = run_to_completion(cmd, name=f"{launcher}-{nproc}", timeout=timeout, env=env, log_path=work / "output.log")
+    done = run_to_completion(
+        cmd, name=f"{launcher}-{nproc}", timeout=timeout, env=env, log_path=work / "output.log",
+        sample_interval=sample_interval,
+    )  # fmt: skip
     if done.returncode != 0:
         raise BenchmarkError(f"{launcher} with {nproc} rank(s) exited {done.returncode}; output tail:\n{done.tail()}")
     records = read_metrics(work / "metrics.jsonl")
@@ -513,6 +554,7 @@ def run_training(
         "wall_s": done.wall_s,
         "launcher_cpu_s": done.own_cpu_s,
         "launcher_cpu_fraction": done.own_cpu_s / done.wall_s,
+        "cpu_samples": [dataclasses.astuple(c) for c in done.cpu_samples],
         "metrics": records,
     }
 
@@ -720,6 +762,15 @@ def _has_children(pid: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class CpuSample:
+    """CPU seconds (user + system) at wall time ``ts``: of the child itself, and of its live descendants."""
+
+    ts: float
+    own_s: float
+    descendants_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Completed:
     """A child that ran to its end: exit code, output, wall time and its own CPU time."""
 
@@ -728,9 +779,30 @@ class Completed:
     wall_s: float
     own_cpu_s: float
     """CPU seconds of the child process itself, not its children (for a launcher: the agent's cost)."""
+    cpu_samples: list[CpuSample] = dataclasses.field(default_factory=list)
+    """Sampled while it ran: for a launcher, ``descendants_s`` is its ranks' (and their workers') CPU."""
 
     def tail(self, n: int = 20) -> str:
         return "\n".join(line.text for line in self.lines[-n:])
+
+
+def _cpu_sample(pid: int) -> CpuSample | None:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        times = root.cpu_times()
+        children = root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    below = 0.0
+    for child in children:
+        try:
+            t = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        below += t.user + t.system
+    return CpuSample(time.time(), times.user + times.system, below)
 
 
 def run_to_completion(
@@ -740,29 +812,27 @@ def run_to_completion(
     timeout: float,
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
+    sample_interval: float = 1.0,
 ) -> Completed:
     """Run a child to its end under a hard deadline.
 
     Raises :class:`BenchmarkTimeoutError` (after killing the tree) when it overruns. The
-    child's own CPU time is sampled once a second while it runs (the last sample is
-    taken within a second of its exit).
+    CPU time of the child and of its descendants is sampled every ``sample_interval``
+    seconds while it runs (the last sample is taken within that interval of its exit).
     """
-    import psutil
-
     start = time.monotonic()
+    samples: list[CpuSample] = []
     with ManagedProcess(cmd, name=name, env=env, log_path=log_path) as proc:
-        cpu = 0.0
         while True:
-            try:
-                times = psutil.Process(proc.pid).cpu_times()
-                cpu = times.user + times.system
-            except psutil.NoSuchProcess:
-                pass
+            sample = _cpu_sample(proc.pid)
+            if sample is not None:
+                samples.append(sample)
             remaining = start + timeout - time.monotonic()
             try:
-                rc = proc.wait(max(0.01, min(1.0, remaining)))
+                rc = proc.wait(max(0.01, min(sample_interval, remaining)))
                 break
             except BenchmarkTimeoutError:
-                if remaining <= 1.0:
+                if remaining <= sample_interval:
                     raise BenchmarkTimeoutError(f"exit of {name}; last output:\n{proc.tail()}", timeout) from None
-        return Completed(rc, proc.lines(), time.monotonic() - start, cpu)
+        own = samples[-1].own_s if samples else 0.0
+        return Completed(rc, proc.lines(), time.monotonic() - start, own, samples)

@@ -1,33 +1,44 @@
-"""Scale events: downtime, lost steps and detection time, hyperpodrun against torchrun.
+"""Scale events: downtime, lost steps and phases, hyperpodrun in place / restarting against torchrun.
 
-The same training script (the example trainer, tiny Llama, ``--min-step-time`` for a fixed
-step time, periodic checkpoints every ``--ckpt-every`` steps) runs through one scenario
-under each launcher, one launcher process per simulated node, all on this machine:
+The same training script (the example trainer: tiny Llama, ``ElasticTraining``,
+``--min-step-time`` for a fixed step time, periodic checkpoints every ``--ckpt-every``
+steps) runs through one scenario under each launcher variant, one launcher process per
+simulated node, all on this machine:
 
     node A starts (and hosts the rendezvous store; it is never stopped)
-    join   node B starts                      world 1 -> 2
-    leave  node B gets SIGTERM (graceful)     world 2 -> 1
-    join   node C starts                      world 1 -> 2
-    loss   node C's whole process tree gets SIGKILL (node loss)   world 2 -> 1
+    join    node B starts                                     world 1 -> 2
+    leave   node B gets SIGTERM (graceful)                    world 2 -> 1
+    join    node C starts                                     world 1 -> 2
+    yield   ``hyperpodctl yield 1`` (torchrun: SIGTERM to C)  world 2 -> 1
+    rejoin  ``hyperpodctl uncap``: the yielded node, parked as a standby, comes back
+            (torchrun: C starts again)                        world 1 -> 2
+    leave   node C gets SIGTERM                               world 2 -> 1
 
-(``--smoke``: the first join only; full mode runs the cycle twice.) Launchers:
+(``--smoke``: join and yield only; full mode runs the cycle twice, with nodes D and E.)
+Variants:
 
-* ``hyperpodrun --nnodes 1:2 --rdzv-backend c10d`` (its embedded store): ranks save at an
-  agreed step and restart at the new size, nothing is recomputed;
-* ``torchrun --nnodes 1:2 --rdzv-backend c10d``, twice: as shipped, and with
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (on torch 2.13 CPU a scale-up of the default can
-  deadlock). torchrun restarts every worker; the script resumes from its last periodic
-  checkpoint and recomputes the steps since.
+* ``hyperpodrun``: ``--restart-mode auto`` (default): every rank uses ``ElasticTraining``,
+  so survivors reconfigure in place and a joiner, started parked, hydrates from peers;
+* ``hyperpodrun-restart``: ``--restart-mode process``: ranks save at the agreed step, exit,
+  restart at the new size and load the checkpoint;
+* ``torchrun --nnodes 1:2 --rdzv-backend c10d``, twice: with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``torchrun-noshare``) and as shipped (on torch
+  2.13 CPU its scale-up can deadlock). torchrun restarts every worker; the script resumes
+  from its last periodic checkpoint and recomputes the steps since.
 
 Per event, from rank 0's per-step log (``--metrics``, step end times): downtime = end of
-the first step at the new size minus end of the last step before it; steps lost = last
-step before the event minus the step the new size resumed from; time to detect = event
-until the launcher acted (hyperpodrun: ``scale_decided`` in its event log; torchrun: its
-agent's "will restart worker group" line). A launcher that hangs or exits is recorded as
-such, with its output tail, and its scenario stops there. Every launcher run has a hard
-deadline and every process tree is killed at the end.
+the first step at the new size minus end of the last step before it (one step included);
+pause = downtime minus a normal step (the time no rank trained); steps lost = last step
+before the event minus the step the new size resumed from; time to detect = event until
+the launcher acted (hyperpodrun: ``scale_decided`` in its event log; torchrun: its agent's
+"will restart worker group" line); hyperpodrun's phases from its event log. With torchft
+installed (``pip install -e .[torchft]``) a replica group of torchft joins and leaves the
+same way (``torchft_peer.py``) and the survivors' pause is reported beside ours.
 
-    python benchmarks/scale_events.py [--quick | --smoke] [--launchers hyperpodrun,torchrun,torchrun-noshare]
+A launcher that hangs or exits is recorded as such, with its output tail, and its scenario
+stops there. Every launcher run has a hard deadline and every process tree is killed at the end.
+
+    python benchmarks/scale_events.py [--quick | --smoke] [--launchers hyperpodrun,hyperpodrun-restart,torchrun-noshare,torchrun]
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import dataclasses
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,29 +66,40 @@ from common import (
     format_table,
     free_port,
     hyperpodrun_cmd,
-    median,
     parse_args,
-    pyplot,
     read_metrics,
     require_train_script,
     torchrun_cmd,
 )
+import torchft_peer
+from scale_analysis import (
+    OURS,
+    VARIANTS,
+    event_mode,
+    event_phase,
+    hyperpodrun_phases,
+    measure_event,
+    phase_breakdown,
+    plot,
+    summarize_events,
+)
 
 NAME = "scale_events"
-VARIANTS = ("hyperpodrun", "torchrun", "torchrun-noshare")
-#: The smoke run skips torchrun as shipped: its scale-up hang would cost the whole event timeout.
+#: The smoke run skips torchrun as shipped (its scale-up hang costs the whole event timeout)
+#: and the restart variant (the same scenario with one flag changed).
 DEFAULT_VARIANTS = {"smoke": ("hyperpodrun", "torchrun-noshare"), "quick": VARIANTS, "full": VARIANTS}
-CYCLE = (("join", "B"), ("leave", "B"), ("join", "C"), ("loss", "C"))
+CYCLE = (("join", "B"), ("leave", "B"), ("join", "C"), ("yield", "C"), ("rejoin", "C"), ("leave", "C"))
 SCENARIO = {
-    "smoke": CYCLE[:1],
+    "smoke": (("join", "B"), ("yield", "B")),
     "quick": CYCLE,
-    "full": CYCLE + (("join", "D"), ("leave", "D"), ("join", "E"), ("loss", "E")),
+    "full": CYCLE + tuple((kind, {"B": "D", "C": "E"}[node]) for kind, node in CYCLE),
 }
 EVENT_TIMEOUT_S = {"smoke": 60.0, "quick": 90.0, "full": 120.0}
 SETTLE_STEPS = {"smoke": 2, "quick": 4, "full": 6}
 STARTUP_TIMEOUT_S = 180.0
+CTL_TIMEOUT_S = 30.0
 DETECT_TORCHRUN = re.compile(r"will restart worker group")
-KIND_WORLD = {"join": +1, "leave": -1, "loss": -1}
+KIND_WORLD = {"join": +1, "leave": -1, "yield": -1, "rejoin": +1, "loss": -1}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,10 +128,12 @@ class Timers:
         """The launcher flags of one node (every node of a job gets the same)."""
         common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                   "--rdzv-id", run_id, "--max-restarts", str(self.max_restarts)]  # fmt: skip
-        if variant == "hyperpodrun":
-            return common + [
+        if variant in OURS:
+            mode = ["--restart-mode", "process"] if variant == "hyperpodrun-restart" else []
+            return common + mode + [
                 "--scaling-timeout", f"{self.scaling_timeout_s:g}",
                 "--min-stable-period", f"{self.min_stable_period_s:g}",
+                "--backoff-factor", "1",  # no anti-thrashing backoff: events come back to back here
                 "--faulty-scale-down-timeout", f"{self.faulty_scale_down_timeout_s:g}",
                 "--graceful-shutdown-timeout", f"{self.graceful_shutdown_timeout_s:g}",
                 "--rdzv-conf", f"lease_ttl={self.lease_ttl_s:g}",
@@ -122,133 +147,6 @@ class Timers:
             f"last_call_timeout={max(1, round(self.scaling_timeout_s))},"
             f"keep_alive_interval=1,keep_alive_max_attempt={max(1, round(self.lease_ttl_s))}"
         )
-
-
-# --------------------------------------------------------------------------- pure analysis
-
-
-def event_phase(index: int, ckpt_every: int) -> int:
-    """Where in the checkpoint interval event ``index`` is triggered (after step ``s``, ``s % K``).
-
-    Successive events walk the interval in strides of 7 (coprime with usual intervals), so
-    over a scenario the baseline's lost work is sampled across the interval, not at one point.
-    """
-    return (3 + 7 * index) % ckpt_every if ckpt_every else 0
-
-
-def measure_event(records: list[dict[str, Any]], *, t_event: float, to_world: int) -> dict[str, Any] | None:
-    """Downtime and steps lost of one event from rank 0's step log, or None if not recovered yet.
-
-    ``records`` are (ts, step, world_size) dicts in log order. The first record after
-    ``t_event`` at ``to_world`` is the first step at the new size; the record before it
-    in time is the last step before the change.
-    """
-    after = [r for r in records if r["ts"] > t_event and r["world_size"] == to_world]
-    if not after:
-        return None
-    first_new = after[0]
-    before = [r for r in records if r["ts"] < first_new["ts"] and r["world_size"] != to_world]
-    if not before:
-        return None
-    last_old = max(before, key=lambda r: r["ts"])
-    return {
-        "downtime_s": first_new["ts"] - last_old["ts"],
-        "last_old_step": last_old["step"],
-        "first_new_step": first_new["step"],
-        "steps_lost": max(0, last_old["step"] - (first_new["step"] - 1)),
-        "last_old_ts": last_old["ts"],
-        "first_new_ts": first_new["ts"],
-    }
-
-
-def hyperpodrun_phases(events: list[dict[str, Any]], t_event: float) -> dict[str, float]:
-    """Seconds from the event to the first record of each phase in hyperpodrun's event log.
-
-    Reads from ``t_event`` up to the trainer's ``first_step`` at the new size. A
-    ``checkpoint_saved`` counts only once the ranks were signalled: periodic saves
-    before that are not part of the event.
-    """
-    phases: dict[str, float] = {}
-    for record in events:
-        name = record["event"]
-        if record["ts"] <= t_event or name in phases:
-            continue
-        if name == "checkpoint_saved" and "workers_signalled" not in phases:
-            continue
-        phases[name] = record["ts"] - t_event
-        if name == "first_step":
-            break
-    return phases
-
-
-def phase_breakdown(runs: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Where hyperpodrun's cooperative events spend their downtime (medians, seconds).
-
-    ``save``: signalled -> checkpoint saved (includes running up to the target step);
-    ``exit_after_save``: checkpoint saved -> every rank exited; ``restart``: ranks started ->
-    first step at the new size (process start, imports, process group, checkpoint load).
-    """
-    spans = {"save": ("workers_signalled", "checkpoint_saved"),
-             "exit_after_save": ("checkpoint_saved", "workers_stopped"),
-             "restart": ("workers_started", "first_step")}  # fmt: skip
-    values: dict[str, list[float]] = {name: [] for name in spans}
-    for run in runs:
-        if run["variant"] != "hyperpodrun":
-            continue
-        for ev in run["events"]:
-            phases = ev.get("phases_s") or {}
-            for name, (start, end) in spans.items():
-                if start in phases and end in phases:
-                    values[name].append(phases[end] - phases[start])
-    return {f"{name}_median_s": median(v) if v else None for name, v in values.items()}
-
-
-#: Per-event measurement -> the name of its median in the summary.
-_MEDIANS = {
-    "downtime_s": "downtime_median_s",
-    "lost_time_s": "lost_time_median_s",
-    "steps_lost": "steps_lost_median",
-    "detect_s": "detect_median_s",
-}
-
-
-def summarize_events(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians per event kind and launcher variant, and hyperpodrun/torchrun ratios.
-
-    ``lost_time`` is downtime plus the time to recompute the lost steps: the training
-    time an event really costs.
-    """
-    samples: dict[str, dict[str, dict[str, Any]]] = {}
-    for run in runs:
-        for ev in run["events"]:
-            slot = samples.setdefault(ev["kind"], {}).setdefault(
-                run["variant"], {"outcomes": [], **{m: [] for m in _MEDIANS}}
-            )
-            slot["outcomes"].append(ev["outcome"])
-            if ev["outcome"] == "ok":
-                for m in _MEDIANS:
-                    if ev.get(m) is not None:
-                        slot[m].append(ev[m])
-    summary: dict[str, Any] = {"by_kind": {}, "downtime_ratio": {}, "lost_time_ratio": {}, "steps_lost_median": {}}
-    for kind, variants in samples.items():
-        by_variant = {
-            v: {
-                "n": len(s["outcomes"]),
-                "ok": s["outcomes"].count("ok"),
-                "outcomes": s["outcomes"],
-                **{name: median(s[m]) if s[m] else None for m, name in _MEDIANS.items()},
-            }
-            for v, s in variants.items()
-        }
-        summary["by_kind"][kind] = by_variant
-        summary["steps_lost_median"][kind] = {v: s["steps_lost_median"] for v, s in by_variant.items()}
-        ours = by_variant.get("hyperpodrun", {})
-        for metric, ratio in (("downtime_median_s", "downtime_ratio"), ("lost_time_median_s", "lost_time_ratio")):
-            for v in VARIANTS[1:]:
-                theirs = by_variant.get(v, {}).get(metric)
-                if ours.get(metric) is not None and theirs:
-                    summary[ratio].setdefault(v, {})[kind] = ours[metric] / theirs
-    return summary
 
 
 # --------------------------------------------------------------------------- one launcher's scenario
@@ -302,10 +200,12 @@ class Scenario:
         script = str(require_train_script())
         argv = self.train.argv(run_dir=self.work / "run", data_cache=self.data_cache, metrics=self.metrics)
         flags = self.timers.launcher_args(self.variant, self.endpoint, self.run_id, self.work)
-        launcher = hyperpodrun_cmd if self.variant == "hyperpodrun" else torchrun_cmd
+        launcher = hyperpodrun_cmd if self.variant in OURS else torchrun_cmd
         env = dict(self.env)
         if self.gpus >= 2:  # a simulated node per GPU: A keeps GPU 0, the one other node alive at a time GPU 1
             env["CUDA_VISIBLE_DEVICES"] = "0" if name == "A" else "1"
+        if name in self.nodes:  # started again after it left (torchrun's rejoin)
+            self.nodes.pop(name).close()
         t = time.time()
         self.nodes[name] = ManagedProcess(
             launcher(*flags, script, *argv),
@@ -355,7 +255,7 @@ class Scenario:
 
     def detect_time(self, t_event: float, t_end: float) -> float | None:
         """Seconds from the event to the launcher's decision to act on it (None if not seen)."""
-        if self.variant == "hyperpodrun":
+        if self.variant in OURS:
             events = _read_jsonl(self.work / "events.jsonl")
             decided = [e["ts"] for e in events if e["event"] == "scale_decided" and t_event < e["ts"] <= t_end]
             return min(decided) - t_event if decided else None
@@ -392,14 +292,7 @@ class Scenario:
 
     def _event(self, index: int, kind: str, node: str, world: int, target: int) -> dict[str, Any]:
         print(f"{NAME}: {self.variant}: event {index + 1} {kind} ({node}), world {world} -> {target}", flush=True)
-        if kind == "join":
-            t_event = self.start_node(node)
-        elif kind == "leave":
-            t_event = time.time()
-            self.nodes[node].signal(signal.SIGTERM)
-        else:
-            t_event = time.time()
-            self.nodes[node].kill_tree()
+        t_event = self._trigger(kind, node)
         ev: dict[str, Any] = {
             "index": index,
             "kind": kind,
@@ -427,9 +320,39 @@ class Scenario:
         t_end = measured["first_new_ts"]
         ev.update(outcome="ok", **measured, detect_s=self.detect_time(t_event, t_end))
         ev["lost_time_s"] = ev["downtime_s"] + ev["steps_lost"] * self.timers.step_time_s
-        if self.variant == "hyperpodrun":
-            ev["phases_s"] = hyperpodrun_phases(_read_jsonl(self.work / "events.jsonl"), t_event)
+        if self.variant in OURS:
+            log = _read_jsonl(self.work / "events.jsonl")
+            ev["phases_s"] = hyperpodrun_phases(log, t_event)
+            ev["mode"] = event_mode(log, ev["phases_s"], t_event)
         return ev
+
+    def _trigger(self, kind: str, node: str) -> float:
+        """Make the event happen; returns its time. yield and rejoin go through hyperpodctl for hyperpodrun."""
+        ctl = self.variant in OURS
+        if kind == "join" or (kind == "rejoin" and not ctl):
+            return self.start_node(node)
+        if kind == "rejoin" and self.nodes[node].poll() is not None:  # not kept as a standby: start it again
+            self.start_node(node)
+        t_event = time.time()
+        if kind in ("yield", "rejoin") and ctl:
+            self.hyperpodctl("yield", "1") if kind == "yield" else self.hyperpodctl("uncap")
+        elif kind in ("leave", "yield"):
+            self.nodes[node].signal(signal.SIGTERM)
+        elif kind == "loss":
+            self.nodes[node].kill_tree()
+        else:
+            raise ValueError(f"unknown event kind {kind!r}")
+        return t_event
+
+    def hyperpodctl(self, *args: str) -> None:
+        cmd = [sys.executable, "-m", "hyperpodrun.ctl", *args, "--rdzv-id", self.run_id,
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint]  # fmt: skip
+        try:
+            done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=CTL_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise ScenarioFailed("hang", f"hyperpodctl {' '.join(args)} did not return in {CTL_TIMEOUT_S:g} s") from None
+        if done.returncode != 0:
+            raise ScenarioFailed("exited", f"hyperpodctl {' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
 
     def _tails(self) -> str:
         return "\n".join(node.tail(8) for node in self.nodes.values())
@@ -448,55 +371,21 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- driver
 
 
-def plot(result: BenchmarkResult, runs: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    for i, run in enumerate(runs):
-        tl = run["timeline"]
-        if not tl:
-            continue
-        t0 = tl[0][0]
-        for world, marker in ((1, "."), (2, "^")):
-            pts = [(t - t0, step) for t, step, w in tl if w == world]
-            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=f"C{i}", markersize=3,
-                     label=f"{run['variant']}, world {world}")  # fmt: skip
-        for ev in run["events"]:
-            ax1.axvline(ev["t_event"] - t0, color=f"C{i}", alpha=0.3, linestyle=":")
-    ax1.set_xlabel("seconds since the first logged step")
-    ax1.set_ylabel("step (rank 0)")
-    ax1.set_title("progress: gaps = downtime, steps going back = recomputation (dotted: events)", fontsize=10)
-    ax1.legend(fontsize=7, ncol=2)
-    ax1.grid(True, alpha=0.3)
-    kinds = list(summary["by_kind"])
-    width = 0.8 / len(VARIANTS)
-    for j, variant in enumerate(VARIANTS):
-        stats = [summary["by_kind"][k].get(variant) for k in kinds]
-        xs = [x + (j - (len(VARIANTS) - 1) / 2) * width for x in range(len(kinds))]
-        lost = [(s or {}).get("lost_time_median_s") or 0 for s in stats]
-        down = [(s or {}).get("downtime_median_s") or 0 for s in stats]
-        ax2.bar(xs, lost, width, color=f"C{j}", alpha=0.35)
-        ax2.bar(xs, down, width, color=f"C{j}", label=variant)
-        for x, st in zip(xs, stats):
-            if st is not None and st["ok"] == 0:
-                ax2.text(
-                    x, 0.2, "/".join(sorted(set(st["outcomes"]))), rotation=90, ha="center", va="bottom", fontsize=8
-                )
-    ax2.set_xticks(range(len(kinds)), kinds)
-    ax2.set_ylabel("seconds (median)")
-    ax2.set_title("downtime (solid) and + recomputed steps (light)", fontsize=10)
-    ax2.legend(fontsize=8)
-    ax2.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"scale_events ({result.mode}, step time {result.params['timers']['step_time_s']} s, "
-                 f"checkpoint every {result.params['train']['ckpt_every']} steps)")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def torchft_ratios(summary: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
+    """Survivors' pause, hyperpodrun in place over torchft, per event kind both ran (leave: ours graceful)."""
+    out = {}
+    for kind in ("join", "leave"):
+        ours = summary["by_kind"].get(kind, {}).get("hyperpodrun", {}).get("pause_median_s")
+        theirs = (peer.get(kind) or {}).get("pause_median_s")
+        if ours is not None and theirs:
+            out[kind] = ours / theirs
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--launchers", type=lambda s: tuple(s.split(",")), default=None,
-                            help=f"from {', '.join(VARIANTS)} (default: all; smoke: no plain torchrun)")  # fmt: skip
+                            help=f"from {', '.join(VARIANTS)} (default: all; smoke: {', '.join(DEFAULT_VARIANTS['smoke'])})")  # fmt: skip
         parser.add_argument("--step-time", type=float, default=Timers.step_time_s, help="fixed step time, s")
         parser.add_argument("--ckpt-every", type=int, default=10, help="periodic checkpoint interval, steps [10]")
         parser.add_argument("--event-timeout", type=float, default=None, help="hard limit per event, s")
@@ -529,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             "torchrun_rdzv_conf": timers.torchrun_rdzv_conf(),
         },
         baseline="torchrun --nnodes 1:2 (c10d), the same script and scenario in the same run, with and without "
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (yield = SIGTERM of the newest node; rejoin = it starts again)",
     )
     work_root = args.out / "work" / NAME
     shutil.rmtree(work_root, ignore_errors=True)
@@ -545,13 +434,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{NAME}: {variant} failed: {run['failure'].splitlines()[0]}", flush=True)
     summary = summarize_events(runs)
     summary["hyperpodrun_phases"] = phase_breakdown(runs)
+    summary["hyperpodrun_modes"] = {
+        run["variant"]: [ev.get("mode") for ev in run["events"]] for run in runs if run["variant"] in OURS
+    }
     result.samples["runs"] = runs
     result.summary = summary
+    if torchft_peer.available():
+        print(f"{NAME}: torchft {torchft_peer.CYCLES[args.mode]} join/leave cycle(s) ...", flush=True)
+        try:
+            peer = torchft_peer.measure(args.mode, work_root / "torchft")
+        except BenchmarkError as e:
+            peer = {"failure": str(e), "summary": {}, "events": []}
+        result.samples["torchft"] = peer
+        summary["torchft"] = {**peer["summary"], "failure": peer["failure"],
+                              "pause_ratio_hyperpodrun_over_torchft": torchft_ratios(summary, peer["summary"])}  # fmt: skip
+    else:
+        print(f"{NAME}: torchft is not installed (pip install -e .[torchft]): its peer scenario is skipped")
     result.notes += [
         (
             "Downtime runs from the end of the last step before the change to the end of the first step at "
             "the new size (one step time included), read from rank 0's per-step log; process start, "
-            "rendezvous, process-group setup and checkpoint load all fall inside it."
+            "rendezvous, process-group setup and checkpoint load all fall inside it. pause = downtime minus "
+            "the median step interval just before the event: the time no rank trained."
+        ),
+        (
+            "torchrun has no yield: its yield is a SIGTERM to the newest node, and its rejoin starts that node "
+            "again (hyperpodrun's yielded node waits parked as a standby and comes back on hyperpodctl uncap)."
         ),
         (
             "torchrun restarts every worker on a membership change and the script resumes from its last "
@@ -569,20 +477,26 @@ def main(argv: list[str] | None = None) -> int:
         for ev in run["events"]:
             rows.append((
                 run["variant"], f"{ev['kind']} {ev['node']}", f"{ev['from_world']}->{ev['to_world']}", ev["outcome"],
-                ev.get("downtime_s"), ev.get("steps_lost"), ev.get("lost_time_s"), ev.get("detect_s"),
+                ev.get("mode", "-"), ev.get("downtime_s"), ev.get("pause_s"), ev.get("steps_lost"),
+                ev.get("lost_time_s"), ev.get("detect_s"),
             ))  # fmt: skip
-    print(
-        format_table(
-            ["launcher", "event", "world", "outcome", "downtime s", "steps lost", "lost time s", "detect s"], rows
-        )
-    )
+    print(format_table(["launcher", "event", "world", "outcome", "mode", "downtime s", "pause s", "steps lost",
+                        "lost time s", "detect s"], rows))  # fmt: skip
     for ratio in ("downtime_ratio", "lost_time_ratio"):
-        for variant, ratios in summary[ratio].items():
-            print(f"{ratio} hyperpodrun / {variant}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    phases = summary["hyperpodrun_phases"]
-    print("hyperpodrun cooperative events, median s: " + ", ".join(
-        f"{k.removesuffix('_median_s')} {v:.2f}" for k, v in phases.items() if v is not None
-    ))  # fmt: skip
+        for ours, by_base in summary[ratio].items():
+            for base, ratios in by_base.items():
+                print(f"{ratio} {ours} / {base}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    for variant, phases in summary["hyperpodrun_phases"].items():
+        print(f"{variant} phases, median s: " + ", ".join(
+            f"{k.removesuffix('_median_s')} {v:.2f}" for k, v in phases.items() if v is not None
+        ))  # fmt: skip
+    if "torchft" in summary:
+        ft = summary["torchft"]
+        print("torchft survivors' pause, median s: " + ", ".join(
+            f"{k} {ft[k]['pause_median_s']:.3f}" for k in ("join", "leave") if (ft.get(k) or {}).get("pause_median_s") is not None
+        ) + "; hyperpodrun in place / torchft: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in ft["pause_ratio_hyperpodrun_over_torchft"].items()
+        ) + (f"; stopped: {ft['failure'].splitlines()[0]}" if ft["failure"] else ""))  # fmt: skip
     print(f"wrote {path}")
     return 0
 

@@ -10,8 +10,16 @@ call by call (``perf_counter_ns``; the timer's own cost is measured and reported
 * baseline, in the same ranks as "inside": the design AWS HyperPod uses, a one-element
   ``all_reduce`` per step, on gloo with 2 ranks (and on NCCL too where GPUs exist).
 
-Macro: tokens/s of the example trainer with the same 2 ranks under hyperpodrun and under
-torchrun, runs interleaved, end-to-end (step end times); target ratio >= 0.99.
+Macro: the example trainer with the same 2 ranks under hyperpodrun and under torchrun, in
+interleaved pairs (the order alternates), each run measured after its warm-up by
+
+* wall time: the median interval between step ends (tokens/s from it), and end to end;
+* CPU time per step: the ranks' CPU seconds (sampled from outside every 0.2 s) plus the
+  launcher's own, over the same steady window: what a step costs a node with no spare core,
+  and far less sensitive to other work on a shared machine than wall time.
+
+Each pair gives a ratio (hyperpodrun over torchrun, > 1 = faster); the geometric mean of the
+pairs and its 95 % confidence interval are reported for both measures; target >= 0.99.
 
 ``--client hf`` measures instead a Hugging Face Trainer job with ``ElasticCallback``
 under hyperpodrun against the same job without it under torchrun (see hf_client.py).
@@ -33,6 +41,7 @@ from typing import Any
 
 import hf_client
 from common import (
+    LAUNCHERS,
     BenchmarkError,
     BenchmarkResult,
     TrainArgs,
@@ -44,6 +53,7 @@ from common import (
     median,
     parse_args,
     pyplot,
+    ratio_ci,
     run_to_completion,
     run_training,
     summarize,
@@ -53,9 +63,10 @@ from common import (
 NAME = "step_overhead"
 CHECK_CALLS = {"smoke": 20_000, "quick": 200_000, "full": 1_000_000}
 ALLREDUCE_CALLS = {"smoke": 300, "quick": 3_000, "full": 20_000}
-TRAIN_STEPS = {"smoke": 6, "quick": 14, "full": 40}
-TRAIN_REPS = {"smoke": 1, "quick": 2, "full": 6}
-WARMUP_STEPS = {"smoke": 2, "quick": 3, "full": 5}
+TRAIN_STEPS = {"smoke": 12, "quick": 24, "full": 40}
+TRAIN_REPS = {"smoke": 2, "quick": 10, "full": 16}
+WARMUP_STEPS = {"smoke": 2, "quick": 4, "full": 5}
+CPU_SAMPLE_INTERVAL_S = 0.2
 RANKS = 2
 
 
@@ -165,8 +176,55 @@ def micro(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
+def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """Linear interpolation of ``ys`` over increasing ``xs`` at ``x`` (clamped to the ends)."""
+    import bisect
+
+    i = bisect.bisect_left(xs, x)
+    if i <= 0:
+        return ys[0]
+    if i >= len(xs):
+        return ys[-1]
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def steady_costs(
+    records: list[dict[str, Any]], cpu_samples: list[tuple[float, float, float]], *, skip: int
+) -> dict[str, float]:
+    """Per-step costs of one run after its first ``skip`` steps.
+
+    ``records``: rank 0's step log (``ts`` = step end, ``step``); ``cpu_samples``:
+    (ts, launcher CPU s, its descendants' CPU s) taken while it ran. Wall: the median
+    step interval. CPU: between the first and the last CPU sample inside the steady
+    window, the CPU spent divided by the steps done (step counts interpolated between
+    step end times), for the ranks and for the launcher's own process.
+    """
+    steps = [r for r in records if r["step"] > skip]
+    if len(steps) < 3:
+        raise BenchmarkError(f"need at least 3 logged steps after step {skip}, got {len(steps)}")
+    gaps = [b["ts"] - a["ts"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
+    inside = [c for c in cpu_samples if steps[0]["ts"] <= c[0] <= steps[-1]["ts"]]
+    if len(inside) < 2:
+        raise BenchmarkError(
+            f"need at least 2 CPU samples between steps {steps[0]['step']} and {steps[-1]['step']}, got {len(inside)}"
+        )
+    (t0, own0, ranks0), (t1, own1, ranks1) = inside[0], inside[-1]
+    ts, nums = [r["ts"] for r in steps], [float(r["step"]) for r in steps]
+    done = _interpolate(ts, nums, t1) - _interpolate(ts, nums, t0)
+    if done <= 0:
+        raise BenchmarkError(f"no steps between the CPU samples at {t0:.3f} and {t1:.3f}")
+    return {
+        "median_step_s": median(gaps),
+        "rank_cpu_per_step_s": (ranks1 - ranks0) / done,
+        "launcher_cpu_per_step_s": (own1 - own0) / done,
+        "cpu_per_step_s": (ranks1 - ranks0 + own1 - own0) / done,
+        "cpu_window_steps": done,
+    }
+
+
 def macro(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Tokens/s of the example at the same size under both launchers, runs interleaved."""
+    """The example at the same size under both launchers, in interleaved pairs."""
     train = TrainArgs.from_namespace(args, steps=TRAIN_STEPS[args.mode])
     skip = WARMUP_STEPS[args.mode]
     env = bench_env(OMP_NUM_THREADS="1")
@@ -177,23 +235,42 @@ def macro(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             print(f"{NAME}: {launcher}, {RANKS} ranks, rep {rep + 1} ...", flush=True)
             run = run_training(
                 launcher, RANKS, train, work=work / f"{launcher}-{rep}", data_cache=args.out / "data-cache",
-                timeout=args.run_timeout, env=env,
+                timeout=args.run_timeout, env=env, sample_interval=CPU_SAMPLE_INTERVAL_S,
             )  # fmt: skip
+            costs = steady_costs(run["metrics"], run["cpu_samples"], skip=skip)
             tokens_per_s = wall_tokens_per_s(run["metrics"], train.tokens_per_step, skip=skip)
-            runs.append({"rep": rep, "tokens_per_s": tokens_per_s, **run})
-    tps = {name: [r["tokens_per_s"] for r in runs if r["launcher"] == name] for name in ("hyperpodrun", "torchrun")}
-    paired = [ours / theirs for ours, theirs in zip(tps["hyperpodrun"], tps["torchrun"])]
-    cpu = {name: median(r["launcher_cpu_fraction"] for r in runs if r["launcher"] == name) for name in tps}
+            runs.append({"rep": rep, "tokens_per_s": tokens_per_s, **costs,
+                         "step_tokens_per_s": train.tokens_per_step / costs["median_step_s"], **run})  # fmt: skip
+    by = {name: sorted((r for r in runs if r["launcher"] == name), key=lambda r: r["rep"]) for name in LAUNCHERS}
+    pairs = list(zip(by["hyperpodrun"], by["torchrun"]))
+    wall = [theirs["median_step_s"] / ours["median_step_s"] for ours, theirs in pairs]
+    cpu = [theirs["cpu_per_step_s"] / ours["cpu_per_step_s"] for ours, theirs in pairs]
+    e2e = [ours["tokens_per_s"] / theirs["tokens_per_s"] for ours, theirs in pairs]
+
+    def med(name: str, key: str) -> float:
+        return median(r[key] for r in by[name])
+
     return {
         "train": train.as_params(),
         "warmup_steps": skip,
+        "cpu_sample_interval_s": CPU_SAMPLE_INTERVAL_S,
         "runs": runs,
-        "hyperpodrun_tokens_per_s": median(tps["hyperpodrun"]),
-        "torchrun_tokens_per_s": median(tps["torchrun"]),
-        "throughput_ratio": median(tps["hyperpodrun"]) / median(tps["torchrun"]),
-        "paired_ratios": paired,
-        "hyperpodrun_agent_cpu_fraction": cpu["hyperpodrun"],
-        "torchrun_agent_cpu_fraction": cpu["torchrun"],
+        "hyperpodrun_tokens_per_s": med("hyperpodrun", "tokens_per_s"),
+        "torchrun_tokens_per_s": med("torchrun", "tokens_per_s"),
+        "throughput_ratio": med("hyperpodrun", "tokens_per_s") / med("torchrun", "tokens_per_s"),
+        "paired_ratios": e2e,
+        "wall_step_ratios": wall,
+        "cpu_step_ratios": cpu,
+        "wall_step_ratio_ci": ratio_ci(wall) if len(wall) >= 2 else None,
+        "cpu_step_ratio_ci": ratio_ci(cpu) if len(cpu) >= 2 else None,
+        "hyperpodrun_median_step_s": med("hyperpodrun", "median_step_s"),
+        "torchrun_median_step_s": med("torchrun", "median_step_s"),
+        "hyperpodrun_cpu_per_step_s": med("hyperpodrun", "cpu_per_step_s"),
+        "torchrun_cpu_per_step_s": med("torchrun", "cpu_per_step_s"),
+        "hyperpodrun_rank_cpu_per_step_s": med("hyperpodrun", "rank_cpu_per_step_s"),
+        "torchrun_rank_cpu_per_step_s": med("torchrun", "rank_cpu_per_step_s"),
+        "hyperpodrun_agent_cpu_fraction": med("hyperpodrun", "launcher_cpu_fraction"),
+        "torchrun_agent_cpu_fraction": med("torchrun", "launcher_cpu_fraction"),
     }
 
 
@@ -217,13 +294,18 @@ def plot(result: BenchmarkResult, m: dict[str, Any], t: dict[str, Any], path: Pa
     ax1.set_title("per-step event check")
     ax1.legend()
     ax1.grid(True, axis="y", which="both", alpha=0.3)
-    for name, marker in (("hyperpodrun", "o"), ("torchrun", "s")):
-        reps = [r for r in t["runs"] if r["launcher"] == name]
-        ax2.plot([r["rep"] + 1 for r in reps], [r["tokens_per_s"] for r in reps], marker, label=name, markersize=8)
-    ax2.set_xlabel("repetition")
-    ax2.set_ylabel("tokens/s (end to end)")
-    ax2.set_title(f"example trainer, {RANKS} ranks: ratio {t['throughput_ratio']:.3f}")
-    ax2.legend()
+    for i, (key, label) in enumerate((("wall_step", "wall time per step"), ("cpu_step", "CPU time per step"))):
+        ratios = t[f"{key}_ratios"]
+        ax2.plot([p + 1 for p in range(len(ratios))], ratios, "os"[i], color=f"C{i}", label=label, markersize=7)
+        if t[f"{key}_ratio_ci"]:
+            ci = t[f"{key}_ratio_ci"]
+            ax2.axhspan(ci["ci_low"], ci["ci_high"], color=f"C{i}", alpha=0.15)
+            ax2.axhline(ci["ratio"], color=f"C{i}", linewidth=1)
+    ax2.axhline(0.99, color="k", linestyle=":", linewidth=1, label="target 0.99")
+    ax2.set_xlabel("interleaved pair")
+    ax2.set_ylabel("torchrun / hyperpodrun per step (> 1: faster)")
+    ax2.set_title(f"example trainer, {RANKS} ranks: pair ratios, mean and 95 % CI", fontsize=10)
+    ax2.legend(fontsize=8)
     ax2.grid(True, alpha=0.3)
     fig.suptitle(f"step_overhead ({result.mode}, {result.machine['usable_cpus']} CPU cores)")
     fig.tight_layout()
@@ -295,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_ratio": t["throughput_ratio"],
         "throughput_ratio_paired_min": min(t["paired_ratios"]),
         "throughput_ratio_paired_max": max(t["paired_ratios"]),
+        "wall_step_ratio_ci": t["wall_step_ratio_ci"],
+        "cpu_step_ratio_ci": t["cpu_step_ratio_ci"],
+        "hyperpodrun_median_step_s": t["hyperpodrun_median_step_s"],
+        "torchrun_median_step_s": t["torchrun_median_step_s"],
+        "hyperpodrun_cpu_per_step_s": t["hyperpodrun_cpu_per_step_s"],
+        "torchrun_cpu_per_step_s": t["torchrun_cpu_per_step_s"],
         "throughput_target": 0.99,
         "hyperpodrun_agent_cpu_fraction": t["hyperpodrun_agent_cpu_fraction"],
         "torchrun_agent_cpu_fraction": t["torchrun_agent_cpu_fraction"],
@@ -305,9 +393,11 @@ def main(argv: list[str] | None = None) -> int:
             "is the difference."
         ),
         (
-            "The throughput ratio compares whole runs on a shared machine: with few repetitions, run-to-run "
-            "noise (other processes, CPU frequency) can exceed the launcher's effect; the per-run samples and "
-            "the paired ratios (each hyperpodrun run over the torchrun run next to it) show the spread."
+            "throughput_ratio compares whole runs end to end (median over runs) and moves with whatever else "
+            "the machine runs; wall_step_ratio_ci and cpu_step_ratio_ci pair each hyperpodrun run with the "
+            "torchrun run next to it and give the geometric mean of the pairs with a 95 % t-interval. CPU time "
+            "per step (ranks + launcher) is what a step costs a node with no spare core and is the steadier "
+            "measure on a shared machine; wall time per step also sees other work and scheduling."
         ),
         (
             "agent_cpu_fraction is the launcher process's own CPU time (not its ranks') over the run's wall time: "
@@ -329,12 +419,17 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(format_table(["per-step call", "median µs", "p99 µs"], rows))
     print(format_table(
-        ["launcher", "tokens/s (median)", "agent CPU (cores)"],
-        [("hyperpodrun", t["hyperpodrun_tokens_per_s"], t["hyperpodrun_agent_cpu_fraction"]),
-         ("torchrun", t["torchrun_tokens_per_s"], t["torchrun_agent_cpu_fraction"])],
+        ["launcher", "tokens/s end to end", "median step s", "CPU s/step, ranks", "CPU s/step, all", "agent CPU (cores)"],
+        [(name, t[f"{name}_tokens_per_s"], t[f"{name}_median_step_s"], t[f"{name}_rank_cpu_per_step_s"],
+          t[f"{name}_cpu_per_step_s"], t[f"{name}_agent_cpu_fraction"]) for name in LAUNCHERS],
     ))  # fmt: skip
-    print(f"throughput ratio hyperpodrun/torchrun: {t['throughput_ratio']:.3f} "
+    print(f"throughput ratio hyperpodrun/torchrun, end to end: {t['throughput_ratio']:.3f} "
           f"(paired runs: {min(t['paired_ratios']):.3f} .. {max(t['paired_ratios']):.3f}; target >= 0.99)")  # fmt: skip
+    for key, label in (("wall_step", "wall time per step"), ("cpu_step", "CPU time per step (ranks + launcher)")):
+        ci = t[f"{key}_ratio_ci"]
+        if ci:
+            print(f"ratio by {label}: {ci['ratio']:.3f}, 95 % CI {ci['ci_low']:.3f} .. {ci['ci_high']:.3f} "
+                  f"({ci['n']} pairs)")  # fmt: skip
     print(f"wrote {path}")
     return 0
 

@@ -75,6 +75,34 @@ def test_wall_tokens_per_s_uses_step_end_times(bench: Any) -> None:
         common.wall_tokens_per_s(records, 1000, skip=9)
 
 
+def test_ratio_ci_is_the_geometric_mean_with_a_t_interval(bench: Any) -> None:
+    common = bench("common")
+    ci = common.ratio_ci([0.98, 1.0, 1.02, 1.0])
+    assert ci["n"] == 4 and ci["ratio"] == pytest.approx(0.99993, abs=1e-4)
+    # sd of the logs ~0.01633, t(3) = 3.182: half width ~2.6 %
+    assert ci["ci_low"] == pytest.approx(0.9741, abs=1e-3) and ci["ci_high"] == pytest.approx(1.0265, abs=1e-3)
+    assert ci["half_width_pct"] == pytest.approx(2.63, abs=0.05)
+    assert common.ratio_ci([0.95, 0.95])["ci_low"] == pytest.approx(0.95)  # no spread, no width
+    with pytest.raises(ValueError, match="at least 2 positive"):
+        common.ratio_ci([1.0])
+
+
+def test_steady_costs_divides_cpu_by_the_steps_in_its_window(bench: Any) -> None:
+    so = bench("step_overhead")
+    records = [{"ts": 100.0 + 0.5 * s, "step": s} for s in range(1, 21)]  # step s ends at 100 + s/2
+    # the ranks burn 0.8 CPU s per wall second, the launcher 0.1; sampled every 0.2 s from t = 99
+    samples = [(99.0 + 0.2 * i, 0.1 * 0.2 * i, 0.8 * 0.2 * i) for i in range(60)]
+    c = so.steady_costs(records, samples, skip=4)
+    assert c["median_step_s"] == pytest.approx(0.5)
+    assert c["rank_cpu_per_step_s"] == pytest.approx(0.4) and c["launcher_cpu_per_step_s"] == pytest.approx(0.05)
+    assert c["cpu_per_step_s"] == pytest.approx(0.45)
+    assert c["cpu_window_steps"] == pytest.approx(14.8, abs=0.01)  # samples from t=102.6 to t=110.0
+    with pytest.raises(so.BenchmarkError, match="CPU samples"):
+        so.steady_costs(records, samples[:5], skip=4)
+    with pytest.raises(so.BenchmarkError, match="logged steps"):
+        so.steady_costs(records, samples, skip=19)
+
+
 def test_benchmark_result_validates_and_writes(bench: Any, tmp_path: Path) -> None:
     common = bench("common")
     with pytest.raises(ValueError, match="mode"):
@@ -111,6 +139,7 @@ def test_measure_event_reads_downtime_and_lost_steps(bench: Any) -> None:
     m = se.measure_event(records, t_event=105.0, to_world=2)
     assert m["downtime_s"] == pytest.approx(120.0 - 106.0)
     assert (m["last_old_step"], m["first_new_step"], m["steps_lost"]) == (12, 11, 2)
+    assert m["step_interval_s"] == pytest.approx(0.5) and m["pause_s"] == pytest.approx(14.0 - 0.5)
     assert se.measure_event(records[:12], t_event=105.0, to_world=2) is None  # not recovered yet
     # a cooperative scale event resumes right after the step it saved at
     coop = records[:12] + [{"ts": 115.0, "step": 13, "world_size": 2}]
@@ -120,24 +149,30 @@ def test_measure_event_reads_downtime_and_lost_steps(bench: Any) -> None:
 def test_summarize_events_ratios_and_failures(bench: Any) -> None:
     se = bench("scale_events")
 
-    def ok(kind: str, downtime: float, lost: int) -> dict[str, Any]:
-        return {"kind": kind, "outcome": "ok", "downtime_s": downtime, "steps_lost": lost,
-                "lost_time_s": downtime + 0.5 * lost, "detect_s": 1.0}  # fmt: skip
+    def ok(kind: str, downtime: float, lost: int, mode: str | None = None) -> dict[str, Any]:
+        return {"kind": kind, "outcome": "ok", "downtime_s": downtime, "pause_s": downtime - 0.5, "steps_lost": lost,
+                "lost_time_s": downtime + 0.5 * lost, "detect_s": 1.0, **({"mode": mode} if mode else {})}  # fmt: skip
 
     runs = [
-        {"variant": "hyperpodrun", "events": [ok("join", 4.0, 0), ok("leave", 2.0, 0), ok("leave", 4.0, 0)]},
+        {"variant": "hyperpodrun", "events": [ok("join", 1.0, 0, "in-place"), ok("leave", 0.5, 0, "in-place"),
+                                              ok("leave", 1.5, 0, "restart")]},  # fmt: skip
+        {"variant": "hyperpodrun-restart", "events": [ok("join", 4.0, 0, "restart")]},
         {"variant": "torchrun-noshare", "events": [ok("join", 8.0, 4), ok("leave", 10.0, 6)]},
         {"variant": "torchrun", "events": [{"kind": "join", "outcome": "hang"}]},
     ]
     s = se.summarize_events(runs)
-    assert s["downtime_ratio"]["torchrun-noshare"] == {"join": 0.5, "leave": 0.3}
-    assert s["lost_time_ratio"]["torchrun-noshare"] == {"join": 0.4, "leave": 0.23076923076923078}
-    assert "torchrun" not in s["downtime_ratio"]
+    assert s["downtime_ratio"]["hyperpodrun"]["torchrun-noshare"] == {"join": 0.125, "leave": 0.1}
+    assert s["downtime_ratio"]["hyperpodrun"]["hyperpodrun-restart"] == {"join": 0.25}
+    assert s["downtime_ratio"]["hyperpodrun-restart"] == {"torchrun-noshare": {"join": 0.5}, "hyperpodrun": {"join": 4.0}}
+    assert s["lost_time_ratio"]["hyperpodrun"]["torchrun-noshare"] == {"join": 0.1, "leave": 1.0 / 13.0}
+    assert s["pause_ratio"]["hyperpodrun"]["torchrun-noshare"]["join"] == pytest.approx(0.5 / 7.5)
+    assert "torchrun" not in s["downtime_ratio"]["hyperpodrun"]
     assert s["by_kind"]["join"]["torchrun"] == {
-        "n": 1, "ok": 0, "outcomes": ["hang"], "downtime_median_s": None, "lost_time_median_s": None,
-        "steps_lost_median": None, "detect_median_s": None,
+        "n": 1, "ok": 0, "outcomes": ["hang"], "downtime_median_s": None, "pause_median_s": None,
+        "lost_time_median_s": None, "steps_lost_median": None, "detect_median_s": None,
     }  # fmt: skip
     assert s["by_kind"]["leave"]["hyperpodrun"]["n"] == 2
+    assert s["by_kind"]["leave"]["hyperpodrun"]["modes"] == ["in-place", "restart"]
     assert s["steps_lost_median"]["leave"] == {"hyperpodrun": 0, "torchrun-noshare": 6}
 
 
@@ -157,31 +192,74 @@ def test_hyperpodrun_phases_skip_periodic_saves_and_stop_at_first_step(bench: An
     }  # fmt: skip
 
 
-def test_phase_breakdown_of_cooperative_events(bench: Any) -> None:
+def test_hyperpodrun_phases_keep_the_ranks_own_durations(bench: Any) -> None:
     se = bench("scale_events")
-    phases = [
-        {
-            "workers_signalled": 0.5,
-            "checkpoint_saved": 2.5,
-            "workers_stopped": 5.5,
-            "workers_started": 6.0,
-            "first_step": 16.0,
-        },
-        {
-            "workers_signalled": 0.5,
-            "checkpoint_saved": 1.5,
-            "workers_stopped": 2.5,
-            "workers_started": 3.0,
-            "first_step": 11.0,
-        },
+    log = [
+        {"ts": 11.0, "event": "workers_signalled"},
+        {"ts": 13.0, "event": "group_torn_down", "seconds": 0.25},
+        {"ts": 13.5, "event": "group_up", "seconds": 0.5},
+        {"ts": 13.75, "event": "hydrated", "seconds": 0.2},
+        {"ts": 14.5, "event": "first_step"},
+    ]
+    assert se.hyperpodrun_phases(log, 10.0) == {
+        "workers_signalled": 1.0, "group_torn_down": 3.0, "teardown_s": 0.25, "group_up": 3.5,
+        "hydrated": 3.75, "hydration_own_s": 0.2, "first_step": 4.5,
+    }  # fmt: skip
+
+
+def test_event_mode_reads_the_in_place_rendezvous(bench: Any) -> None:
+    se = bench("scale_events")
+    admitted = {"ts": 11.0, "event": "rendezvous_done"}  # a joiner's agent logs its admission round first
+    in_place = {"ts": 13.0, "event": "rendezvous_done", "in_place": True}
+    assert se.event_mode([admitted, in_place], {"first_step": 4.0}, 10.0) == "in-place"
+    assert se.event_mode([admitted, in_place], {"first_step": 2.0}, 10.0) == "restart"  # after the first step
+    assert se.event_mode([], {"workers_started": 1.0}, 10.0) == "restart"
+    assert se.event_mode([], {}, 10.0) == "unknown"
+
+
+def test_phase_breakdown_by_variant_and_mode(bench: Any) -> None:
+    se = bench("scale_events")
+    restarts = [
+        {"workers_signalled": 0.5, "checkpoint_saved": 2.5, "workers_stopped": 5.5, "workers_started": 6.0,
+         "first_step": 16.0},
+        {"workers_signalled": 0.5, "checkpoint_saved": 1.5, "workers_stopped": 2.5, "workers_started": 3.0,
+         "first_step": 11.0},
         {"workers_started": 3.0, "first_step": 9.0},  # a node loss: no save
-    ]
+    ]  # fmt: skip
+    in_place = {"workers_signalled": 0.5, "group_torn_down": 2.0, "teardown_s": 0.1, "group_up": 2.5,
+                "hydrated": 2.75, "hydration_own_s": 0.2, "first_step": 3.5}  # fmt: skip
     runs = [
-        {"variant": "hyperpodrun", "events": [{"phases_s": p} for p in phases]},
-        {"variant": "torchrun-noshare", "events": [{"phases_s": phases[0]}]},  # ignored: not hyperpodrun
-    ]
-    assert se.phase_breakdown(runs) == {"save_median_s": 1.5, "exit_after_save_median_s": 2.0, "restart_median_s": 8.0}
-    assert se.phase_breakdown([]) == {"save_median_s": None, "exit_after_save_median_s": None, "restart_median_s": None}
+        {"variant": "hyperpodrun-restart", "events": [{"phases_s": p, "mode": "restart"} for p in restarts]},
+        {"variant": "hyperpodrun", "events": [{"phases_s": in_place, "mode": "in-place"},
+                                              {"phases_s": restarts[0], "mode": "restart"}]},  # a fallback
+        {"variant": "torchrun-noshare", "events": [{"phases_s": restarts[0]}]},  # ignored: not ours
+    ]  # fmt: skip
+    b = se.phase_breakdown(runs)
+    assert set(b) == {"hyperpodrun", "hyperpodrun-restart"}
+    assert b["hyperpodrun-restart"] == {"save_median_s": 1.5, "exit_after_save_median_s": 2.0, "restart_median_s": 8.0}
+    assert b["hyperpodrun"] == {
+        "to_target_median_s": 1.5, "group_init_median_s": 0.5, "hydration_median_s": 0.25, "to_first_step_median_s": 0.75,
+        "teardown_median_s": 0.1, "hydration_own_median_s": 0.2,
+        "save_median_s": 2.0, "exit_after_save_median_s": 3.0, "restart_median_s": 10.0,
+    }  # fmt: skip
+    assert se.phase_breakdown([]) == {}
+
+
+def test_torchft_survivor_pause_sums_the_time_beyond_a_normal_step(bench: Any) -> None:
+    ft = bench("torchft_peer")
+    steps = [(0.0, 1, True), (0.5, 1, True), (1.0, 1, True), (1.5, 1, True), (2.8, 1, False), (3.5, 2, True),
+             (4.0, 2, True)]  # fmt: skip
+    records = [{"ts": ts, "step": i, "participants": p, "committed": c} for i, (ts, p, c) in enumerate(steps)]
+    m = ft.survivor_pause(records, t_event=1.2, participants=2)
+    assert m["step_interval_s"] == pytest.approx(0.5)
+    assert m["pause_s"] == pytest.approx(0.8 + 0.2)  # 1.5 -> 2.8 and 2.8 -> 3.5, each beyond 0.5
+    assert m["longest_step_s"] == pytest.approx(1.3) and m["steps_lost"] == 1 and m["to_new_s"] == pytest.approx(2.3)
+    assert ft.survivor_pause(records[:5], t_event=1.2, participants=2) is None  # not at the new size yet
+    se = bench("scale_events")
+    summary = {"by_kind": {"join": {"hyperpodrun": {"pause_median_s": 0.1}}}}
+    assert se.torchft_ratios(summary, {"join": {"pause_median_s": 0.4}, "leave": {"pause_median_s": 2.0}}) == {
+        "join": 0.25
+    }
 
 
 def test_event_phases_cover_the_checkpoint_interval(bench: Any) -> None:
@@ -235,11 +313,15 @@ def test_step_overhead_smoke(out_dir: Path) -> None:
     s = run_smoke("step_overhead", out_dir)["summary"]
     for key in ("check_inside_median_us", "check_inside_p99_us", "check_outside_median_us",
                 "allreduce_gloo_median_us", "allreduce_gloo_p99_us", "hyperpodrun_tokens_per_s",
-                "torchrun_tokens_per_s", "throughput_ratio"):  # fmt: skip
+                "torchrun_tokens_per_s", "throughput_ratio", "hyperpodrun_cpu_per_step_s",
+                "torchrun_cpu_per_step_s", "hyperpodrun_median_step_s", "torchrun_median_step_s"):  # fmt: skip
         assert positive(s[key]), (key, s[key])
     assert s["check_inside_p99_us"] >= s["check_inside_median_us"]
     assert s["check_returned_true"] == 0  # nothing was pending: the check must never fire
     assert s["throughput_ratio"] == pytest.approx(s["hyperpodrun_tokens_per_s"] / s["torchrun_tokens_per_s"])
+    for key in ("wall_step_ratio_ci", "cpu_step_ratio_ci"):  # two interleaved pairs in smoke
+        ci = s[key]
+        assert ci["n"] == 2 and positive(ci["ratio"]) and ci["ci_low"] <= ci["ratio"] <= ci["ci_high"], (key, ci)
 
 
 @pytest.mark.slow
@@ -325,15 +407,21 @@ def test_scale_events_smoke(out_dir: Path) -> None:
     assert set(runs) == {"hyperpodrun", "torchrun-noshare"}
     ours = runs["hyperpodrun"]
     assert ours["failure"] is None, ours["failure"]
-    (join,) = ours["events"]
-    assert (join["kind"], join["from_world"], join["to_world"], join["outcome"]) == ("join", 1, 2, "ok")
-    assert positive(join["downtime_s"]) and positive(join["detect_s"])
-    assert join["steps_lost"] == 0  # the cooperative scale event saves at the agreed step
-    assert {"scale_decided", "workers_started"} <= set(join["phases_s"])
+    assert [(e["kind"], e["from_world"], e["to_world"], e["outcome"]) for e in ours["events"]] == [
+        ("join", 1, 2, "ok"), ("yield", 2, 1, "ok"),
+    ]  # fmt: skip
+    for ev in ours["events"]:  # the example uses ElasticTraining: both events run in place
+        assert ev["mode"] == "in-place", ev["phases_s"]
+        assert positive(ev["downtime_s"]) and positive(ev["detect_s"]) and ev["pause_s"] >= 0
+        assert ev["steps_lost"] == 0
+        assert {"scale_decided", "workers_signalled", "group_torn_down", "group_up", "hydrated", "first_step"} <= set(
+            ev["phases_s"]
+        )
     for ev in runs["torchrun-noshare"]["events"]:  # the baseline is recorded whatever it did
         assert ev["outcome"] in ("ok", "hang", "exited")
         if ev["outcome"] == "ok":
             assert positive(ev["downtime_s"]) and ev["steps_lost"] >= 0
-    assert "join" in data["summary"]["by_kind"]
-    phases = data["summary"]["hyperpodrun_phases"]
-    assert positive(phases["restart_median_s"]) and positive(phases["exit_after_save_median_s"])
+    assert {"join", "yield"} <= set(data["summary"]["by_kind"])
+    assert data["summary"]["hyperpodrun_modes"]["hyperpodrun"] == ["in-place", "in-place"]
+    phases = data["summary"]["hyperpodrun_phases"]["hyperpodrun"]
+    assert positive(phases["group_init_median_s"]) and positive(phases["to_first_step_median_s"])
