@@ -334,11 +334,15 @@ class Agent:
             p.round == pending.next_round and p.phase in (RankPhase.READY, RankPhase.RUNNING) for p in self._control.progress()
         )
 
-    def _prewarm(self) -> None:
-        """A standby of an in-process job: start the ranks parked (imported, model built, waiting for admission)."""
+    def _prewarm(self) -> bool:
+        """A standby of an in-process job: start the ranks parked (imported, model built, waiting for
+        admission) once; whether every one of them is parked now."""
         if self._parked is None:
             self._parked = self._start_group(None, RestartReason.SCALE)
             _say("standby: ranks started parked; admission will cost group init and hydration only")
+        if self._parked.poll() != WorkerState.HEALTHY:
+            return False
+        return all(p.phase == RankPhase.PARKED for p in self._control.progress())
 
     def _admit(self, rnd: RoundInfo) -> WorkerGroup:
         """Publish the admitting event to the parked ranks (started now when this node was not pre-warmed)."""

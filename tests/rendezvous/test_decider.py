@@ -38,8 +38,8 @@ def ctx(**kw) -> DeciderContext:
     return DeciderContext(**{**base, **kw})
 
 
-def node(name: str, *, port: int = 40000, leaving: bool = False) -> NodeRecord:
-    return NodeRecord(addr=f"10.0.0.{ord(name[-1]) - 96}", port=port, nproc=2, leaving=leaving)
+def node(name: str, *, port: int = 40000, leaving: bool = False, parked: bool = False) -> NodeRecord:
+    return NodeRecord(addr=f"10.0.0.{ord(name[-1]) - 96}", port=port, nproc=2, leaving=leaving, parked=parked)
 
 
 def running(*members: str, round_no: int = 3) -> RoundRecord:
@@ -126,6 +126,8 @@ def test_reconfigure_mode_only_when_every_member_declared_the_in_process_api() -
     assert decoded(plan(snap, DeciderMemory(), NOW, ctx()).writes[0])["mode"] == "restart"
     all_in = {k: AckRecord(**{**v.__dict__, "reconfigurable": True}) for k, v in acks.items()}
     snap = JobSnapshot(nodes=snap.nodes, round=snap.round, event=snap.event, acks=all_in)
+    assert plan(snap, DeciderMemory(), NOW, ctx()).writes == ()  # joiner c's ranks are not parked yet: wait
+    snap = JobSnapshot(nodes={**snap.nodes, "c": node("c", parked=True)}, round=snap.round, event=snap.event, acks=all_in)
     written = decoded(plan(snap, DeciderMemory(), NOW, ctx()).writes[0])
     assert written["mode"] == "reconfigure" and (written["master_addr"], written["master_port"]) == ("10.0.0.1", 41000)
     forced = decoded(plan(snap, DeciderMemory(), NOW, ctx(restart_mode=RestartMode.PROCESS)).writes[0])

@@ -126,11 +126,12 @@ class RendezvousHandler(ABC):
         """Become known to the job (before the first round)."""
 
     @abstractmethod
-    def next_round(self, *, timeout: float, prewarm: Callable[[], None] | None = None) -> RoundInfo:
+    def next_round(self, *, timeout: float, prewarm: Callable[[], bool] | None = None) -> RoundInfo:
         """Block until this node is a member of a new round; raises RendezvousTimeoutError or RendezvousClosedError.
 
-        ``prewarm`` is called (once) while this node waits as a standby of a job whose ranks
-        reconfigure in place: the agent starts its ranks parked, so admission costs no process start.
+        ``prewarm`` is called while this node waits as a standby of a job whose ranks reconfigure in
+        place: the agent starts its ranks parked (once) and answers whether they are parked yet, so
+        the node is admitted only when admission costs no process start.
         """
 
     def entered_in_place(self, directive: Directive) -> RoundInfo:

@@ -300,6 +300,9 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
             and head in acks  # rank 0 of the next round must be a survivor holding the state
         ):
             mode = EventMode.RECONFIGURE
+            cold = [m for m in ev.next_members if m not in acks and m in snap.nodes and not snap.nodes[m].parked]
+            if cold and elapsed <= ctx.ack_timeout:  # survivors would wait in the new group for their start-up
+                return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for {cold} to park their ranks")
     how = "ranks reconfigure in place" if mode is EventMode.RECONFIGURE else "ranks save and restart"
     note = Note(round=ev.round, what=f"event {ev.id} ({ev.kind.value}, {mode.value})", reason=f"{how} at step {target}",
                 event="scale_targeted", fields={"event_id": ev.id, "kind": ev.kind.value, "mode": mode.value, "target_step": target})  # fmt: skip

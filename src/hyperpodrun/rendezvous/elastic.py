@@ -96,6 +96,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._stopped_reported = 0
         self._leaving = False
         self._reconfigurable = False  # this node's ranks declared the in-process API
+        self._parked = False  # this standby's pre-warmed ranks are parked, waiting for admission
         self._in_place_event: EventRecord | None = None  # the event this node's ranks moved rounds in place for
         self._keeper: LeaseKeeper | None = None
         self._lease = None
@@ -168,7 +169,8 @@ class ElasticRendezvous(RendezvousHandler):
         """(Re)write this node's record with a port free now: the next round's master port if it hosts rank 0."""
         record = NodeRecord(
             addr=self._local_addr, port=free_port(self._local_addr), nproc=self.ctx.nproc_per_node,
-            pid=os.getpid(), leaving=self._leaving, reconfigurable=self._reconfigurable, settings=self._settings(),
+            pid=os.getpid(), leaving=self._leaving, reconfigurable=self._reconfigurable, parked=self._parked,
+            settings=self._settings(),
         )  # fmt: skip
         self.store.put(Keys.node(self._node_id), encode(record), lease=self._lease)
 
@@ -215,13 +217,12 @@ class ElasticRendezvous(RendezvousHandler):
 
     # -- the agent's entry points --------------------------------------------------------
 
-    def next_round(self, *, timeout: float, prewarm: Callable[[], None] | None = None) -> RoundInfo:
+    def next_round(self, *, timeout: float, prewarm: Callable[[], bool] | None = None) -> RoundInfo:
         """Wait until this node is a member of a running round newer than the last one it ran,
         or a RECONFIGURE event admits it into a running job in place."""
         deadline = time.monotonic() + timeout
         last = self._round.round if self._round else 0
         waited_msg = 0.0
-        prewarmed = False
         while True:
             if self.lease_lost:
                 self.rejoin()
@@ -246,9 +247,9 @@ class ElasticRendezvous(RendezvousHandler):
             standby_in_process = rnd is not None and rnd.inprocess and rnd.state is RoundState.RUNNING and not self._leaving
             if standby_in_process and (admission := self._admission(rnd, self._read_event())) is not None:
                 return admission
-            if standby_in_process and prewarm is not None and not prewarmed:
-                prewarmed = True
-                prewarm()
+            if standby_in_process and prewarm is not None and not self._parked and prewarm():
+                self._parked = True
+                self._put_node()  # the decider admits this node in place only once its ranks are parked
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousTimeoutError(
@@ -343,6 +344,7 @@ class ElasticRendezvous(RendezvousHandler):
             group_world_size=len(nxt), master_addr=ev.master_addr, master_port=ev.master_port,
         )  # fmt: skip
         self._handled_event = ev.id
+        self._parked = False
         info = self.entered_in_place(directive)
         return dataclasses.replace(info, members=nxt, admission=directive)
 

@@ -123,6 +123,7 @@ class NodeRecord:
     pid: int = 0
     leaving: bool = False
     reconfigurable: bool = False  # every local rank declared the in-process API
+    parked: bool = False  # a standby whose pre-warmed ranks wait for admission (imported, model built)
     settings: dict[str, Any] | None = None  # job_settings(): every node of a job must share them
 
 

@@ -49,7 +49,7 @@ class StaticRendezvous(RendezvousHandler):
     def node_id(self) -> str:
         return f"{socket.gethostname()}-node{self._node_rank}"
 
-    def next_round(self, *, timeout: float, prewarm: Callable[[], None] | None = None) -> RoundInfo:
+    def next_round(self, *, timeout: float, prewarm: Callable[[], bool] | None = None) -> RoundInfo:
         self._round += 1
         return RoundInfo(
             round=self._round,
