@@ -64,6 +64,8 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, backend_
     signalled = [e["kind"] for e in job.events("workers_signalled") if e.get("target_step") is not None]
     assert signalled.count("reconfigure") >= 3 and "save_and_exit" not in signalled, signalled  # a, b at leave; a at join
     assert len(job.events("workers_reconfigured")) >= 3  # a at the join, b admitted, a at the leave
+    in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
+    assert in_place and all(len(e["members"]) == e["world_size"] for e in in_place), in_place  # 1 rank per node
     targeted = [(e["kind"], e["mode"]) for e in job.events("scale_targeted")]
     assert targeted == [("join", "reconfigure"), ("leave", "reconfigure")], targeted  # the event log says the mode
     # every step trained exactly once, in order, at the sizes the events say

@@ -72,6 +72,7 @@ class Directive:
     group_world_size: int = 0
     master_addr: str = ""
     master_port: int = 0
+    members: tuple[str, ...] = ()  # RECONFIGURE: the next round's nodes in group-rank order
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -326,7 +326,7 @@ class ElasticRendezvous(RendezvousHandler):
             return Directive(
                 kind=DirectiveKind.RECONFIGURE, target_step=ev.target, world_size=world,
                 group_rank=nxt.index(self._node_id) if self._node_id in nxt else -1, group_world_size=len(nxt),
-                master_addr=ev.master_addr, master_port=ev.master_port, **base,
+                master_addr=ev.master_addr, master_port=ev.master_port, members=nxt, **base,
             )  # fmt: skip
         return Directive(kind=DirectiveKind.SAVE_AND_EXIT, target_step=ev.target, world_size=world, **base)
 
@@ -341,12 +341,11 @@ class ElasticRendezvous(RendezvousHandler):
         directive = Directive(
             kind=DirectiveKind.RECONFIGURE, event_id=ev.id, event_kind=ev.kind, reason=ev.reason, next_round=ev.next_round,
             target_step=ev.target, world_size=len(nxt) * self.ctx.nproc_per_node, group_rank=nxt.index(self._node_id),
-            group_world_size=len(nxt), master_addr=ev.master_addr, master_port=ev.master_port,
+            group_world_size=len(nxt), master_addr=ev.master_addr, master_port=ev.master_port, members=nxt,
         )  # fmt: skip
         self._handled_event = ev.id
         self._parked = False
-        info = self.entered_in_place(directive)
-        return dataclasses.replace(info, members=nxt, admission=directive)
+        return dataclasses.replace(self.entered_in_place(directive), admission=directive)
 
     def _left_behind(self, rnd: RoundRecord | None, ev: EventRecord | None, my_round: int) -> Directive | None:
         """STOP when the job moved on without this node's running ranks: a newer round (an in-place
@@ -485,7 +484,7 @@ class ElasticRendezvous(RendezvousHandler):
         if directive.group_rank < 0:
             raise RendezvousError("this node left the job at the reconfiguration")
         rnd = RoundRecord(
-            round=directive.next_round, members=(), master_addr=directive.master_addr, master_port=directive.master_port,
+            round=directive.next_round, members=directive.members, master_addr=directive.master_addr, master_port=directive.master_port,
             reason=RestartReason.SCALE.value, mode=EventMode.RECONFIGURE,
         )  # fmt: skip
         self._round = rnd
@@ -501,7 +500,7 @@ class ElasticRendezvous(RendezvousHandler):
                 group_rank=directive.group_rank, group_world_size=directive.group_world_size,
                 nproc_per_node=self.ctx.nproc_per_node, master_addr=directive.master_addr, master_port=directive.master_port,
             ),  # fmt: skip
-            members=(),
+            members=directive.members,
             reason=RestartReason.SCALE,
         )
 
