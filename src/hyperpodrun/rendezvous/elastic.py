@@ -352,9 +352,11 @@ class ElasticRendezvous(RendezvousHandler):
         reconfiguration fell back to a restart), or an in-place round that was never published."""
         moved_on = rnd is not None and rnd.round > my_round and rnd.state is RoundState.RUNNING
         placed = self._in_place_event
+        # The decider completes the event and then publishes the round: two writes, so between them the
+        # event is complete and the round not yet written. Only a halted previous round means "never published".
         unpublished = (
             placed is not None and ev is not None and ev.id == placed.id and ev.complete
-            and not (rnd is not None and rnd.round == my_round and rnd.state is RoundState.RUNNING)
+            and rnd is not None and rnd.round == my_round - 1 and rnd.state is RoundState.HALTED
         )  # fmt: skip
         if not (moved_on or unpublished):
             return None
