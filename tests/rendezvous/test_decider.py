@@ -191,3 +191,20 @@ def test_the_event_says_why(leaving: bool, standbys: tuple[str, ...], cap: int |
     mem = DeciderMemory(first_seen={n: NOW - 100 for n in nodes}, capacity_since=NOW - 100)
     (write,) = plan(snap, mem, NOW, ctx()).writes
     assert write.key == Keys.EVENT and decoded(write)["kind"] == kind and decoded(write)["mode"] == "restart"
+
+
+def test_an_in_place_node_polling_between_the_deciders_two_writes_keeps_its_ranks() -> None:
+    """Found by the soak (yield then uncap): the event was complete, the round not yet published, and the
+    freshly admitted node stopped its ranks; the others then hung in a group missing it."""
+    from hyperpodrun.rendezvous.api import Directive, DirectiveKind
+    from hyperpodrun.rendezvous.elastic import ElasticRendezvous
+
+    rdzv = ElasticRendezvous(None, context=ctx(), local_addr="10.0.0.3", join_timeout=1.0, node_id="c")  # type: ignore[arg-type]
+    rdzv.entered_in_place(Directive(kind=DirectiveKind.RECONFIGURE, event_id=5, next_round=4, group_rank=1,
+                                    group_world_size=2, master_addr="10.0.0.1", master_port=41000, members=("a", "c")))  # fmt: skip
+    done = EventRecord(**{**event(next_members=("a", "c"), target=40, mode=EventMode.RECONFIGURE).__dict__, "complete": True})
+    assert rdzv._left_behind(running("a"), done, 4) is None  # round 3 still current: the decider is mid-publish
+    assert rdzv._left_behind(running("a", "c", round_no=4), done, 4) is None  # published
+    halted = RoundRecord(**{**running("a").__dict__, "state": RoundState.HALTED, "halt_kind": EventKind.NODE_LOST})
+    assert rdzv._left_behind(halted, done, 4).kind is DirectiveKind.STOP  # never published: stop
+    assert rdzv._left_behind(running("a", "c", round_no=5), None, 4).kind is DirectiveKind.STOP  # fell back to a restart
