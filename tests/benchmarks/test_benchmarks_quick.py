@@ -337,3 +337,64 @@ def test_scale_events_smoke(out_dir: Path) -> None:
     assert "join" in data["summary"]["by_kind"]
     phases = data["summary"]["hyperpodrun_phases"]
     assert positive(phases["restart_median_s"]) and positive(phases["exit_after_save_median_s"])
+
+
+# --------------------------------------------------------------------------- soak (pure parts)
+
+
+def _rec(step: int, rank: int, world: int, ids: list[int]) -> dict[str, Any]:
+    return {"step": step, "rank": rank, "world_size": world, "sample_ids": ids}
+
+
+def _batches(step: int) -> list[int]:
+    return [2 * step - 1, 2 * step]  # a global batch of 2: step 1 -> [1, 2], step 2 -> [3, 4], ...
+
+
+def test_soak_ledger_splits_attempts_and_allows_only_uncommitted_redo(bench: Any) -> None:
+    ledger = bench("soak_ledger")
+    log = [
+        _rec(1, 0, 2, [1]), _rec(1, 1, 2, [2]), _rec(2, 0, 2, [3]), _rec(2, 1, 2, [4]),
+        _rec(3, 0, 2, [5]),  # rank 1 died in step 3: the job restarts from the checkpoint of step 2
+        _rec(3, 0, 1, [5, 6]), _rec(4, 0, 1, [7, 8]),
+    ]  # fmt: skip
+    by_step = ledger.attempts_of(log)
+    assert [len(by_step[s]) for s in (1, 2, 3, 4)] == [1, 1, 2, 1]
+    assert not by_step[3][0].complete and by_step[3][1].complete
+    ok = ledger.check_window(by_step, first_line=4, end_line=99, graceful=False, committed=2, expected=_batches)
+    assert ok.steps_redone == (3,) and ok.redone_committed == () and ok.problems == ()
+    assert (ok.samples_lost, ok.samples_repeated, ok.samples_redone) == (0, 0, 2)
+    stale = ledger.check_window(by_step, first_line=4, end_line=99, graceful=False, committed=3, expected=_batches)
+    assert stale.redone_committed == (3,) and "checkpoint 3" in stale.problems[0]
+    graceful = ledger.check_window(by_step, first_line=4, end_line=99, graceful=True, committed=2, expected=_batches)
+    assert "graceful event redid steps [3]" in graceful.problems[0]
+    assert ledger.missing_steps(by_step, 5) == [5]
+
+
+def test_soak_ledger_counts_lost_and_repeated_samples(bench: Any) -> None:
+    ledger = bench("soak_ledger")
+    by_step = ledger.attempts_of([_rec(1, 0, 2, [1]), _rec(1, 1, 2, [1]), _rec(2, 0, 1, [3, 4, 5])])
+    check = ledger.check_window(by_step, first_line=0, end_line=9, graceful=True, committed=0, expected=_batches)
+    assert (check.samples_lost, check.samples_repeated) == (1, 2)  # step 1: 2 lost, 1 twice; step 2: 5 extra
+    assert len(check.problems) == 2 and check.steps_redone == ()
+    assert ledger.committed_step([{"event": "checkpoint_saved", "ts": 5.0, "step": 10},
+                                  {"event": "checkpoint_saved", "ts": 9.0, "step": 15}], 6.0) == 10  # fmt: skip
+    assert ledger.goodput(90.0, 100.0) == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="> 0"):
+        ledger.goodput(0.0, 1.0)
+
+
+def test_soak_deck_draws_every_eligible_kind_before_repeating(bench: Any) -> None:
+    import random
+
+    soak = bench("soak")
+    kinds = bench("soak_ledger").KINDS
+    state = soak.JobState()
+    assert not soak.eligible("join", state) and not soak.eligible("uncap", state)  # 3 nodes, no cap
+    assert soak.eligible("leave", state) and soak.expected_world("yield", state) == 2
+    assert not soak.eligible("leave", soak.JobState(nodes=1, world=1))
+    deck = soak.Deck(kinds, random.Random(1))
+    drawn = [deck.draw(soak.JobState(nodes=2, world=2, capped=False)) for _ in range(len(kinds) - 1)]
+    assert sorted(drawn) == sorted(set(kinds) - {"uncap"})  # uncap waits until a cap is set
+    assert deck.draw(soak.JobState(nodes=3, world=2, capped=True)) == "uncap"
+    again = [soak.Deck(kinds, random.Random(1)).draw(soak.JobState()) for _ in range(3)]
+    assert len(set(again)) == 1  # seeded: the same first draw every time
