@@ -40,13 +40,16 @@ from typing import Any
 
 import soak_ledger as ledger
 from common import (
+    BenchmarkError,
     BenchmarkResult,
     BenchmarkTimeoutError,
+    bench_env,
     format_table,
     median,
     parse_args,
     pyplot,
-    read_metrics,
+    require_train_script,
+    run_to_completion,
     start_etcd,
 )
 from soak_job import JobDied, SoakJob, SoakSettings
@@ -121,17 +124,20 @@ class Deck:
 def run_path(path: str, settings: SoakSettings, *, events: int, seed: int, kinds: tuple[str, ...],
              gap: tuple[int, int], etcd: Any, work: Path, expected: Any) -> dict[str, Any]:  # fmt: skip
     """Train ``settings.steps`` steps with ``events`` random events (0: the reference run)."""
-    rng = random.Random(seed)
-    deck, state = Deck(kinds, rng), JobState()
+    # One stream each for the kinds, the gaps and the targets, so that both paths get the same
+    # sequence of kinds and gaps even where a target draw (a node, a pause) differs between them.
+    rng, gaps = random.Random(f"{seed}-targets"), random.Random(f"{seed}-gaps")
+    deck, state = Deck(kinds, random.Random(f"{seed}-kinds")), JobState()
     job = SoakJob(settings, restart_mode=PATHS[path], etcd=etcd, work=work)
     out: dict[str, Any] = {"path": path, "events": [], "job_deaths": [], "failure": None}
     try:
         job.start(3)
         job.wait_progress(world=None, after=job.t_start, timeout=settings.startup_timeout_s, what="the first steps")
         for index in range(events):
-            at = job.last_step() + rng.randint(*gap)
+            at = job.last_step() + gaps.randint(*gap)
             if at >= settings.steps - settings.tail_steps:
                 out["failure"] = f"training reached step {job.last_step()} of {settings.steps} before event {index + 1}"
+                print(f"{NAME}: {path}: {out['failure']}", flush=True)
                 break
             job.wait_step(at, timeout=settings.event_timeout_s)
             kind = deck.draw(state)
@@ -199,18 +205,39 @@ def one_event(job: SoakJob, index: int, kind: str, state: JobState, rng: random.
 # --------------------------------------------------------------------------- summary
 
 
-def summarize(runs: dict[str, dict[str, Any]], reference: dict[str, Any]) -> dict[str, Any]:
+def max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in b)
+
+
+def single_process_run(settings: SoakSettings, work: Path) -> Path:
+    """The same steps in one plain process (world 1, no launcher): the float-order noise floor."""
+    work.mkdir(parents=True, exist_ok=True)
+    argv = settings.train_args(work)
+    cut = argv.index("--min-step-time")
+    argv = argv[:cut] + argv[cut + 2 :] + ["--min-step-time", "0"]
+    done = run_to_completion([sys.executable, str(require_train_script()), *argv], name="single-process",
+                             timeout=settings.steps * 2 + 120, env=bench_env(OMP_NUM_THREADS="1"),
+                             log_path=work / "output.log")  # fmt: skip
+    if done.returncode != 0:
+        raise BenchmarkError(f"the single-process run exited {done.returncode}:\n{done.tail()}")
+    return work / "final.pt"
+
+
+def summarize(runs: dict[str, dict[str, Any]], reference: dict[str, Any], single: Path) -> dict[str, Any]:
     import torch
 
     ref = torch.load(reference["final_params"]) if reference.get("final_params") else None
-    summary: dict[str, Any] = {"paths": {}, "reference_time_to_steps_s": reference.get("time_to_steps_s")}
+    one = torch.load(single)
+    summary: dict[str, Any] = {"paths": {}, "reference_time_to_steps_s": reference.get("time_to_steps_s"),
+                               "noise_floor_max_abs_diff": max_abs_diff(ref, one) if ref is not None else None}
     for path, run in runs.items():
         by_kind: dict[str, Any] = {}
         for ev in run["events"]:
             k = by_kind.setdefault(ev["kind"], {"n": 0, "survived": 0, "recovery_s": [], "steps_redone": 0,
                                                 "samples_lost": 0, "samples_repeated": 0, "samples_redone": 0,
-                                                "redone_committed": 0, "problems": []})  # fmt: skip
+                                                "redone_committed": 0, "new_rounds": 0, "problems": []})  # fmt: skip
             c = ev["check"]
+            k["new_rounds"] += ev.get("rounds") or 0
             k["n"] += 1
             k["survived"] += ev["outcome"] == "ok"
             if ev.get("recovery_s") is not None:
@@ -248,8 +275,9 @@ def summarize(runs: dict[str, dict[str, Any]], reference: dict[str, Any]) -> dic
             s["goodput"] = ledger.goodput(summary["reference_time_to_steps_s"], s["time_to_steps_s"])
         if ref is not None and run.get("final_params"):
             final = torch.load(run["final_params"])
-            s["final_max_abs_diff"] = max((final[n] - ref[n]).abs().max().item() for n in ref)
+            s["final_max_abs_diff"] = max_abs_diff(final, ref)
             s["final_within_1e-4"] = s["final_max_abs_diff"] <= 1e-4
+            s["final_vs_single_process_max_abs_diff"] = max_abs_diff(final, one)
         summary["paths"][path] = s
     return summary
 
@@ -304,9 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--kinds: unknown kind {k!r}; choose from {', '.join(ledger.KINDS)}")
     kinds = tuple(k for k in kinds if k not in SKIPPED_KINDS)
     gap = GAP_STEPS[args.mode]
-    # Steps for the startup, every event (its gap, the steps to detect it, the settle steps at the new
-    # size) and a short tail; an event that would fall into the tail is not injected (the run says so).
-    steps = 8 + events * (sum(gap) // 2 + 5) + 10
+    # Steps for the startup, every event (its gap, the steps trained until the agreed step or the
+    # detection, the settle steps at the new size: ~9 in the quick run) and a short tail; an event
+    # that would fall into the tail is not injected (the run says so).
+    steps = 8 + events * (sum(gap) // 2 + 9) + 10
     settings = SoakSettings(steps=steps, step_time_s=args.step_time, ckpt_every=args.ckpt_every,
                             data_cache=args.out / "data-cache")  # fmt: skip
     result = BenchmarkResult(
@@ -332,11 +361,16 @@ def main(argv: list[str] | None = None) -> int:
                                   work=work_root / path, expected=expected)  # fmt: skip
     finally:
         etcd.stop()
+    print(f"{NAME}: the same {steps} steps in a single process (world 1)", flush=True)
+    single = single_process_run(settings, work_root / "single-process")
     result.samples = {"reference": reference, "runs": runs}
-    result.summary = summarize(runs, reference)
+    result.summary = summarize(runs, reference, single)
     result.notes += [
         "All nodes, their ranks and etcd share this machine's CPUs: a restart (Python + torch import, DCP load) "
         "is slower here than on a node of its own, and recovery times move with the machine's load.",
+        "Final parameters: runs at different world sizes sum gradients in another order; over hundreds of AdamW "
+        "steps those last-bit differences grow. noise_floor_max_abs_diff (the reference at world 3 against one "
+        "process, neither with events) is what that alone produces for the same steps.",
         f"Event kinds left out: {SKIPPED_KINDS or 'none'}.",
     ]
     plot(result, runs, reference, result.plot_path(args.out))
@@ -346,13 +380,17 @@ def main(argv: list[str] | None = None) -> int:
         for kind, k in s["by_kind"].items():
             rows.append((path, kind, f"{k['survived']}/{k['n']}", k["recovery_median_s"], k["steps_redone"],
                          k["samples_lost"], k["samples_repeated"] + (k["samples_redone"] if kind in
-                         ledger.GRACEFUL_KINDS else 0), len(k["problems"])))  # fmt: skip
-    print(format_table(["path", "event", "survived", "recovery s", "steps redone", "lost", "repeated", "problems"],
+                         ledger.GRACEFUL_KINDS else 0), k["new_rounds"], len(k["problems"])))  # fmt: skip
+    print(format_table(["path", "event", "survived", "recovery s", "steps redone", "lost", "repeated", "rounds",
+                        "problems"],
                        rows))  # fmt: skip
     for path, s in result.summary["paths"].items():
         print(f"{path}: {s['events_survived']}/{s['events_total']} events survived, {s['job_deaths']} job deaths, "
               f"goodput {s['goodput'] if s['goodput'] is None else round(s['goodput'], 3)}, "
-              f"final parameters vs reference max |diff| {s['final_max_abs_diff']}")  # fmt: skip
+              f"final parameters vs reference max |diff| {s['final_max_abs_diff']}, vs one process "
+              f"{s.get('final_vs_single_process_max_abs_diff')}")  # fmt: skip
+    print(f"noise floor (reference at world 3 vs one process, no events): max |diff| "
+          f"{result.summary['noise_floor_max_abs_diff']}")  # fmt: skip
     print(f"wrote {out_path}")
     return 0
 

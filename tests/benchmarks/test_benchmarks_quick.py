@@ -398,3 +398,26 @@ def test_soak_deck_draws_every_eligible_kind_before_repeating(bench: Any) -> Non
     assert deck.draw(soak.JobState(nodes=3, world=2, capped=True)) == "uncap"
     again = [soak.Deck(kinds, random.Random(1)).draw(soak.JobState()) for _ in range(3)]
     assert len(set(again)) == 1  # seeded: the same first draw every time
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_soak_smoke(out_dir: Path) -> None:
+    """5 events (leave, join, kill -9 of a rank, etcd paused, etcd restarted) on 3 nodes under etcd."""
+    data = run_smoke("soak", out_dir)
+    (path,) = data["params"]["paths"]
+    s = data["summary"]["paths"][path]
+    assert s["failure"] is None, s["failure"]
+    assert s["job_deaths"] == 0 and s["events_total"] == 5 and s["events_survived"] == 5
+    assert sum(k["n"] for k in s["by_kind"].values()) == 5 and set(s["by_kind"]) <= set(data["params"]["kinds"])
+    # Graceful events lose, repeat and redo nothing; failures redo only steps no checkpoint had committed.
+    assert s["graceful_samples_lost"] == 0 and s["graceful_samples_repeated"] == 0 and s["graceful_steps_redone"] == 0
+    assert s["committed_steps_redone"] == 0
+    # Over the whole run every step was trained once by a full world on exactly its batch.
+    assert s["missing_steps"] == 0 and s["final_samples_lost"] == 0 and s["final_samples_repeated"] == 0
+    assert s["final_max_abs_diff"] is not None and s["final_max_abs_diff"] <= 1e-4
+    assert positive(s["goodput"]) and positive(data["summary"]["reference_time_to_steps_s"])
+    for ev in data["samples"]["runs"][path]["events"]:
+        assert ev["outcome"] == "ok" and ev["check"]["problems"] == [], ev
+        if ev["kind"] in ("leave", "join", "etcd_pause", "etcd_restart"):
+            assert ev["check"]["steps_redone"] == [], ev
