@@ -157,6 +157,13 @@ def run_path(path: str, settings: SoakSettings, *, events: int, seed: int, kinds
     finally:
         out["exit_codes"] = job.close()
     by_step = ledger.attempts_of(job.samples())
+    # The check after each event saw only the steps up to its recovery; a failure's redone steps can
+    # go on after that. Each event's final check covers its window up to the next event.
+    starts = [ev["sample_line"] for ev in out["events"]] + [1 << 62]
+    for ev, end in zip(out["events"], starts[1:]):
+        committed = ev["check"]["committed_step"]
+        ev["check"] = ledger.check_window(by_step, first_line=ev["sample_line"], end_line=end, committed=committed,
+                                          graceful=ev["kind"] in ledger.GRACEFUL_KINDS, expected=expected).to_json()  # fmt: skip
     out["missing_steps"] = ledger.missing_steps(by_step, settings.steps)
     final = ledger.check_window(by_step, first_line=0, end_line=1 << 62, graceful=False, committed=0, expected=expected)
     out["final_check"] = final.to_json()
@@ -198,7 +205,8 @@ def one_event(job: SoakJob, index: int, kind: str, state: JobState, rng: random.
     committed = ledger.committed_step(job.events(), t_event)
     check = ledger.check_window(ledger.attempts_of(job.samples()), first_line=line0, end_line=1 << 62,
                                 graceful=kind in ledger.GRACEFUL_KINDS, committed=committed, expected=expected)  # fmt: skip
-    ev["check"] = check.to_json()
+    ev["check"] = ev["live_check"] = check.to_json()  # the final check replaces "check" at the end of the run
+    ev["sample_line"] = line0
     return ev
 
 

@@ -415,7 +415,11 @@ def test_soak_smoke(out_dir: Path) -> None:
     assert s["committed_steps_redone"] == 0
     # Over the whole run every step was trained once by a full world on exactly its batch.
     assert s["missing_steps"] == 0 and s["final_samples_lost"] == 0 and s["final_samples_repeated"] == 0
-    assert s["final_max_abs_diff"] is not None and s["final_max_abs_diff"] <= 1e-4
+    # Final parameters against the run without events: within 1e-4, or within what float summation
+    # order alone produced in the same run (world 3 against one process, no events): after a restart
+    # DDP reduces gradients in other buckets, and this training amplifies last-bit differences.
+    floor = data["summary"]["noise_floor_max_abs_diff"]
+    assert s["final_max_abs_diff"] is not None and s["final_max_abs_diff"] <= max(1e-4, 2 * floor)
     assert positive(s["goodput"]) and positive(data["summary"]["reference_time_to_steps_s"])
     for ev in data["samples"]["runs"][path]["events"]:
         assert ev["outcome"] == "ok" and ev["check"]["problems"] == [], ev
