@@ -11,7 +11,7 @@ on this machine) under one etcd started here. ``--events`` random events at rand
     stop_rank     SIGSTOP of one rank (``--hang-timeout``)             then a new launcher replaces it
     etcd_restart  kill -9 of etcd and a restart             etcd_pause etcd frozen (SIGSTOP) for 2-4 s
 
-(``yield`` and ``uncap`` are left out for now: :data:`SKIPPED_KINDS` says why.)
+(A kind that exposes a bug can be left out in :data:`SKIPPED_KINDS`, with the reason; none is now.)
 
 Each event waits for recovery (steps at the expected world size after a new round; after an
 etcd event, steps after etcd is back) before the next. After every event the sample log is
@@ -63,12 +63,7 @@ DEFAULT_PATHS = {"smoke": ("in-process",), "quick": tuple(PATHS), "full": tuple(
 GAP_STEPS = {"smoke": (2, 4), "quick": (6, 14), "full": (20, 40)}
 SMOKE_KINDS = ("leave", "join", "kill_rank", "etcd_pause", "etcd_restart")
 #: Kinds left out of every run, and why: each exposes a bug in src/ (benchmarks/README.md, Soak).
-SKIPPED_KINDS: dict[str, str] = {
-    "uncap": "in-process: the re-admitted yielded node stops its new rank at once ('round N ended: operator cap ...', "
-    "a stale reason from the yield), the peers fail with 'Connection closed by peer', the rank-failure event "
-    "waits ~100 s for that node's stop report, then the job restarts from its checkpoint and redoes steps",
-    "yield": "left out with uncap: without uncap the cap stays and no later join, leave or node loss can be drawn",
-}
+SKIPPED_KINDS: dict[str, str] = {}
 
 
 # --------------------------------------------------------------------------- schedule (pure)
