@@ -35,6 +35,7 @@ from typing import Any, Literal, TextIO
 
 import torch
 
+from elastic_events import names
 from elastic_events.dataset import ByteTokenizer
 from elastic_events.sampler import epoch_permutation
 from train import Runtime, TrainConfig, prepare_dataset
@@ -42,7 +43,7 @@ from train import Runtime, TrainConfig, prepare_dataset
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 STORE_HOST = "node-1"  # the first launcher hosts the embedded store: the job cannot outlive it
 SCALING_TIMEOUT_S = 2.0  # seconds a new launcher waits as a standby before the job grows
-_LAUNCHER_ENV_PREFIXES = ("PET_", "TORCHELASTIC_", "HYPERPODRUN_")
+_LAUNCHER_ENV_PREFIXES = ("PET_", "TORCHELASTIC_", names.ENV_PREFIX)
 
 
 class DemoError(RuntimeError):

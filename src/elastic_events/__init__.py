@@ -29,7 +29,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from elastic_events import eventlog
+from elastic_events import eventlog, names
+from elastic_events.names import CONTROL_FILE_ENV, RESTART_REASON_ENV
 from elastic_events.control import ControlChannelError, ControlReader, Event, EventKind
 
 # Heavier parts load on first use (PEP 562), so `from elastic_events import elastic_event_detected`
@@ -75,8 +76,6 @@ __all__ = [
     "restart_reason",
 ]
 
-CONTROL_FILE_ENV = "HYPERPODRUN_CONTROL_FILE"
-RESTART_REASON_ENV = "HYPERPODRUN_RESTART_REASON"
 
 
 class _FirstStep:
@@ -89,7 +88,7 @@ class _FirstStep:
         global _reader
         _reader = self.reader
         fired = self.reader.check()
-        eventlog.emit("first_step", reason=self.reason)
+        eventlog.emit(names.FIRST_STEP, reason=self.reason)
         return fired
 
     def event(self) -> Event | None:

@@ -68,7 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from elastic_events import eventlog
+from elastic_events import eventlog, names
 from elastic_events.checkpoint_layout import (
     _METADATA,
     MARKER_NAME,
@@ -450,7 +450,7 @@ class Checkpointer:
                 else:
                     rng = self._apply(info, comm, targets, state)
                     extra = state[_GLOBAL_KEY]["extra"] or {}
-                    eventlog.emit("checkpoint_loaded", step=info.step, path=str(info.path), saved_world_size=info.world_size)
+                    eventlog.emit(names.CHECKPOINT_LOADED, step=info.step, path=str(info.path), saved_world_size=info.world_size)
                     skipped = tuple(p for p, _ in failures)
                     self._warn_all(comm, warned + failures)
                     return LoadedState(
@@ -511,7 +511,7 @@ class Checkpointer:
             _fsync_dir(final.parent)
             shutil.rmtree(replaced, ignore_errors=True)
             prune(self.config.dir, keep_last=self.config.keep_last, saved=final)
-            eventlog.emit("checkpoint_saved", step=pending.info.step, path=str(final))
+            eventlog.emit(names.CHECKPOINT_SAVED, step=pending.info.step, path=str(final))
         except CheckpointError as exc:
             pending.commit_error = exc
         except Exception as exc:

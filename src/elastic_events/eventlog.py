@@ -13,8 +13,8 @@ import json
 import os
 import time
 from typing import Any
+from elastic_events.names import EVENT_LOG_ENV, NODE_ID_ENV, ROUND_ENV
 
-EVENT_LOG_ENV = "HYPERPODRUN_EVENT_LOG"
 
 
 def emit(event: str, **fields: Any) -> bool:
@@ -26,8 +26,8 @@ def emit(event: str, **fields: Any) -> bool:
         "ts": time.time(),
         "event": event,
         "job": os.environ.get("TORCHELASTIC_RUN_ID", ""),
-        "node": os.environ.get("HYPERPODRUN_NODE_ID", ""),
-        "round": int(os.environ.get("HYPERPODRUN_ROUND", "0")),
+        "node": os.environ.get(NODE_ID_ENV, ""),
+        "round": int(os.environ.get(ROUND_ENV, "0")),
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "source": "trainer",
         **fields,

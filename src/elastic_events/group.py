@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from elastic_events.control import Event
 from elastic_events.errors import GroupError
+from elastic_events.names import ROUND_ENV
 
-ROUND_ENV = "HYPERPODRUN_ROUND"
 
 
 @dataclass(frozen=True, kw_only=True)

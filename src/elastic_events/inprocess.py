@@ -45,11 +45,12 @@ import torch
 import torch.distributed as dist
 
 import elastic_events
-from elastic_events import eventlog
+from elastic_events import eventlog, names
 from elastic_events.errors import ElasticTrainingError, HydrationError
 from elastic_events.control import CAP_RECONFIGURE, ControlReader, Event, EventKind, RankPhase
 from elastic_events.group import RoundSpec, backend_for, default_device, init_env_group, init_round_group, teardown_group
 from elastic_events.inprocess_config import ElasticConfig, default_wrap
+from elastic_events.names import PARKED_ENV, ROUND_ENV
 from elastic_events.hydration import (
     FullState,
     RankReport,
@@ -65,7 +66,6 @@ from elastic_events.hydration import (
 from elastic_events.rng import derive_rank_seed, seed_all
 from elastic_events.transfer import broadcast_tensors
 
-PARKED_ENV = "HYPERPODRUN_PARKED"
 
 ModelFn = Callable[[], torch.nn.Module]
 WrapFn = Callable[[torch.nn.Module], torch.nn.Module]
@@ -136,7 +136,7 @@ class ElasticTraining:
         self.step = 0
         self.extra: dict[str, Any] = {}
         self.resumed_from = "fresh"  # how start() got the state: fresh, checkpoint or peers
-        self.round = int(os.environ.get("HYPERPODRUN_ROUND", "0"))
+        self.round = int(os.environ.get(ROUND_ENV, "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.device = torch.device(self.config.device) if self.config.device else default_device(self.local_rank)
@@ -288,10 +288,10 @@ class ElasticTraining:
         spec = RoundSpec.from_event(event, local_rank=self.local_rank, local_world_size=self.local_world_size)
         os.environ.update(spec.environment())
         t0 = time.monotonic()
-        eventlog.emit("group_torn_down", event_id=event.event_id, step=self.step, seconds=torn_down_s)
+        eventlog.emit(names.GROUP_TORN_DOWN, event_id=event.event_id, step=self.step, seconds=torn_down_s)
         self._store = init_round_group(spec, device=self.device, backend=self.backend, timeout_s=self.config.timeout_s)
         self.round = event.round
-        eventlog.emit("group_up", event_id=event.event_id, seconds=time.monotonic() - t0)
+        eventlog.emit(names.GROUP_UP, event_id=event.event_id, seconds=time.monotonic() - t0)
         t1 = time.monotonic()
         survivor = kept is not None
         report = RankReport(
@@ -329,7 +329,7 @@ class ElasticTraining:
         self._phase(RankPhase.READY)
         elastic_events._new_round("reconfigure" if survivor else "admitted")
         eventlog.emit(
-            "hydrated", event_id=event.event_id, step=self.step, seconds=time.monotonic() - t1,
+            names.HYDRATED, event_id=event.event_id, step=self.step, seconds=time.monotonic() - t1,
             newcomers=len(plan.newcomers), from_rank=plan.source, sharded=plan.sharded,
         )  # fmt: skip
 

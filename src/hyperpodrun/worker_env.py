@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from elastic_events import names
 from hyperpodrun.config import LaunchConfig
 from hyperpodrun.rendezvous import RestartReason, RoundInfo
 from hyperpodrun.security import scrub_secrets
@@ -45,13 +46,13 @@ def worker_env(
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "TORCHELASTIC_ERROR_FILE": str(error_file),
-        "HYPERPODRUN_CONTROL_FILE": str(control_file),
-        "HYPERPODRUN_RESTART_REASON": reason.value,
-        "HYPERPODRUN_ROUND": str(rnd.round),
-        "HYPERPODRUN_NODE_ID": node_id,
+        names.CONTROL_FILE_ENV: str(control_file),
+        names.RESTART_REASON_ENV: reason.value,
+        names.ROUND_ENV: str(rnd.round),
+        names.NODE_ID_ENV: node_id,
     }
     if event_log is not None:
-        env["HYPERPODRUN_EVENT_LOG"] = str(event_log)
+        env[names.EVENT_LOG_ENV] = str(event_log)
     return env
 
 
@@ -61,7 +62,7 @@ ROUND_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD
 
 def parked_env(env: dict[str, str]) -> dict[str, str]:
     """A pre-warmed joiner's environment: no round yet (``HYPERPODRUN_PARKED=1``)."""
-    return {**{k: v for k, v in env.items() if k not in ROUND_VARIABLES}, "HYPERPODRUN_PARKED": "1"}
+    return {**{k: v for k, v in env.items() if k not in ROUND_VARIABLES}, names.PARKED_ENV: "1"}
 
 
 def parked_round(nproc: int) -> RoundInfo:

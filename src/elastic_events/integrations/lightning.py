@@ -56,7 +56,7 @@ try:
 except ImportError:  # the standalone package
     from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
 
-from elastic_events import elastic_event_detected, eventlog
+from elastic_events import elastic_event_detected, eventlog, names
 from elastic_events.integrations.common import (
     ElasticIntegrationError,
     GlobalBatchError,
@@ -215,7 +215,7 @@ class ElasticCallback(Callback):
         rank, world = _world()
         if self._loaded["world_size"] != world:
             reseed_rank(self.seed, trainer.global_step, rank)
-        eventlog.emit("checkpoint_loaded", step=trainer.global_step, saved_world_size=self._loaded["world_size"])
+        eventlog.emit(names.CHECKPOINT_LOADED, step=trainer.global_step, saved_world_size=self._loaded["world_size"])
 
     # ------------------------------------------------------------------ stop
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -234,7 +234,7 @@ class ElasticCallback(Callback):
             rank, world = _world()
             marker = ResumeMarker(step=trainer.global_step, world_size=world, global_batch=self.global_batch, seed=self.seed)
             write_marker(self.dirpath / MARKER.format(name=path.name), marker)
-            eventlog.emit("checkpoint_saved", step=trainer.global_step, path=str(path))
+            eventlog.emit(names.CHECKPOINT_SAVED, step=trainer.global_step, path=str(path))
         trainer.should_stop = True
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

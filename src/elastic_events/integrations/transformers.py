@@ -58,7 +58,7 @@ from torch.utils.data import Sampler
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from elastic_events import elastic_event_detected, eventlog
+from elastic_events import elastic_event_detected, eventlog, names
 from elastic_events.integrations.common import (
     ElasticIntegrationError,
     GlobalBatchError,
@@ -275,7 +275,7 @@ class ElasticCallback(TrainerCallback):
                 f"gradient_accumulation_steps with set_global_batch(args, {marker.global_batch})"
             )
         self._reseed_pending = marker.world_size != args.world_size
-        eventlog.emit("checkpoint_loaded", step=state.global_step, saved_world_size=marker.world_size)
+        eventlog.emit(names.CHECKPOINT_LOADED, step=state.global_step, saved_world_size=marker.world_size)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self._reseed_pending:  # after the Trainer restored what RNG it could, before the first step's forward
@@ -299,7 +299,7 @@ class ElasticCallback(TrainerCallback):
             )
             write_marker(_checkpoint_dir(args, state.global_step) / MARKER, marker)
             if self.stopped_for_event:
-                eventlog.emit("checkpoint_saved", step=state.global_step, path=str(_checkpoint_dir(args, state.global_step)))
+                eventlog.emit(names.CHECKPOINT_SAVED, step=state.global_step, path=str(_checkpoint_dir(args, state.global_step)))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self.stopped_for_event and self.exit_on_event:
