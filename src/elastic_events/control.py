@@ -68,6 +68,7 @@ _EVENT_ID_OFFSET = 8
 # step, time, acked event, capabilities, phase, round, snapshot step, phase time
 _SLOT = struct.Struct("<qdQIIQqd")
 _STEP = struct.Struct("<qd")  # the per-call part of a slot
+_STEP_SIZE = _STEP.size
 _ACK = struct.Struct("<Q")
 _ACK_OFFSET = 16
 _CAPS = struct.Struct("<I")
@@ -143,6 +144,13 @@ class RankProgress:
         return bool(self.capabilities & CAP_RECONFIGURE)
 
 
+def _store(mm: mmap.mmap, offset: int, layout: struct.Struct, *values: object) -> None:
+    """Write fields with one copy of their bytes. ``struct.pack_into`` zeroes its region before it
+    packs, so a reader in the other process could see a field at 0 mid-write: a target step of 0
+    (an event firing at the wrong step), a slot's time of 0 (a stepping rank taken for hung)."""
+    mm[offset : offset + layout.size] = layout.pack(*values)
+
+
 def channel_size(nproc: int) -> int:
     return HEADER_SIZE + SLOT_SIZE * nproc
 
@@ -174,14 +182,14 @@ class ControlWriter:
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        _HEADER.pack_into(self._mm, 0, MAGIC, VERSION, 0, NO_TARGET, EventKind.NONE, 0, 0, -1, -1, 0, 0, 0, b"")
+        _store(self._mm, 0, _HEADER, MAGIC, VERSION, 0, NO_TARGET, EventKind.NONE, 0, 0, -1, -1, 0, 0, 0, b"")
         self.reset_ranks()
         self._event_id = 0
 
     def reset_ranks(self) -> None:
         """Reset every rank slot and clear the pending event (before starting a new group)."""
         self._mm[HEADER_SIZE:] = _empty_slot() * self.nproc
-        _TARGET.pack_into(self._mm, _TARGET_OFFSET, NO_TARGET)
+        _store(self._mm, _TARGET_OFFSET, _TARGET, NO_TARGET)
 
     def publish(
         self,
@@ -210,23 +218,33 @@ class ControlWriter:
             raise ValueError(f"target_step must be >= 0, got {target_step}")
         if kind is EventKind.RECONFIGURE and group_rank >= 0 and not (addr and master_port):
             raise ValueError("a RECONFIGURE event for a node in the new round needs master_addr and master_port")
-        _HEADER.pack_into(
-            self._mm, 0, MAGIC, VERSION, event_id, NO_TARGET, kind, 0, round, world_size,
+        _store(
+            self._mm, 0, _HEADER, MAGIC, VERSION, event_id, NO_TARGET, kind, 0, round, world_size,
             group_rank, group_world_size, master_port, 0, addr,
         )  # fmt: skip
-        _TARGET.pack_into(self._mm, _TARGET_OFFSET, target_step)
+        _store(self._mm, _TARGET_OFFSET, _TARGET, target_step)
         self._event_id = event_id
 
     def clear(self) -> None:
-        _TARGET.pack_into(self._mm, _TARGET_OFFSET, NO_TARGET)
+        _store(self._mm, _TARGET_OFFSET, _TARGET, NO_TARGET)
 
     def event(self) -> Event | None:
         return _unpack_event(self._mm)
 
     def progress(self) -> list[RankProgress]:
+        """Every rank's slot. A rank writes its slot while the agent reads it, and a read can catch
+        half a write (a step thousands of times a second makes that likely): a slot is taken only
+        when two reads in a row agree."""
         out = []
         for r in range(self.nproc):
-            step, t, acked, caps, phase, rnd, snap, phase_t = _SLOT.unpack_from(self._mm, HEADER_SIZE + SLOT_SIZE * r)
+            offset = HEADER_SIZE + SLOT_SIZE * r
+            fields = _SLOT.unpack_from(self._mm, offset)
+            for _ in range(100):
+                again = _SLOT.unpack_from(self._mm, offset)
+                if again == fields:
+                    break
+                fields = again
+            step, t, acked, caps, phase, rnd, snap, phase_t = fields
             out.append(RankProgress(step, t, acked, caps, RankPhase(phase), rnd, snap, phase_t))
         return out
 
@@ -267,8 +285,8 @@ class ControlReader:
         """Count one step; True once per event, at the first step at or past its target step."""
         step = self.step + 1
         self.step = step
-        mm = self._mm
-        _STEP.pack_into(mm, self._slot, step, time.time())
+        mm, slot = self._mm, self._slot
+        mm[slot : slot + _STEP_SIZE] = _STEP.pack(step, time.time())  # one copy: see _store
         target = _TARGET.unpack_from(mm, _TARGET_OFFSET)[0]
         if target < 0 or target > step:
             return False
@@ -282,24 +300,24 @@ class ControlReader:
     def acknowledge(self, event_id: int) -> None:
         """Mark ``event_id`` as seen: :meth:`check` will not return True for it."""
         self._acked = event_id
-        _ACK.pack_into(self._mm, self._slot + _ACK_OFFSET, event_id)
+        _store(self._mm, self._slot + _ACK_OFFSET, _ACK, event_id)
 
     def set_step(self, step: int) -> None:
         """Continue counting from ``step`` (a joiner adopts its peers' count at admission)."""
         self.step = step
-        _STEP.pack_into(self._mm, self._slot, step, time.time())
+        _store(self._mm, self._slot, _STEP, step, time.time())
 
     def declare(self, capabilities: int) -> None:
         """Add ``capabilities`` (e.g. :data:`CAP_RECONFIGURE`) to what the agent sees of this rank."""
         caps = _CAPS.unpack_from(self._mm, self._slot + _CAPS_OFFSET)[0]
-        _CAPS.pack_into(self._mm, self._slot + _CAPS_OFFSET, caps | capabilities)
+        _store(self._mm, self._slot + _CAPS_OFFSET, _CAPS, caps | capabilities)
 
     def set_phase(self, phase: RankPhase, *, round: int | None = None) -> None:
         """Record a phase change (round first, phase last: a reader never sees READY with a stale round)."""
         if round is not None:
-            _ROUND.pack_into(self._mm, self._slot + _ROUND_OFFSET, round)
-        _PHASE_TIME.pack_into(self._mm, self._slot + _PHASE_TIME_OFFSET, time.time())
-        _PHASE.pack_into(self._mm, self._slot + _PHASE_OFFSET, phase)
+            _store(self._mm, self._slot + _ROUND_OFFSET, _ROUND, round)
+        _store(self._mm, self._slot + _PHASE_TIME_OFFSET, _PHASE_TIME, time.time())
+        _store(self._mm, self._slot + _PHASE_OFFSET, _PHASE, phase)
 
     def progress(self) -> RankProgress:
         """This rank's own slot, as the agent reads it."""

@@ -47,5 +47,5 @@ def hung_ranks(progress: Sequence[RankProgress], *, now: float, limit: float | N
     if limit is None:
         return ()
     return tuple(
-        r for r, p in enumerate(progress) if p.step > 0 and p.phase in STEPPING and now - p.time > limit
+        r for r, p in enumerate(progress) if p.step > 0 and p.time > 0 and p.phase in STEPPING and now - p.time > limit
     )

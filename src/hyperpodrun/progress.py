@@ -24,7 +24,7 @@ class StepRates:
     def update(self, progress: list[RankProgress]) -> tuple[tuple[int, ...], tuple[float, ...]]:
         for r, p in enumerate(progress):
             last = self._last[r]
-            if last is not None and p.step > last.step and p.time > last.time:
+            if last is not None and p.step > last.step and p.time > last.time > 0:
                 self._recent[r].append((p.time - last.time) / (p.step - last.step))
             if last is None or p.step != last.step:
                 self._last[r] = p

@@ -108,3 +108,32 @@ def test_publish_rejects_bad_round_descriptions(channel) -> None:
     with pytest.raises(ValueError, match="needs master_addr and master_port"):
         writer.publish(event_id=1, target_step=1, kind=EventKind.RECONFIGURE, round=1, world_size=1, group_rank=0)
     assert writer.event() is None
+
+
+def test_the_agent_never_reads_half_a_slot_while_a_rank_steps_at_full_speed(tmp_path) -> None:
+    """Found by the unpadded elastic tests: a read caught half of a rank's write (step new, time
+    garbage), and hang detection declared a rank stepping 13,000 times a second hung for 57 years."""
+    import subprocess
+    import sys
+    import time as _time
+
+    from elastic_events.control import ControlWriter
+
+    writer = ControlWriter(tmp_path / "ctl", nproc=1)
+    code = (
+        "import sys, time; from pathlib import Path; from elastic_events.control import ControlReader\n"
+        f"r = ControlReader(Path({str(tmp_path / 'ctl')!r}), 0); end = time.monotonic() + 3\n"
+        "while time.monotonic() < end: r.check()\n"
+    )
+    rank = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        start, bad, reads = _time.time(), [], 0
+        while rank.poll() is None:
+            p = writer.progress()[0]
+            reads += 1
+            if p.step > 0 and not start - 1 <= p.time <= _time.time() + 1:
+                bad.append((p.step, p.time))
+    finally:
+        rank.wait(10)
+        writer.close()
+    assert reads > 1000 and not bad, bad[:5]
