@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import os
 import sys
 import time
 from datetime import timedelta
@@ -118,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     state_mb, reps = STATE_MB[ns.mode], REPS[ns.mode]
     if ns.worker:
         rank, port, file = ns.worker
-        return worker_main(int(rank), ns.ranks, int(port), state_mb, ns.bucket_mb, reps, Path(file))
+        code = worker_main(int(rank), ns.ranks, int(port), state_mb, ns.bucket_mb, reps, Path(file))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # skip interpreter finalization: torch's gloo teardown can abort there (pytorch/pytorch#179291)
     port = free_port()
     ns.out.mkdir(parents=True, exist_ok=True)
     raw = ns.out / f"{NAME}_{ns.mode}.raw.json"

@@ -273,18 +273,7 @@ class Agent:
         The check after publishing closes the window between the agent's progress read and
         the write.
         """
-        reconfigure = directive.kind == DirectiveKind.RECONFIGURE
-        self._control.publish(
-            event_id=directive.event_id,
-            target_step=directive.target_step,
-            kind=EventKind.RECONFIGURE if reconfigure else EventKind.SAVE_AND_EXIT,
-            round=directive.next_round,
-            world_size=directive.world_size,
-            group_rank=directive.group_rank,
-            group_world_size=directive.group_world_size,
-            master_addr=directive.master_addr if reconfigure else "",
-            master_port=directive.master_port if reconfigure else 0,
-        )
+        self._write_event(directive)
         progress = self._control.progress()
         missed = missed_target(progress, directive.event_id, directive.target_step)
         if missed:
@@ -353,11 +342,7 @@ class Agent:
         self._parked = None
         group.assignment = rnd.assignment
         admission = rnd.admission
-        self._control.publish(
-            event_id=admission.event_id, target_step=admission.target_step, kind=EventKind.RECONFIGURE,
-            round=admission.next_round, world_size=admission.world_size, group_rank=admission.group_rank,
-            group_world_size=admission.group_world_size, master_addr=admission.master_addr, master_port=admission.master_port,
-        )  # fmt: skip
+        self._write_event(admission)
         self.events.emit(EventType.WORKERS_SIGNALLED, event_id=admission.event_id, kind="admit", target_step=admission.target_step)
         return group
 
@@ -365,6 +350,21 @@ class Agent:
         if self._parked is not None:
             self._parked.stop(grace=self.config.shutdown_timeout)
             self._parked = None
+
+    def _write_event(self, directive: Directive) -> None:
+        """Put a SAVE_AND_EXIT or RECONFIGURE directive on the control channel (target step last)."""
+        reconfigure = directive.kind == DirectiveKind.RECONFIGURE
+        self._control.publish(
+            event_id=directive.event_id,
+            target_step=directive.target_step,
+            kind=EventKind.RECONFIGURE if reconfigure else EventKind.SAVE_AND_EXIT,
+            round=directive.next_round,
+            world_size=directive.world_size,
+            group_rank=directive.group_rank,
+            group_world_size=directive.group_world_size,
+            master_addr=directive.master_addr if reconfigure else "",
+            master_port=directive.master_port if reconfigure else 0,
+        )
 
     def _stop_now(self, group: WorkerGroup, directive: Directive) -> Directive:
         """STOP or EXIT: stop the ranks at once and tell the rendezvous."""

@@ -320,15 +320,21 @@ class ElasticRendezvous(RendezvousHandler):
         if any(s >= ev.target for s in status.steps):
             # A rank is already at/past the target: it cannot act at the agreed step with the others.
             return Directive(kind=DirectiveKind.STOP, **{**base, "reason": ev.reason + "; a rank passed the target step"})
+        if ev.mode is EventMode.RECONFIGURE:
+            return self._reconfigure_directive(ev)
         nxt = ev.next_members or ()
         world = len(nxt) * self.ctx.nproc_per_node if nxt else -1
-        if ev.mode is EventMode.RECONFIGURE:
-            return Directive(
-                kind=DirectiveKind.RECONFIGURE, target_step=ev.target, world_size=world,
-                group_rank=nxt.index(self._node_id) if self._node_id in nxt else -1, group_world_size=len(nxt),
-                master_addr=ev.master_addr, master_port=ev.master_port, members=nxt, **base,
-            )  # fmt: skip
         return Directive(kind=DirectiveKind.SAVE_AND_EXIT, target_step=ev.target, world_size=world, **base)
+
+    def _reconfigure_directive(self, ev: EventRecord) -> Directive:
+        """This node's place in a targeted RECONFIGURE event's round (group rank -1: it leaves)."""
+        nxt = ev.next_members or ()
+        return Directive(
+            kind=DirectiveKind.RECONFIGURE, event_id=ev.id, event_kind=ev.kind, reason=ev.reason, next_round=ev.next_round,
+            target_step=ev.target, world_size=len(nxt) * self.ctx.nproc_per_node if nxt else -1,
+            group_rank=nxt.index(self._node_id) if self._node_id in nxt else -1, group_world_size=len(nxt),
+            master_addr=ev.master_addr, master_port=ev.master_port, members=nxt,
+        )  # fmt: skip
 
     def _admission(self, rnd: RoundRecord, ev: EventRecord | None) -> RoundInfo | None:
         """A targeted RECONFIGURE event of the running round that admits this standby in place."""
@@ -337,12 +343,7 @@ class ElasticRendezvous(RendezvousHandler):
             or ev.target is None or ev.target < 0 or not ev.next_members or self._node_id not in ev.next_members
         ):  # fmt: skip
             return None
-        nxt = ev.next_members
-        directive = Directive(
-            kind=DirectiveKind.RECONFIGURE, event_id=ev.id, event_kind=ev.kind, reason=ev.reason, next_round=ev.next_round,
-            target_step=ev.target, world_size=len(nxt) * self.ctx.nproc_per_node, group_rank=nxt.index(self._node_id),
-            group_world_size=len(nxt), master_addr=ev.master_addr, master_port=ev.master_port, members=nxt,
-        )  # fmt: skip
+        directive = self._reconfigure_directive(ev)
         self._handled_event = ev.id
         self._parked = False
         return dataclasses.replace(self.entered_in_place(directive), admission=directive)

@@ -7,6 +7,7 @@ to RUN_DIR/progress.jsonl. The job ends at the first step after RUN_DIR/stop exi
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,3 +52,6 @@ while True:
         print(f"rank {rank} finished at step {step}", flush=True)
         break
 dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)

@@ -66,3 +66,6 @@ while True:
 params = [p.detach().flatten().tolist() for p in elastic.module.parameters()]
 log("final.jsonl", {"rank": elastic.rank, "step": elastic.step, "params": params})
 elastic.close()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)

@@ -18,6 +18,9 @@ after every step of this phase.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import argparse
 import contextlib
 import json
@@ -102,4 +105,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)

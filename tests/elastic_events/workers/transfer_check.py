@@ -6,6 +6,7 @@ Prints one JSON line: whether every received tensor is bitwise the sent one, and
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 
@@ -45,4 +46,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)

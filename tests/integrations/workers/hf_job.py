@@ -9,6 +9,7 @@ the first round holds at step 3 until the launcher has announced a scale event
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,3 +63,6 @@ trainer = Trainer(
     callbacks=[ElasticCallback(global_batch=GLOBAL_BATCH), Record(model)],
 )  # fmt: skip
 trainer.train(resume_from_checkpoint=elastic_resume_checkpoint(args.output_dir))
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)
