@@ -47,6 +47,11 @@ from hyperpodrun.rendezvous.records import (
 __all__ = ["DeciderContext", "DeciderMemory", "JobSnapshot", "Note", "Plan", "RestartMode", "Write", "choose_target_step", "plan"]
 
 
+#: How long (in propagation budgets) the decider waits for a member's unknown step rate: ranks that
+#: took no second step in that time step slowly enough for a margin of a few steps.
+RATE_WAIT_PROPAGATIONS = 3
+
+
 def choose_target_step(steps: Sequence[int], step_times: Sequence[float], *, propagation: float) -> int:
     """The step at which every rank acts: ahead of the furthest rank by the propagation delay.
 
@@ -279,10 +284,11 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
         reason = ev.reason + "; ranks do not call elastic_event_detected() on every rank"
         return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=reason), mem)
     times = [a.step_time for a in acks.values() if a.step_time > 0]
+    rate_wait = min(ctx.ack_timeout, RATE_WAIT_PROPAGATIONS * ctx.propagation)
     if len(times) < len(acks):
-        if elapsed <= ctx.ack_timeout:  # defer (bounded) until every member knows its step rate
+        if elapsed <= rate_wait:  # defer (bounded) until every member knows its step rate
             return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for the ranks' step rate")
-        times.append(ctx.ack_timeout)  # no second step within the bound: steps are at least that slow
+        times.append(rate_wait)  # no second step seen within the bound: steps are at least that slow
     # Ranks kept stepping since they acked (every ack came after decided_at): budget for it.
     target = choose_target_step([a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, elapsed))
     mode = ev.mode
