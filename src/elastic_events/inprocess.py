@@ -422,8 +422,17 @@ class ElasticTraining:
             self._load_checkpoint()
 
     def close(self) -> None:
-        """Leave the process group at the end of training (also run at interpreter exit)."""
+        """Leave the process group at the end of training (also run at interpreter exit).
+
+        The DDP wrapper holds the group: left alive, the group outlives ``destroy_process_group``
+        and is freed during interpreter finalization, where torch 2.13's gloo aborts the process
+        about one exit in six ("terminate called without an active exception", SIGABRT) after
+        training succeeded. Dropping the wrapper first lets the group go here.
+        """
         if self.distributed:
+            if self.module is not None:
+                self.model = self.module
+            gc.collect()
             teardown_group()
         self._store = None
 

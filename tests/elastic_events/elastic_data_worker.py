@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 from pathlib import Path
 
 import torch
@@ -84,6 +85,8 @@ def main() -> None:
     if rank == 0:
         torch.save(sampler.state_dict(), args.state_out)
     dist.barrier()
+    del model, optimizer  # free DDP before its group: torch 2.13's gloo can abort at exit otherwise (see torchrun_ddp_example.py)
+    gc.collect()
     dist.destroy_process_group()
 
 
