@@ -12,7 +12,7 @@ Layout (little-endian, fixed offsets)::
       8  u64  event id          (0: no event yet; increases by one per event)
      16  i64  target step       (-1: nothing pending) -- written LAST by the agent
      24  u32  event kind        (EventKind)
-     28  u32  reserved
+     28  u32  flags             (bit 0 FLAG_REPAIR: the event repairs a failure; survivors may be a step apart)
      32  u64  round the event leads to
      40  i64  new world size    (-1 unknown)
      48  i32  this node's group rank in the new round (-1: this node leaves the job)
@@ -59,8 +59,9 @@ SLOT_SIZE = 64
 NO_TARGET = -1
 MASTER_ADDR_SIZE = 128
 CAP_RECONFIGURE = 1
+FLAG_REPAIR = 1
 
-# magic, version, event_id, target, kind, reserved, round, world, group_rank, group_world, port, reserved, addr
+# magic, version, event_id, target, kind, flags, round, world, group_rank, group_world, port, reserved, addr
 _HEADER = struct.Struct(f"<IIQqIIQqiiII{MASTER_ADDR_SIZE}s")
 _TARGET = struct.Struct("<q")
 _TARGET_OFFSET = 16
@@ -100,6 +101,7 @@ class RankPhase(IntEnum):
     READY = 4  # reconfigured into the event's round, about to take its first step there
     LEAVING = 5
     FAILED = 6
+    RECOVERING = 7  # a collective failed (a peer died): waiting for the RECONFIGURE that repairs the group
 
 
 class ControlChannelError(RuntimeError):
@@ -121,6 +123,7 @@ class Event:
     group_world_size: int = 0
     master_addr: str = ""
     master_port: int = 0
+    repair: bool = False  # the event repairs a failure (a rank died): survivors may be a step apart
 
     @property
     def leaves(self) -> bool:
@@ -156,11 +159,11 @@ def channel_size(nproc: int) -> int:
 
 
 def _unpack_event(mm: mmap.mmap) -> Event | None:
-    _, _, event_id, target, kind, _, rnd, world, grank, gworld, port, _, addr = _HEADER.unpack_from(mm, 0)
+    _, _, event_id, target, kind, flags, rnd, world, grank, gworld, port, _, addr = _HEADER.unpack_from(mm, 0)
     if target == NO_TARGET:
         return None
     master = addr.rstrip(b"\0").decode("utf-8", errors="replace")
-    return Event(event_id, target, EventKind(kind), rnd, world, grank, gworld, master, port)
+    return Event(event_id, target, EventKind(kind), rnd, world, grank, gworld, master, port, bool(flags & FLAG_REPAIR))
 
 
 def _empty_slot() -> bytes:
@@ -191,6 +194,13 @@ class ControlWriter:
         self._mm[HEADER_SIZE:] = _empty_slot() * self.nproc
         _store(self._mm, _TARGET_OFFSET, _TARGET, NO_TARGET)
 
+    def reset_rank(self, local_rank: int, *, acked_event: int) -> None:
+        """Reset one rank's slot (a replacement process takes it over); events up to ``acked_event`` count as seen."""
+        slot = bytearray(_empty_slot())
+        _ACK.pack_into(slot, _ACK_OFFSET, acked_event)
+        offset = HEADER_SIZE + SLOT_SIZE * local_rank
+        self._mm[offset : offset + SLOT_SIZE] = bytes(slot)
+
     def publish(
         self,
         *,
@@ -203,6 +213,7 @@ class ControlWriter:
         group_world_size: int = 0,
         master_addr: str = "",
         master_port: int = 0,
+        repair: bool = False,
     ) -> None:
         """Announce an event; the target step is written last so a reader never sees half an event.
 
@@ -219,7 +230,7 @@ class ControlWriter:
         if kind is EventKind.RECONFIGURE and group_rank >= 0 and not (addr and master_port):
             raise ValueError("a RECONFIGURE event for a node in the new round needs master_addr and master_port")
         _store(
-            self._mm, 0, _HEADER, MAGIC, VERSION, event_id, NO_TARGET, kind, 0, round, world_size,
+            self._mm, 0, _HEADER, MAGIC, VERSION, event_id, NO_TARGET, kind, FLAG_REPAIR if repair else 0, round, world_size,
             group_rank, group_world_size, master_port, 0, addr,
         )  # fmt: skip
         _store(self._mm, _TARGET_OFFSET, _TARGET, target_step)
@@ -341,17 +352,38 @@ class ControlReader:
         is acknowledged (so :meth:`check` does not return True for it later). Raises
         :class:`AdmissionTimeoutError` after ``timeout_s``.
         """
-        self.set_phase(RankPhase.PARKED)
+        return self.wait_for_reconfigure(
+            RankPhase.PARKED, timeout_s=timeout_s, poll_s=poll_s, clock=clock, sleep=sleep, placed_only=True,
+            what="parked rank was not admitted into a round",
+        )  # fmt: skip
+
+    def wait_for_reconfigure(
+        self,
+        phase: RankPhase,
+        *,
+        timeout_s: float,
+        what: str,
+        poll_s: float = 0.005,
+        placed_only: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> Event:
+        """Mark the rank ``phase`` and wait for a ``RECONFIGURE`` event it has not seen (acknowledged on return).
+
+        ``placed_only``: only an event that places this node in its round. Raises
+        :class:`AdmissionTimeoutError` (``what`` says who waited) after ``timeout_s``.
+        """
+        self.set_phase(phase)
         deadline = clock() + timeout_s
         while True:
             event = self.event()
-            if event is not None and event.kind is EventKind.RECONFIGURE and not event.leaves:
+            if event is not None and event.kind is EventKind.RECONFIGURE and not (placed_only and event.leaves):
                 if event.event_id != self._acked:
                     self.acknowledge(event.event_id)
                     return event
             if clock() >= deadline:
                 raise AdmissionTimeoutError(
-                    f"parked rank was not admitted into a round within {timeout_s:.0f}s "
-                    "(no RECONFIGURE event placing this node appeared on the control channel)"
+                    f"{what} within {timeout_s:.0f}s (no RECONFIGURE event"
+                    f"{' placing this node' if placed_only else ''} appeared on the control channel)"
                 )
             sleep(poll_s)

@@ -17,3 +17,7 @@ class HydrationError(ElasticTrainingError):
 
 class StateMismatchError(HydrationError):
     """The ranks of a round hold state that does not agree; training on it would be wrong."""
+
+
+class RecoveryError(ElasticTrainingError):
+    """A rank whose collective failed was not carried into a repaired group (no repair came, or it failed)."""

@@ -148,7 +148,33 @@ def init_env_group(*, device: torch.device, backend: str, timeout_s: float) -> b
     return True
 
 
-def teardown_group() -> None:
-    """Destroy the default group and every subgroup (no-op without one)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def teardown_group(*, broken: bool = False) -> None:
+    """Destroy the default group and every subgroup (no-op without one).
+
+    ``broken``: a peer died. NCCL communicators are aborted first (destroying one that waits
+    on a dead peer blocks); gloo's fail at once when a peer's connection closes.
+    """
+    if not dist.is_initialized():
+        return
+    if broken and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+        return
+    dist.destroy_process_group()
+
+
+#: What gloo and NCCL put in the error of a collective whose peer died or stopped answering.
+_PEER_FAILURE_MARKERS = (
+    "connection closed by peer", "connection reset by peer", "read error", "write error", "broken pipe",
+    "timed out", "timeout", "nccl", "gloo", "socket", "remote worker",
+)  # fmt: skip
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because another rank died or hung (not a bug of this rank).
+
+    torch raises ``DistError`` subclasses from c10d, but a failure inside DDP's backward
+    reaches the script as a plain ``RuntimeError`` carrying gloo's or NCCL's message.
+    """
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _PEER_FAILURE_MARKERS)

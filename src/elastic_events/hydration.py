@@ -60,9 +60,28 @@ class HydrationPlan:
     step: int
 
 
-def plan_hydration(reports: Sequence[RankReport]) -> HydrationPlan:
-    """Who sends the state to whom; raises :class:`StateMismatchError` when the state disagrees."""
+def plan_hydration(reports: Sequence[RankReport], *, recovering: bool = False) -> HydrationPlan:
+    """Who sends the state to whom; raises :class:`StateMismatchError` when the state disagrees.
+
+    ``recovering``: the round repairs a failure. A peer died mid-step, so a survivor may have
+    committed one step more than another (its collectives completed before the peer's death
+    reached the others): the survivors at the furthest step are the state, the others are
+    brought to it like newcomers. A sharded model cannot be recovered this way (its shards
+    on the dead rank exist nowhere else).
+    """
     reports = sorted(reports, key=lambda r: r.rank)
+    if recovering:
+        furthest = max((r.step for r in reports if r.survivor), default=-1)
+        if any(r.survivor and r.sharded for r in reports):
+            raise HydrationError(
+                "in-place recovery needs a replicated model: a sharded (FSDP2) model's shards on the failed rank "
+                "exist nowhere else (the job restarts from its checkpoint)"
+            )
+        reports = [
+            r if not r.survivor or r.step == furthest
+            else RankReport(rank=r.rank, survivor=False, source_ready=False, step=-1, structure=r.structure, checksum=None, sharded=None)
+            for r in reports
+        ]  # fmt: skip
     first = reports[0]
     for r in reports[1:]:
         if r.structure != first.structure:

@@ -46,9 +46,17 @@ import torch.distributed as dist
 
 import elastic_events
 from elastic_events import eventlog, names
-from elastic_events.errors import ElasticTrainingError, HydrationError
-from elastic_events.control import CAP_RECONFIGURE, ControlReader, Event, EventKind, RankPhase
-from elastic_events.group import RoundSpec, backend_for, default_device, init_env_group, init_round_group, teardown_group
+from elastic_events.errors import ElasticTrainingError, HydrationError, RecoveryError
+from elastic_events.control import CAP_RECONFIGURE, AdmissionTimeoutError, ControlReader, Event, EventKind, RankPhase
+from elastic_events.group import (
+    RoundSpec,
+    backend_for,
+    default_device,
+    init_env_group,
+    init_round_group,
+    is_peer_failure,
+    teardown_group,
+)
 from elastic_events.inprocess_config import ElasticConfig, default_wrap
 from elastic_events.names import PARKED_ENV, ROUND_ENV
 from elastic_events.hydration import (
@@ -227,6 +235,60 @@ class ElasticTraining:
             self._phase(RankPhase.FAILED)
             raise
 
+    def recover(self, exc: BaseException) -> bool:
+        """Carry this rank through the failure of a peer, in process: call it where a step raised.
+
+        ``exc`` is what the step raised. Unless it is a collective that failed because another
+        rank died or hung (:func:`~elastic_events.group.is_peer_failure`), or there is no launcher
+        to repair the group, it is raised again unchanged. Otherwise the rank drops the broken
+        group and waits for the launcher's repair (a ``RECONFIGURE`` into a new round: the failed
+        rank replaced, or its node left out); the survivors at the furthest committed step are the
+        state, every other rank is brought to it from them. Call it with every collective of a
+        step before the optimizer step and ``step += 1`` right after it, so a step that failed
+        changed nothing. Returns True to train on (rebuild the loader iterator, as after
+        :meth:`reconfigure`), False when this node is not part of the repaired job (exit 0).
+        Raises :class:`RecoveryError` (from ``exc``) when no repair came within
+        ``config.recover_timeout_s`` or it failed.
+        """
+        if self._reader is None or not self.distributed or not is_peer_failure(exc):
+            raise exc
+        if _is_sharded(self.module):
+            raise RecoveryError(
+                f"rank {self.rank}: a collective failed at step {self.step + 1} and a sharded (FSDP2) model cannot be "
+                "recovered in place (the failed rank's shards exist nowhere else)"
+            ) from exc
+        rank, t0 = self.rank, time.monotonic()
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        print(f"rank {rank}: a collective failed during step {self.step + 1} ({reason}); waiting for the repaired group",
+              file=sys.stderr, flush=True)  # fmt: skip
+        eventlog.emit(names.PEER_FAILED, rank=rank, step=self.step, error=reason)
+        self._reader.fired = None
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+        kept = _Kept(step=self.step, sharded=False, structure=structure_digest(self.module), checksum=value_checksum(self.module))
+        self.model = self.module  # the DDP wrapper belongs to the broken group
+        gc.collect()
+        teardown_group(broken=True)
+        self._store = None
+        torn_down = time.monotonic() - t0
+        try:
+            event = self._reader.wait_for_reconfigure(
+                RankPhase.RECOVERING, timeout_s=self.config.recover_timeout_s, poll_s=self.config.poll_s,
+                what=f"rank {rank} (its collective failed at step {self.step + 1}) was not carried into a repaired group",
+            )  # fmt: skip
+        except AdmissionTimeoutError as timeout:
+            self._phase(RankPhase.FAILED)
+            raise RecoveryError(str(timeout)) from exc
+        if event.leaves:
+            self._phase(RankPhase.LEAVING)
+            return False
+        try:
+            self._join(event, kept=kept, fresh_module=None, torn_down_s=torn_down)
+        except BaseException as failed:
+            self._phase(RankPhase.FAILED)
+            raise RecoveryError(f"rank {rank}: the repaired group of round {event.round} could not be joined: {failed}") from failed
+        return True
+
     def _save_and_exit(self, event: Event) -> bool:
         if self.checkpointer is None:
             print(
@@ -306,15 +368,16 @@ class ElasticTraining:
         reports: list[Any] = [None] * spec.world_size
         try:
             dist.all_gather_object(reports, report)
-            plan = plan_hydration(reports)
+            plan = plan_hydration(reports, recovering=event.repair)
+            received = spec.rank in plan.newcomers  # a newcomer, or a survivor a step behind the others
             if plan.source is None:
                 self._rebuild_from_storage(fresh_module)
             elif plan.sharded:
                 self._reshard(plan.source, kept, fresh_module)
             else:
-                self._replicate(plan.source, plan.newcomers, fresh_module)
-                if survivor:
-                    self.model = self._rewrap()  # DDP over the new group (newcomers wrapped above)
+                self._replicate(plan.source, plan.newcomers, fresh_module if fresh_module is not None else self.module)
+                if not received:
+                    self.model = self._rewrap()  # DDP over the new group (receivers wrapped in _replicate)
         except ElasticTrainingError:
             raise
         except RuntimeError as exc:  # gloo/NCCL report dead peers and timeouts as RuntimeError
@@ -324,10 +387,10 @@ class ElasticTraining:
             ) from exc
         self._set_world()
         seed_all(derive_rank_seed(self._base_seed, self.step, self.rank))
-        if self._reader is not None and not survivor:
+        if self._reader is not None and received:
             self._reader.set_step(self._control_step)
         self._phase(RankPhase.READY)
-        elastic_events._new_round("reconfigure" if survivor else "admitted")
+        elastic_events._new_round("recovered" if event.repair else "reconfigure" if survivor else "admitted")
         eventlog.emit(
             names.HYDRATED, event_id=event.event_id, step=self.step, seconds=time.monotonic() - t1,
             newcomers=len(plan.newcomers), from_rank=plan.source, sharded=plan.sharded,

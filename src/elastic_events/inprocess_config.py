@@ -17,13 +17,14 @@ class ElasticConfig:
 
     timeout_s: float = 600.0  # forming a group, hydration and every collective of a round
     admission_timeout_s: float = 86_400.0  # how long a parked joiner waits to be admitted
+    recover_timeout_s: float = 60.0  # how long a rank whose collective failed waits for the repaired group
     poll_s: float = 0.005  # a parked joiner's look at the control channel
     bucket_mb: float = 64.0  # largest broadcast of the state transfer
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
     backend: str | None = None  # None: nccl on CUDA, gloo on CPU
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "admission_timeout_s", "poll_s", "bucket_mb"):
+        for name in ("timeout_s", "admission_timeout_s", "recover_timeout_s", "poll_s", "bucket_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")

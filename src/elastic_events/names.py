@@ -22,3 +22,4 @@ CHECKPOINT_LOADED = "checkpoint_loaded"
 GROUP_TORN_DOWN = "group_torn_down"
 GROUP_UP = "group_up"
 HYDRATED = "hydrated"
+PEER_FAILED = "peer_failed"  # a collective failed: the rank waits for its group to be repaired

@@ -29,10 +29,10 @@ from enum import Enum
 from pathlib import Path
 from types import FrameType
 
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun.config import LaunchConfig, RestartMode
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
-from hyperpodrun.logs import LogDirectory
+from hyperpodrun.logs import LogDirectory, RankLogs
 from hyperpodrun.hang import HangPolicy, hung_ranks
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
@@ -92,6 +92,7 @@ class Agent:
         self._outage_since: float | None = None
         self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
         self._hang: str | None = None  # why the running group was declared hung
+        self._repairing: str | None = None  # the failure whose ranks were restarted parked, until the repair
         self._hang_policy = HangPolicy(timeout=config.hang_timeout)
         self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
@@ -184,8 +185,11 @@ class Agent:
         while True:
             state = group.poll()
             if state == WorkerState.FAILED and pending is None and not failure_logged:
-                failure_logged = True
-                self._log_failure(group)  # its siblings stop now: they must not hang in a collective
+                if self._repairs_in_place():
+                    state = self._replace_failed(group)
+                else:
+                    failure_logged = True
+                    self._log_failure(group)  # its siblings stop now: they must not hang in a collective
             if self._signal is not None:
                 if self._signal == signal.SIGTERM and rdzv.elastic:
                     self._signal = None
@@ -205,9 +209,10 @@ class Agent:
                     self.on_progress(steps, step_times)
                 failures = group.failures() if state == WorkerState.FAILED else []
                 status = LocalStatus(
-                    group_state=WorkerState.FAILED if self._hang else state, steps=steps, step_times=step_times,
-                    reconfigurable=all(p.reconfigurable for p in progress),
-                    failure=self._hang or (failures[0].summary() if failures else None),
+                    group_state=WorkerState.FAILED if self._hang and not self._repairing else state, steps=steps,
+                    step_times=step_times, reconfigurable=all(p.reconfigurable for p in progress),
+                    failure=self._repairing or self._hang or (failures[0].summary() if failures else None),
+                    repairing=self._repairing is not None,
                 )  # fmt: skip
                 directive = self._poll_riding_out_outages(status, group)
                 if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):
@@ -225,6 +230,7 @@ class Agent:
                 self._check_hang(group, rates)
             if pending is not None and state == WorkerState.HEALTHY and self._moved_in_place(pending):
                 self._control.clear()
+                self._repairing = None
                 self.events.emit(EventType.WORKERS_RECONFIGURED, event_id=pending.event_id, round=pending.next_round, world_size=pending.world_size)
                 self._guard_store(lambda: rdzv.report_stopped(pending.event_id, ok=True, reconfigured=True), group)
                 return pending, True
@@ -271,11 +277,11 @@ class Agent:
         A rank checks the channel once per step, so one that was past the target when the
         target was written never acts at it with the others: the event must stop instead.
         The check after publishing closes the window between the agent's progress read and
-        the write.
+        the write. A repair has no agreed step: every rank acts on it at once.
         """
         self._write_event(directive)
         progress = self._control.progress()
-        missed = missed_target(progress, directive.event_id, directive.target_step)
+        missed = [] if directive.repair else missed_target(progress, directive.event_id, directive.target_step)
         if missed:
             self._control.clear()
         else:
@@ -309,7 +315,36 @@ class Agent:
         self.events.emit(EventType.RANK_HUNG, rank=rank, local_ranks=list(hung), step=progress[r].step,
                          idle_s=round(idle, 3), hang_timeout=limit, log_file=str(group.log_file(r)))  # fmt: skip
         _say(self._hang)
+        if self._repairs_in_place():  # only the hung ranks go; their peers' collectives fail and they recover
+            for local_rank in hung:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pids[local_rank], signal.SIGKILL)
+            return
         group.stop(grace=self.config.shutdown_timeout)
+
+    def _repairs_in_place(self) -> bool:
+        """Whether a failed rank is replaced in place (the round runs in-process) rather than the job restarted."""
+        return self.rdzv.in_process and self.config.restart_mode is RestartMode.AUTO
+
+    def _replace_failed(self, group: WorkerGroup) -> WorkerState:
+        """Restart the failed local ranks parked; their siblings keep their state and wait for the repair."""
+        failures = group.failures()
+        root = failures[0]
+        what = self._hang or root.summary()
+        self.events.emit(EventType.WORKER_FAILED, rank=root.global_rank, exitcode=root.exitcode, signal=root.signal_name,
+                         message=root.message, log_file=str(root.log_file), repaired_in_place=True)  # fmt: skip
+        attempt_dir = self._logs.new_attempt(self._attempt)
+        self._attempt += 1
+        pids = {}
+        for failure in failures:
+            self._control.reset_rank(failure.local_rank, acked_event=0)
+            logs, env = self._rank_setup(attempt_dir, failure.local_rank, None, RestartReason.FAILURE)
+            pids[failure.global_rank] = group.replace(failure.local_rank, rank_env=env, logs=logs)
+        self.events.emit(EventType.RANKS_REPLACED, ranks=sorted(pids), pids=list(pids.values()), reason=what, log_dir=str(attempt_dir))
+        _say(f"{what}; repairing in place: rank(s) {sorted(pids)} restarted parked (pid {list(pids.values())}), "
+             "the other ranks keep their state")  # fmt: skip
+        self._repairing, self._hang = what, None
+        return group.poll()
 
     def _failed_in_place(self) -> bool:
         """A local rank reported FAILED while moving rounds (its new group did not form, hydration failed)."""
@@ -364,6 +399,7 @@ class Agent:
             group_world_size=directive.group_world_size,
             master_addr=directive.master_addr if reconfigure else "",
             master_port=directive.master_port if reconfigure else 0,
+            repair=directive.repair,
         )
 
     def _stop_now(self, group: WorkerGroup, directive: Directive) -> Directive:
@@ -434,27 +470,7 @@ class Agent:
         cfg = self.config
         logs, envs = {}, {}
         for local_rank in range(cfg.nproc_per_node):
-            logs[local_rank] = LogDirectory.rank_logs(
-                attempt_dir,
-                local_rank,
-                redirect=cfg.redirect_map[local_rank],
-                tee=cfg.tee_map[local_rank],
-                show_on_console=not cfg.local_ranks_filter or local_rank in cfg.local_ranks_filter,
-            )
-            envs[local_rank] = worker_env(
-                cfg,
-                rnd or parked_round(cfg.nproc_per_node),
-                local_rank,
-                run_id=self.run_id,
-                restart_count=self.restart_count,
-                reason=reason,
-                error_file=logs[local_rank].error_file,
-                control_file=self._control.path,
-                node_id=self.rdzv.node_id,
-                event_log=self.events.path,
-            )
-            if rnd is None:
-                envs[local_rank] = parked_env(envs[local_rank])
+            logs[local_rank], envs[local_rank] = self._rank_setup(attempt_dir, local_rank, rnd, reason)
         self._control.reset_ranks()
         group = WorkerGroup(
             command=cfg.worker_command(),
@@ -475,6 +491,30 @@ class Agent:
             log_dir=str(attempt_dir),
         )
         return group
+
+    def _rank_setup(self, attempt_dir: Path, local_rank: int, rnd: RoundInfo | None, reason: RestartReason) -> tuple[RankLogs, dict[str, str]]:
+        """A local rank's log files and environment for ``rnd`` (None: parked until admitted)."""
+        cfg = self.config
+        logs = LogDirectory.rank_logs(
+            attempt_dir,
+            local_rank,
+            redirect=cfg.redirect_map[local_rank],
+            tee=cfg.tee_map[local_rank],
+            show_on_console=not cfg.local_ranks_filter or local_rank in cfg.local_ranks_filter,
+        )
+        env = worker_env(
+            cfg,
+            rnd or parked_round(cfg.nproc_per_node),
+            local_rank,
+            run_id=self.run_id,
+            restart_count=self.restart_count,
+            reason=reason,
+            error_file=logs.error_file,
+            control_file=self._control.path,
+            node_id=self.rdzv.node_id,
+            event_log=self.events.path,
+        )
+        return logs, env if rnd is not None else parked_env(env)
 
     # -- signals -----------------------------------------------------------------------
 

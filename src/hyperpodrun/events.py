@@ -25,6 +25,7 @@ class EventType(str, Enum):
     WORKERS_STARTED = "workers_started"
     FIRST_STEP = "first_step"
     SCALE_DECIDED = "scale_decided"
+    ROUND_IN_PROCESS = "round_in_process"  # every rank declared the in-process API: events and failures are handled in place
     SCALE_TARGETED = "scale_targeted"  # the agreed step and the mode (reconfigure in place or restart)
     WORKERS_SIGNALLED = "workers_signalled"
     CHECKPOINT_SAVED = "checkpoint_saved"
@@ -32,6 +33,7 @@ class EventType(str, Enum):
     WORKERS_STOPPED = "workers_stopped"
     WORKERS_RECONFIGURED = "workers_reconfigured"  # every local rank runs in the next round, in place
     WORKER_FAILED = "worker_failed"
+    RANKS_REPLACED = "ranks_replaced"  # failed ranks restarted parked: the job repairs its group in place
     RANK_HUNG = "rank_hung"  # no progress for --hang-timeout: stacks dumped, treated as a failure
     NODE_LOST = "node_lost"
     NODE_LEAVING = "node_leaving"

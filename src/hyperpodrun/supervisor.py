@@ -206,6 +206,25 @@ class WorkerGroup:
             pump.start()
         return rank
 
+    def replace(self, local_rank: int, *, rank_env: dict[str, str], logs: RankLogs) -> int:
+        """Start a new process in place of a local rank that exited (its siblings keep running); its pid.
+
+        The group is HEALTHY again once no replaced rank is left failed.
+        """
+        old = self._ranks[local_rank]
+        if old.proc.poll() is None:
+            raise ValueError(f"local rank {local_rank} (pid {old.proc.pid}) is still running: only an exited rank is replaced")
+        _killpg(old.proc.pid, signal.SIGKILL)  # its dataloader workers
+        for pump in old.pumps:
+            pump.join(5.0)
+        if self._reaper is not None:
+            self._reaper.remove(old.proc.pid)
+        self._rank_env[local_rank], self._logs[local_rank] = rank_env, logs
+        self._ranks[local_rank] = self._spawn(local_rank)
+        if self.state == WorkerState.FAILED and all(r.proc.returncode in (None, 0) for r in self._ranks):
+            self.state = WorkerState.HEALTHY
+        return self._ranks[local_rank].proc.pid
+
     @property
     def pids(self) -> dict[int, int]:
         return {r.local_rank: r.proc.pid for r in self._ranks}

@@ -8,11 +8,13 @@ parameters equal a single process trained for the same number of steps. Steps ar
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
 import pytest
 import torch
+from support.cluster import wait_until
 
 INPLACE = Path(__file__).resolve().parent / "scripts" / "inplace_counter.py"
 
@@ -77,4 +79,47 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, backend_
     reference = reference_params({f["step"] for f in final})
     for f in final:  # both nodes' parameters equal an unbroken single-process run at their step
         for got, want in zip(f["params"], reference[f["step"]]):
+            assert got == pytest.approx(want, abs=1e-5)
+
+
+def pid_of_rank(job, rank: int) -> int:
+    return [r for r in worlds(job) if r["rank"] == rank][-1]["pid"]
+
+
+@pytest.mark.parametrize("backend_name", ["c10d", "etcd"])
+def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, request) -> None:
+    """kill -9 of one rank: its node restarts it parked, the survivor keeps its process and state,
+    the replacement is hydrated from it, and no committed step is lost or trained twice."""
+    endpoint = request.getfixturevalue("etcd_endpoint") if backend_name == "etcd" else None
+    job = make_job(backend=backend_name, endpoint=endpoint, script=INPLACE, nnodes="2", flags=("--max-restarts", "3"))
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
+    job.wait_steps(5)
+    survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: [r for r in worlds(job) if r["how"] == "peers"], timeout=60, what="the replacement rank to be hydrated")
+    job.wait_steps(5)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+
+    records = worlds(job)
+    assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records  # never restarted
+    assert [r["how"] for r in records if r["pid"] == survivor] == ["fresh", "recovered"], records
+    replacement = [r for r in records if r["how"] == "peers"]
+    assert len(replacement) == 1 and replacement[0]["pid"] != victim and replacement[0]["world"] == 2, records
+    failed = job.events("worker_failed")
+    assert len(failed) == 1 and failed[0]["repaired_in_place"] and failed[0]["signal"] == "SIGKILL", failed
+    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
+    assert not [e for e in job.events("workers_stopped") if e["event_id"]], "no rank was stopped before the job's end"
+    in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
+    assert {e["reason"] for e in in_place} == {"failure"} and len(in_place) == 2, in_place  # both nodes, repaired
+    steps = [p["step"] for p in job.progress()]
+    assert steps == list(range(1, len(steps) + 1)), steps  # every committed step once, none lost or redone
+    assert {p["world"] for p in job.progress()} == {2}
+    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
+    assert len(final) == 2 and {f["step"] for f in final} == {steps[-1]}, final
+    reference = reference_params({steps[-1]})[steps[-1]]
+    for f in final:  # both replicas equal an unbroken single-process run
+        for got, want in zip(f["params"], reference):
             assert got == pytest.approx(want, abs=1e-5)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from hyperpodrun.errors import RendezvousError
-from hyperpodrun.rendezvous.records import EventKind
+from hyperpodrun.rendezvous.records import REPAIR_KINDS, EventKind
 from hyperpodrun.supervisor import GroupAssignment, WorkerState
 
 
@@ -74,6 +74,11 @@ class Directive:
     master_port: int = 0
     members: tuple[str, ...] = ()  # RECONFIGURE: the next round's nodes in group-rank order
 
+    @property
+    def repair(self) -> bool:
+        """A RECONFIGURE that repairs a failure: acted on at once, survivors may be a step apart."""
+        return self.kind == DirectiveKind.RECONFIGURE and self.event_kind in REPAIR_KINDS
+
 
 @dataclass(frozen=True, kw_only=True)
 class LocalStatus:
@@ -84,6 +89,7 @@ class LocalStatus:
     step_times: tuple[float, ...]  # each local rank's recent fastest seconds per step (0: not known yet)
     reconfigurable: bool = False  # every local rank declared the in-process API
     failure: str | None = None
+    repairing: bool = False  # ``failure``'s ranks were restarted parked, to be repaired in place
 
     @property
     def cooperative(self) -> bool:
@@ -117,6 +123,11 @@ class RendezvousHandler(ABC):
     def tick(self) -> float:
         """Seconds between store polls while ranks run."""
         return 0.2
+
+    @property
+    def in_process(self) -> bool:
+        """Whether this node's current round reconfigures in place (every rank declared the API)."""
+        return False
 
     @property
     def graceful_timeout(self) -> float:

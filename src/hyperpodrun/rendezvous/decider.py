@@ -14,12 +14,19 @@ An event runs through these steps (``EventRecord``)::
     targeted / STOP --every live member stopped (or deadline)--> complete
         --> next round published with the live next members, or the round HALTED
 
+In a round that runs in-process, failures are repaired in place: a rank failure (its node
+restarted the failed ranks parked) or a lost node makes a RECONFIGURE event of kind
+``rank_failure`` / ``node_lost`` at once. It waits for the acks of the live members (for a
+fresh master port) and is targeted at step 0: the survivors already stopped stepping at the
+failed collective, so there is no step to agree on.
+
 A next member that vanished between decision and completion is never published: the
 round halts and the start rules pick the next membership from the live nodes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +35,7 @@ from hyperpodrun.config import RestartMode
 from hyperpodrun.policy import Action, ClusterView, Decision, ElasticPolicy, NodeState, ScaleEvent, decide
 from hyperpodrun.rendezvous.api import RestartReason
 from hyperpodrun.rendezvous.records import (
+    REPAIR_KINDS,
     AckRecord,
     ClosedRecord,
     EventKind,
@@ -152,6 +160,14 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
                         notes=(Note(round=rnd.round, what="job succeeded", reason=closed.message, event="job_succeeded"),))  # fmt: skip
         if snap.failed:
             message = next(iter(snap.failed.values())).message
+            if (
+                _repairs_in_place(rnd, ctx)
+                and all(f.repairable for f in snap.failed.values())
+                and all(m in snap.nodes for m in rnd.members)
+                and rnd.restarts < ctx.max_restarts
+            ):
+                return _new_event(snap, rnd, now, mem, kind=EventKind.RANK_FAILURE, mode=EventMode.RECONFIGURE,
+                                  next_members=rnd.members, reason=f"rank failure, repaired in place: {message}", failure=message)  # fmt: skip
             return _new_event(snap, rnd, now, mem, kind=EventKind.RANK_FAILURE, mode=EventMode.STOP,
                               next_members=None, reason=f"rank failure: {message}", failure=message)  # fmt: skip
         if (
@@ -160,7 +176,8 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
             and all(m in snap.nodes and snap.nodes[m].reconfigurable for m in rnd.members)
         ):  # standbys now pre-warm their ranks, so an admission costs no process start
             marked = evolve(rnd, inprocess=True)
-            note = Note(round=rnd.round, what=f"round {rnd.round} runs in-process", reason="every rank declared the in-process API")
+            note = Note(round=rnd.round, what=f"round {rnd.round} runs in-process", reason="every rank declared the in-process API",
+                        event="round_in_process")  # fmt: skip
             return Plan(writes=(Write(Keys.ROUND, encode(marked), snap.round_rev),), notes=(note,), memory=mem)
     if rnd is not None and rnd.state is RoundState.HALTED and rnd.halt_kind is EventKind.RANK_FAILURE:
         after = _after_failure(snap, rnd, now, ctx, mem)
@@ -179,11 +196,19 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
     if decision.action is Action.WAIT_FOR_LOST:
         if not running:  # halted already: wait for the lost members to come back or time out
             return Plan(memory=mem, waiting_for=decision.reason)
+        if _repairs_in_place(rnd, ctx):  # the survivors cannot step without a new group: re-form it now
+            reshape = decide(ctx.policy, dataclasses.replace(view, lost_since={}), now,
+                             nproc_per_node=ctx.nproc_per_node, max_world_size=ctx.max_world_size)  # fmt: skip
+            if reshape.members and reshape.members[0] in snap.nodes:
+                return _new_event(snap, rnd, now, mem, kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE,
+                                  next_members=reshape.members, reason=f"{decision.reason}; repaired in place: {reshape.reason}")  # fmt: skip
         return _new_event(snap, rnd, now, mem, kind=EventKind.NODE_LOST, mode=EventMode.STOP,
                           next_members=None, reason=decision.reason)  # fmt: skip
     if running:
         kind = _event_kind(snap, rnd, decision)
         mode = EventMode.STOP if kind is EventKind.NODE_LOST else EventMode.RESTART
+        if kind is EventKind.NODE_LOST and _repairs_in_place(rnd, ctx) and decision.members[0] in snap.nodes:
+            mode = EventMode.RECONFIGURE
         return _new_event(snap, rnd, now, mem, kind=kind, mode=mode, next_members=decision.members, reason=decision.reason)
     if rnd is None:
         reason = RestartReason.START
@@ -192,6 +217,11 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
     else:
         reason = RestartReason.SCALE
     return _publish_round(snap, decision.members, now, mem, decision.reason, reason)
+
+
+def _repairs_in_place(rnd: RoundRecord, ctx: DeciderContext) -> bool:
+    """Whether the round's failures are repaired in place (every rank declared the in-process API)."""
+    return rnd.inprocess and ctx.restart_mode is RestartMode.AUTO
 
 
 def _event_kind(snap: JobSnapshot, rnd: RoundRecord, decision: Decision) -> EventKind:
@@ -280,6 +310,8 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
             return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for acks from {missing}")
         reason = ev.reason + f"; no ack from {missing} within {ctx.ack_timeout:g}s"
         return _update(snap, evolve(ev, mode=EventMode.STOP, reason=reason), mem)
+    if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:
+        return _target_repair(snap, ev, acks, elapsed, ctx, mem)
     if not all(a.cooperative for a in acks.values()):
         reason = ev.reason + "; ranks do not call elastic_event_detected() on every rank"
         return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=reason), mem)
@@ -316,6 +348,21 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
     return Plan(writes=updated.writes, notes=(note,), memory=mem)
 
 
+def _target_repair(snap: JobSnapshot, ev: EventRecord, acks: Mapping[str, AckRecord], elapsed: float, ctx: DeciderContext, mem: DeciderMemory) -> Plan:
+    """A failure repaired in place: at once (step 0), rank 0 on the first surviving member's fresh port."""
+    head = ev.next_members[0] if ev.next_members else None
+    if head not in acks:
+        return _update(snap, evolve(ev, mode=EventMode.STOP, reason=f"{ev.reason}; rank 0 of the repaired round would not be a survivor"), mem)
+    cold = [m for m in ev.next_members if m not in acks and m in snap.nodes and not snap.nodes[m].parked]
+    if cold and elapsed <= ctx.ack_timeout:  # a standby refills the lost node's place: wait for it to park
+        return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for {cold} to park their ranks")
+    master_port = acks[head].port or snap.nodes[head].port
+    note = Note(round=ev.round, what=f"event {ev.id} ({ev.kind.value}, reconfigure)", reason="ranks repair their group in place",
+                event="scale_targeted", fields={"event_id": ev.id, "kind": ev.kind.value, "mode": EventMode.RECONFIGURE.value, "target_step": 0})  # fmt: skip
+    updated = _update(snap, evolve(ev, target=0, master_addr=snap.nodes[head].addr, master_port=master_port), mem)
+    return Plan(writes=updated.writes, notes=(note,), memory=mem)
+
+
 def _joiners(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord) -> list[str]:
     """Live standbys a RECONFIGURE event admits: they report too, once their ranks run in the new round."""
     if ev.mode is not EventMode.RECONFIGURE or ev.target is None or not ev.next_members:
@@ -333,8 +380,10 @@ def _finish_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: flo
     nxt = ev.next_members
     if ev.mode is EventMode.RECONFIGURE and nxt and all(m in snap.nodes for m in nxt):
         if all(m in snap.stopped and snap.stopped[m].reconfigured for m in nxt):
-            published = _publish_round(snap, nxt, now, mem, ev.reason, RestartReason.SCALE, mode=ev.mode,
-                                       master=(ev.master_addr, ev.master_port), inprocess=True)  # fmt: skip
+            repaired = ev.kind in REPAIR_KINDS
+            published = _publish_round(snap, nxt, now, mem, ev.reason, RestartReason.FAILURE if repaired else RestartReason.SCALE,
+                                       mode=ev.mode, master=(ev.master_addr, ev.master_port), inprocess=True,
+                                       count_restart=ev.kind is EventKind.RANK_FAILURE)  # fmt: skip
         else:  # some node could not move in place: every rank restarts; the skipped number tells the others
             failed = [m for m in nxt if not (m in snap.stopped and snap.stopped[m].reconfigured)]
             why = f"{ev.reason}; in-place reconfiguration failed on {failed}: restarting the ranks"

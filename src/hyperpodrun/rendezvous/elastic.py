@@ -39,6 +39,7 @@ from hyperpodrun.rendezvous.api import (
 )
 from hyperpodrun.rendezvous.decider import DeciderContext, DeciderMemory, JobSnapshot, Plan, plan
 from hyperpodrun.rendezvous.records import (
+    REPAIR_KINDS,
     AckRecord,
     ClosedRecord,
     EventKind,
@@ -130,6 +131,17 @@ class ElasticRendezvous(RendezvousHandler):
     @property
     def graceful_timeout(self) -> float:
         return self.ctx.policy.graceful_shutdown_timeout
+
+    @property
+    def in_process(self) -> bool:
+        """Read from the store when not known yet: the decider marks a running round in-process."""
+        if self._round is None or self._round.inprocess:
+            return self._round is not None
+        try:
+            rnd = decode(RoundRecord, Keys.ROUND, _value(self.store.get(Keys.ROUND)))
+        except StoreError:
+            return False
+        return rnd is not None and rnd.round == self._round.round and rnd.inprocess
 
     @property
     def leaving(self) -> bool:
@@ -286,8 +298,11 @@ class ElasticRendezvous(RendezvousHandler):
         event_of_round = ev is not None and ev.round == my_round
         if status.group_state == WorkerState.SUCCEEDED and not event_of_round:
             self._put_once(Keys.done(my_round) + self._node_id, b"{}")
-        if status.group_state == WorkerState.FAILED:
-            self._put_once(Keys.failed(my_round) + self._node_id, encode(FailedRecord(message=status.failure or "rank failed")))
+        if status.group_state == WorkerState.FAILED or status.repairing:
+            failed = FailedRecord(message=status.failure or "rank failed", repairable=status.repairing)
+            self._put_once(Keys.failed(my_round) + self._node_id, encode(failed))
+        if rnd is not None and self._round is not None and rnd.round == my_round and rnd.inprocess != self._round.inprocess:
+            self._round = rnd  # the decider marked the round in-process
         directive = None
         if event_of_round and ev.id > self._handled_event:
             directive = self._follow_event(ev, status)
@@ -317,6 +332,8 @@ class ElasticRendezvous(RendezvousHandler):
             self._ack(ev, status)
             return None
         self._handled_event = ev.id
+        if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:
+            return self._reconfigure_directive(ev)  # at once: the ranks stopped at the failed collective
         if any(s >= ev.target for s in status.steps):
             # A rank is already at/past the target: it cannot act at the agreed step with the others.
             return Directive(kind=DirectiveKind.STOP, **{**base, "reason": ev.reason + "; a rank passed the target step"})
@@ -488,7 +505,7 @@ class ElasticRendezvous(RendezvousHandler):
             raise RendezvousError("this node left the job at the reconfiguration")
         rnd = RoundRecord(
             round=directive.next_round, members=directive.members, master_addr=directive.master_addr, master_port=directive.master_port,
-            reason=RestartReason.SCALE.value, mode=EventMode.RECONFIGURE,
+            reason=(RestartReason.FAILURE if directive.repair else RestartReason.SCALE).value, mode=EventMode.RECONFIGURE, inprocess=True,
         )  # fmt: skip
         self._round = rnd
         self._in_place_event = EventRecord(
@@ -504,7 +521,7 @@ class ElasticRendezvous(RendezvousHandler):
                 nproc_per_node=self.ctx.nproc_per_node, master_addr=directive.master_addr, master_port=directive.master_port,
             ),  # fmt: skip
             members=directive.members,
-            reason=RestartReason.SCALE,
+            reason=RestartReason.FAILURE if directive.repair else RestartReason.SCALE,
         )
 
 

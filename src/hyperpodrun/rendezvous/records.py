@@ -30,7 +30,7 @@ from hyperpodrun.errors import RendezvousError
 
 __all__ = [
     "AckRecord", "CapRecord", "ClosedRecord", "EventKind", "EventMode", "EventRecord", "FailedRecord", "HistoryEntry",
-    "JobOutcome", "Keys", "NodeRecord", "RecordError", "RoundRecord", "RoundState", "StoppedRecord",
+    "JobOutcome", "Keys", "NodeRecord", "REPAIR_KINDS", "RecordError", "RoundRecord", "RoundState", "StoppedRecord",
     "cap_of", "decode", "encode",
 ]  # fmt: skip
 
@@ -97,6 +97,10 @@ class EventKind(str, Enum):
     NODE_LOST = "node_lost"  # a member's lease expired
     RANK_FAILURE = "rank_failure"  # a rank exited non-zero
     INSUFFICIENT = "insufficient"  # too few nodes for any allowed size: stop and wait
+
+
+#: Failures an in-process round repairs in place (a RECONFIGURE at once, no agreed step: a peer is gone).
+REPAIR_KINDS = frozenset({EventKind.RANK_FAILURE, EventKind.NODE_LOST})
 
 
 class EventMode(str, Enum):
@@ -191,6 +195,7 @@ class StoppedRecord:
 @dataclass(frozen=True, kw_only=True)
 class FailedRecord:
     message: str
+    repairable: bool = False  # the node restarted its failed ranks parked, to be repaired in place
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,8 @@ parameters depend only on how many steps were trained. Rank 0 appends {"step", "
 RUN_DIR/progress.jsonl every step; every rank appends {"pid", "rank", "world", "round", "step",
 "how"} to RUN_DIR/worlds.jsonl when it starts and after every reconfiguration, and its final
 parameters to RUN_DIR/final.jsonl. Training ends at the first step after RUN_DIR/stop exists
-(agreed through an all-reduce). No sleeps: steps are as fast as gloo allows.
+(agreed through an all-reduce). No sleeps: steps are as fast as gloo allows. A step whose
+collective fails (a peer was killed) is recovered in place: "how" is "recovered" for a survivor.
 """
 
 import json
@@ -42,16 +43,25 @@ def note(how: str) -> None:
 
 note(elastic.resumed_from)
 while True:
-    g = torch.Generator().manual_seed(elastic.step)
-    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
-    rows = x.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else x[:0]
-    target = y.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else y[:0]
-    loss = (elastic.model(rows) - target).square().sum() * elastic.world_size / 8
-    loss.backward()
+    try:  # every collective of the step comes before the optimizer step: a step that fails changes nothing
+        stop = torch.tensor([float((run / "stop").exists())])
+        dist.all_reduce(stop)
+        if stop.item() > 0:
+            break
+        g = torch.Generator().manual_seed(elastic.step)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        rows = x.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else x[:0]
+        target = y.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else y[:0]
+        loss = (elastic.model(rows) - target).square().sum() * elastic.world_size / 8
+        loss.backward()
+    except RuntimeError as exc:  # a peer died mid-step: the launcher repairs the group in place
+        if not elastic.recover(exc):
+            note("left")
+            break
+        note("recovered")
+        continue
     elastic.optimizer.step()
     elastic.optimizer.zero_grad()
-    stop = torch.tensor([float((run / "stop").exists())])
-    dist.all_reduce(stop)
     elastic.step += 1
     if elastic.rank == 0:
         log("progress.jsonl", {"step": elastic.step, "world": elastic.world_size, "ts": time.time()})
@@ -60,9 +70,6 @@ while True:
             note("left")
             break
         note("reconfigured")
-        continue
-    if stop.item() > 0:
-        break
 params = [p.detach().flatten().tolist() for p in elastic.module.parameters()]
 log("final.jsonl", {"rank": elastic.rank, "step": elastic.step, "params": params})
 elastic.close()
