@@ -536,46 +536,55 @@ def train(cfg: TrainConfig) -> int:
     trained_from, left = elastic.step, False
     while elastic.step < cfg.steps and not left:
         for batch in sampler.steps(loader):
-            t0 = time.perf_counter()
-            loss_sum, global_tokens = train_step(elastic.model, elastic.optimizer, elastic.scheduler, batch, rt, cfg)
-            sampler.mark_step()
-            elastic.step += 1
-            step = elastic.step
-            elastic.extra["tokens_seen"] = elastic.extra.get("tokens_seen", 0) + global_tokens
-            if cfg.sample_log is not None:
-                ids = torch.cat([mb["sample_id"] for mb in batch.micro_batches]).tolist()
-                record = {"step": step, "rank": rt.rank, "world_size": rt.world_size, "epoch": batch.epoch}
-                append_jsonl(cfg.sample_log, {**record, "position": batch.start, "sample_ids": ids})
-            if cfg.min_step_time > 0:
-                time.sleep(max(0.0, cfg.min_step_time - (time.perf_counter() - t0)))
-            step_time = time.perf_counter() - t0
-            if step % cfg.log_every == 0 or step == trained_from + 1 or step == cfg.steps:
-                if rt.distributed:
-                    dist.all_reduce(loss_sum)  # the global batch's loss, for the log only
-                metrics = {
-                    "ts": time.time(), "step": step, "loss": loss_sum.item() / global_tokens,
-                    "world_size": rt.world_size, "tokens_per_s": global_tokens / step_time,
-                    "lr": elastic.scheduler.get_last_lr()[0],
-                }  # fmt: skip
-                say(
-                    f"step {step:5d}/{cfg.steps} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:9.0f} tok/s | "
-                    f"world {rt.world_size} | batch {describe_plan(batch.plan)} | lr {metrics['lr']:.2e}",
-                    flush=True,
-                )
-                if cfg.metrics is not None and rt.is_main:
-                    append_jsonl(cfg.metrics, metrics)
-            resized = False
-            if elastic_event_detected():  # once per optimizer step, on every rank
-                if not elastic.reconfigure():  # this node leaves, or a restart: the state was saved
-                    say(f"elastic event at step {step}: leaving (a restart resumes from the checkpoint)", flush=True)
+            try:  # a peer that dies mid-step fails a collective of it: repaired in place, nothing committed is lost
+                t0 = time.perf_counter()
+                loss_sum, global_tokens = train_step(elastic.model, elastic.optimizer, elastic.scheduler, batch, rt, cfg)
+                sampler.mark_step()
+                elastic.step += 1
+                step = elastic.step
+                elastic.extra["tokens_seen"] = elastic.extra.get("tokens_seen", 0) + global_tokens
+                if cfg.sample_log is not None:
+                    ids = torch.cat([mb["sample_id"] for mb in batch.micro_batches]).tolist()
+                    record = {"step": step, "rank": rt.rank, "world_size": rt.world_size, "epoch": batch.epoch}
+                    append_jsonl(cfg.sample_log, {**record, "position": batch.start, "sample_ids": ids})
+                if cfg.min_step_time > 0:
+                    time.sleep(max(0.0, cfg.min_step_time - (time.perf_counter() - t0)))
+                step_time = time.perf_counter() - t0
+                if step % cfg.log_every == 0 or step == trained_from + 1 or step == cfg.steps:
+                    if rt.distributed:
+                        dist.all_reduce(loss_sum)  # the global batch's loss, for the log only
+                    metrics = {
+                        "ts": time.time(), "step": step, "loss": loss_sum.item() / global_tokens,
+                        "world_size": rt.world_size, "tokens_per_s": global_tokens / step_time,
+                        "lr": elastic.scheduler.get_last_lr()[0],
+                    }  # fmt: skip
+                    say(
+                        f"step {step:5d}/{cfg.steps} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:9.0f} tok/s | "
+                        f"world {rt.world_size} | batch {describe_plan(batch.plan)} | lr {metrics['lr']:.2e}",
+                        flush=True,
+                    )
+                    if cfg.metrics is not None and rt.is_main:
+                        append_jsonl(cfg.metrics, metrics)
+                resized = False
+                if elastic_event_detected():  # once per optimizer step, on every rank
+                    if not elastic.reconfigure():  # this node leaves, or a restart: the state was saved
+                        say(f"elastic event at step {step}: leaving (a restart resumes from the checkpoint)", flush=True)
+                        left = True
+                        break
+                    rt, resized = rt.resized(elastic), True
+                    say = print if rt.is_main else (lambda *a, **k: None)
+                    say(f"elastic event at step {step}: world {rt.world_size} in place, batch {describe_plan(sampler.plan)}",
+                        flush=True)  # fmt: skip
+                if step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+                    elastic.save_checkpoint()
+            except RuntimeError as exc:  # anything but a failed peer is raised again by recover()
+                if not elastic.recover(exc):
                     left = True
                     break
-                rt, resized = rt.resized(elastic), True
+                rt = rt.resized(elastic)
                 say = print if rt.is_main else (lambda *a, **k: None)
-                say(f"elastic event at step {step}: world {rt.world_size} in place, batch {describe_plan(sampler.plan)}",
-                    flush=True)  # fmt: skip
-            if step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-                elastic.save_checkpoint()
+                say(f"a peer failed: repaired in place at step {elastic.step}, world {rt.world_size}", flush=True)
+                break  # the sampler splits batches over the repaired world: take a new loader iterator
             if step == cfg.steps or resized:
                 break  # resized: the sampler splits batches over the new world, take a new loader iterator
     ckpt.close()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_events.control import Event
-from elastic_events.errors import GroupError
+from elastic_events.errors import ElasticTrainingError, GroupError
 from elastic_events.names import ROUND_ENV
 
 
@@ -175,6 +175,8 @@ def is_peer_failure(exc: BaseException) -> bool:
     torch raises ``DistError`` subclasses from c10d, but a failure inside DDP's backward
     reaches the script as a plain ``RuntimeError`` carrying gloo's or NCCL's message.
     """
+    if isinstance(exc, ElasticTrainingError):  # ours: the in-process API already reported it
+        return False
     if isinstance(exc, dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _PEER_FAILURE_MARKERS)

@@ -49,6 +49,7 @@ class RankReport:
     structure: str  # digest of the names, global shapes and dtypes of parameters and buffers
     checksum: str | None  # digest of the parameter values (replicated survivors only)
     sharded: bool | None  # None: not known yet (a newcomer)
+    control_step: int = 0  # its count of elastic_event_detected() calls (a repair aligns everyone's on the source's)
 
 
 @dataclass(frozen=True, kw_only=True)

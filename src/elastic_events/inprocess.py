@@ -364,6 +364,7 @@ class ElasticTraining:
             structure=kept.structure if survivor else structure_digest(fresh_module),
             checksum=kept.checksum if survivor else None,
             sharded=kept.sharded if survivor else None,
+            control_step=self._reader.step if self._reader is not None else 0,
         )
         reports: list[Any] = [None] * spec.world_size
         try:
@@ -387,7 +388,10 @@ class ElasticTraining:
             ) from exc
         self._set_world()
         seed_all(derive_rank_seed(self._base_seed, self.step, self.rank))
-        if self._reader is not None and received:
+        if self._reader is not None and event.repair and plan.source is not None:
+            # a rank that failed after committing a step may not have counted it: agree on the source's count
+            self._reader.set_step(next(r.control_step for r in reports if r.rank == plan.source))
+        elif self._reader is not None and received:
             self._reader.set_step(self._control_step)
         self._phase(RankPhase.READY)
         elastic_events._new_round("recovered" if event.repair else "reconfigure" if survivor else "admitted")
