@@ -12,6 +12,7 @@ import os
 import signal
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from support.cluster import wait_until
@@ -123,3 +124,63 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, request) -> 
     for f in final:  # both replicas equal an unbroken single-process run
         for got, want in zip(f["params"], reference):
             assert got == pytest.approx(want, abs=1e-5)
+
+
+def rank_pids(job, name: str) -> set[int]:
+    """The pids of the processes node ``name``'s launcher runs now (its rank, and a standby if any)."""
+    return {p.pid for p in psutil.Process(job.nodes[name].pid).children(recursive=True)}
+
+
+def test_a_new_node_joins_in_place_after_another_left(make_job) -> None:
+    """1 → 2 → 1 → 2: a starts, b joins, b leaves, a new node c joins; every step once, params as unbroken.
+
+    c10d only: the join and the leave are covered on both backends above, and etcd would double the runtime.
+    """
+    job = make_job(backend="c10d", script=INPLACE)
+    job.start_node("a")
+    job.wait_steps(3)
+    job.start_node("b")
+    joined = job.wait_for_world(2, timeout=90)
+    b_pids = rank_pids(job, "b")
+    job.signal("b", signal.SIGTERM)  # b leaves at the next agreed step; a goes on alone, in place
+    left = job.wait_for_world(1, after_step=joined, timeout=90)
+    assert job.nodes["b"].wait(timeout=60) == 0, job.stderr("b")  # b is gone before c arrives
+    job.start_node("c")
+    job.wait_for_world(2, after_step=left, timeout=90)
+    c_pids = rank_pids(job, "c")
+    job.wait_steps(3)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0, "c": 0}, (job.stderr("a"), job.stderr("c"))
+
+    node_of_pid = {e["pid"]: e["node"] for e in job.events("agent_started")}
+    nodes = {name: node_of_pid[launcher.pid] for name, launcher in job.nodes.items()}
+    assert len(set(nodes.values())) == 3, nodes  # c is a new node, not b's id again
+    records = worlds(job)
+    survivor = records[0]["pid"]  # node a's rank, started fresh, never restarted
+    assert records[0]["how"] == "fresh" and sum(r["how"] == "fresh" for r in records) == 1, records
+    assert [(r["world"], r["how"]) for r in records if r["pid"] == survivor] == [
+        (1, "fresh"), (2, "reconfigured"), (1, "reconfigured"), (2, "reconfigured")], records  # fmt: skip
+    peers = [r for r in records if r["how"] == "peers"]  # each newcomer hydrated from a, not from storage
+    assert [r["world"] for r in peers] == [2, 2] and peers[0]["pid"] in b_pids and peers[1]["pid"] in c_pids, records
+    assert [r["pid"] for r in records if r["how"] == "left"] == [peers[0]["pid"]], records  # b's rank left, once
+    hydrated = [(e["newcomers"], e["from_rank"]) for e in job.events("hydrated")]  # the shrink has no newcomer
+    assert hydrated == [(1, 0), (0, 0), (1, 0)], hydrated
+    targeted = job.events("scale_targeted")
+    kinds = [(e["kind"], e["mode"]) for e in targeted]
+    assert kinds == [("join", "reconfigure"), ("leave", "reconfigure"), ("join", "reconfigure")], kinds
+    in_place = [e["members"] for e in job.events("rendezvous_done") if e.get("in_place")]
+    assert in_place and set(in_place[-1]) == {nodes["a"], nodes["c"]}, in_place
+
+    progress = job.progress()  # every step trained exactly once, in order, at 1, 2, 1, 2 ranks
+    assert [p["step"] for p in progress] == list(range(1, len(progress) + 1))
+    changes = [(p["step"], p["world"]) for before, p in zip(progress, progress[1:]) if p["world"] != before["world"]]
+    assert progress[0]["world"] == 1 and [w for _, w in changes] == [2, 1, 2], changes
+    assert [s for s, _ in changes] == [e["target_step"] + 1 for e in targeted], (changes, targeted)  # agreed steps
+    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
+    # b at its leave step, then a and c (ranks 0 and 1) at the last step
+    expected = [(0, targeted[1]["target_step"]), (0, progress[-1]["step"]), (1, progress[-1]["step"])]
+    assert sorted((f["rank"], f["step"]) for f in final) == sorted(expected), final
+    reference = reference_params({f["step"] for f in final})
+    for f in final:  # every node's parameters equal an unbroken single-process run at its step
+        for got, want in zip(f["params"], reference[f["step"]], strict=True):
+            assert got == pytest.approx(want, abs=1e-4)
