@@ -184,3 +184,30 @@ def test_a_new_node_joins_in_place_after_another_left(make_job) -> None:
     for f in final:  # every node's parameters equal an unbroken single-process run at its step
         for got, want in zip(f["params"], reference[f["step"]], strict=True):
             assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_a_lost_node_is_repaired_in_place(make_job) -> None:
+    """kill -9 of a whole node (launcher and ranks): once its lease expires the survivor re-forms the
+    group without it, in place and from its own state, and a standby can join again later."""
+    job = make_job(script=INPLACE, flags=("--max-restarts", "3"))
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
+    at_two = job.wait_for_world(2)
+    survivor = pid_of_rank(job, 0)
+    job.kill_node_hard("b")
+    job.wait_for_world(1, after_step=at_two, timeout=60)
+    job.wait_steps(5)
+    codes = job.finish()
+    assert codes["a"] == 0, job.stderr("a")
+
+    records = worlds(job)
+    assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records
+    assert [r["how"] for r in records if r["pid"] == survivor][-1] == "recovered", records
+    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")][-1] == ("node_lost", "reconfigure")
+    steps = [p["step"] for p in job.progress()]
+    assert steps == list(range(1, len(steps) + 1)), steps  # nothing committed was lost or redone
+    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
+    assert [f["step"] for f in final] == [steps[-1]], final
+    for got, want in zip(final[0]["params"], reference_params({steps[-1]})[steps[-1]]):
+        assert got == pytest.approx(want, abs=1e-5)

@@ -201,7 +201,7 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
                              nproc_per_node=ctx.nproc_per_node, max_world_size=ctx.max_world_size)  # fmt: skip
             if reshape.members and reshape.members[0] in snap.nodes:
                 return _new_event(snap, rnd, now, mem, kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE,
-                                  next_members=reshape.members, reason=f"{decision.reason}; repaired in place: {reshape.reason}")  # fmt: skip
+                                  next_members=reshape.members, reason=f"lost member(s) repaired in place: {reshape.reason}")  # fmt: skip
         return _new_event(snap, rnd, now, mem, kind=EventKind.NODE_LOST, mode=EventMode.STOP,
                           next_members=None, reason=decision.reason)  # fmt: skip
     if running:
