@@ -211,3 +211,31 @@ def test_a_lost_node_is_repaired_in_place(make_job) -> None:
     assert [f["step"] for f in final] == [steps[-1]], final
     for got, want in zip(final[0]["params"], reference_params({steps[-1]})[steps[-1]]):
         assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_a_hung_rank_is_killed_and_replaced_in_place(make_job) -> None:
+    """SIGSTOP of one rank: its agent dumps the stacks and kills it after --hang-timeout, the peer
+    waiting for it in a collective is not taken for hung, and the job is repaired in place."""
+    job = make_job(script=INPLACE, nnodes="2", flags=("--max-restarts", "3", "--hang-timeout", "2"))
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
+    job.wait_steps(5)
+    survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
+    os.kill(victim, signal.SIGSTOP)
+    wait_until(lambda: [r for r in worlds(job) if r["how"] == "peers"], timeout=60, what="the replacement rank to be hydrated")
+    job.wait_steps(5)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+
+    hung = job.events("rank_hung")
+    assert [e["rank"] for e in hung] == [1], hung  # the culprit only, not the rank waiting for it
+    assert "Thread" in Path(hung[0]["log_file"]).read_text()  # its Python stacks, dumped before the kill
+    assert {r["pid"] for r in worlds(job) if r["rank"] == 0} == {survivor}
+    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
+    steps = [p["step"] for p in job.progress()]
+    assert steps == list(range(1, len(steps) + 1)), steps
+    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
+    for f in final:
+        for got, want in zip(f["params"], reference_params({steps[-1]})[steps[-1]]):
+            assert got == pytest.approx(want, abs=1e-5)
