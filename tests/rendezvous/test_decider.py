@@ -20,6 +20,7 @@ from hyperpodrun.rendezvous.records import (
     EventKind,
     EventMode,
     EventRecord,
+    FailedRecord,
     Keys,
     NodeRecord,
     RoundRecord,
@@ -213,3 +214,61 @@ def test_an_in_place_node_polling_between_the_deciders_two_writes_keeps_its_rank
     halted = RoundRecord(**{**running("a").__dict__, "state": RoundState.HALTED, "halt_kind": EventKind.NODE_LOST})
     assert rdzv._left_behind(halted, done, 4).kind is DirectiveKind.STOP  # never published: stop
     assert rdzv._left_behind(running("a", "c", round_no=5), None, 4).kind is DirectiveKind.STOP  # fell back to a restart
+
+
+# --------------------------------------------------------------------------- failures repaired in place
+
+
+def in_process(*members: str, restarts: int = 0) -> RoundRecord:
+    return RoundRecord(round=3, members=members, master_addr="10.0.0.1", master_port=40000,
+                       events=((NOW - 100, len(members)),), inprocess=True, restarts=restarts)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("inprocess", "repairable", "restarts", "mode"),
+    [
+        (True, True, 0, "reconfigure"),  # repaired in place, at once
+        (True, False, 0, "stop"),  # the node could not restart its rank parked
+        (False, True, 0, "stop"),  # some rank does not use the in-process API
+        (True, True, 3, "stop"),  # --max-restarts used up: the job fails as torchrun's would
+    ],
+)
+def test_a_rank_failure_is_repaired_in_place_only_where_it_can_be(inprocess: bool, repairable: bool, restarts: int, mode: str) -> None:
+    rnd = in_process("a", "b", restarts=restarts) if inprocess else running("a", "b")
+    snap = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=rnd, failed={"b": FailedRecord(message="rank 3 killed", repairable=repairable)})
+    (write,) = plan(snap, DeciderMemory(), NOW, ctx(max_restarts=3)).writes
+    ev = decoded(write)
+    assert (ev["kind"], ev["mode"]) == ("rank_failure", mode)
+    assert ev["next_members"] == (["a", "b"] if mode == "reconfigure" else None)
+
+
+def test_a_repair_is_targeted_at_once_on_a_fresh_port_of_a_surviving_head() -> None:
+    """No step to agree on (the ranks stopped at the failed collective), and no rate to wait for."""
+    ev = event(kind=EventKind.RANK_FAILURE, mode=EventMode.RECONFIGURE)
+    snap = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=in_process("a", "b"), event=ev,
+                       acks={"a": ack(0, 0.0, port=43210), "b": ack(0, 0.0, cooperative=False)})  # fmt: skip
+    (write,) = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    targeted = decoded(write)
+    assert targeted["target"] == 0 and targeted["mode"] == "reconfigure"
+    assert (targeted["master_addr"], targeted["master_port"]) == ("10.0.0.1", 43210)
+
+
+def test_a_lost_node_is_left_out_of_the_repaired_round_without_waiting_for_it() -> None:
+    """The restart path waits faulty_scale_down_timeout for a lost node; in place the survivors cannot step
+    without a new group, so it is re-formed at once (the lost node may come back later as a joiner)."""
+    snap = JobSnapshot(nodes={"a": node("a"), "c": node("c")}, round=in_process("a", "b", "c"))
+    mem = DeciderMemory(lost_since={"b": NOW - 1.0})
+    (write,) = plan(snap, mem, NOW, ctx()).writes
+    ev = decoded(write)
+    assert (ev["kind"], ev["mode"], ev["next_members"]) == ("node_lost", "reconfigure", ["a", "c"])
+    restarting = JobSnapshot(nodes=snap.nodes, round=running("a", "b", "c"))
+    assert decoded(plan(restarting, mem, NOW, ctx()).writes[0])["mode"] == "stop"  # the restart path is unchanged
+
+
+def test_a_completed_repair_publishes_an_in_process_round_and_counts_a_restart() -> None:
+    ev = event(kind=EventKind.RANK_FAILURE, mode=EventMode.RECONFIGURE, target=0)
+    stopped = {m: StoppedRecord(ok=True, reconfigured=True) for m in ("a", "b")}
+    snap = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=in_process("a", "b"), event=ev, stopped=stopped)
+    complete, published = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    rnd = decoded(published)
+    assert decoded(complete)["complete"] and rnd["inprocess"] and rnd["restarts"] == 1 and rnd["reason"] == "failure"
