@@ -216,6 +216,7 @@ class Agent:
                     step_times=step_times, reconfigurable=all(p.reconfigurable for p in progress),
                     failure=self._repairing or self._hang or (failures[0].summary() if failures else None),
                     repairing=self._repairing is not None,
+                    peer_failed=any(p.phase == RankPhase.RECOVERING for p in progress),
                 )  # fmt: skip
                 directive = self._poll_riding_out_outages(status, group)
                 if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):

@@ -26,6 +26,7 @@ from hyperpodrun.rendezvous.records import (
     RoundRecord,
     RoundState,
     StoppedRecord,
+    decode,
 )
 from hyperpodrun.supervisor import WorkerState
 from elastic_events.control import ControlReader, ControlWriter, EventKind as ChannelKind
@@ -53,6 +54,10 @@ def event(*, next_members=("a", "b"), target=None, mode=EventMode.RESTART, kind=
 
 def decoded(write) -> dict:
     return json.loads(write.value)
+
+
+def evolve_event(record: dict) -> EventRecord:
+    return decode(EventRecord, Keys.EVENT, json.dumps(record).encode())
 
 
 def ack(step: int, step_time: float, **kw) -> AckRecord:
@@ -272,3 +277,23 @@ def test_a_completed_repair_publishes_an_in_process_round_and_counts_a_restart()
     complete, published = plan(snap, DeciderMemory(), NOW, ctx()).writes
     rnd = decoded(published)
     assert decoded(complete)["complete"] and rnd["inprocess"] and rnd["restarts"] == 1 and rnd["reason"] == "failure"
+
+
+def test_a_peer_failure_report_repairs_at_once_and_leaves_out_a_member_that_does_not_answer() -> None:
+    """kill -9 of a node: its lease outlives it (10 s by default), but the survivors' collectives failed at
+    once. The repair waits one propagation budget for acks, then goes on without the silent member."""
+    nodes = {"a": node("a"), "b": node("b"), "c": node("c")}
+    peer = FailedRecord(message="a collective failed on a", repairable=True, peer=True)
+    (write,) = plan(JobSnapshot(nodes=nodes, round=in_process("a", "b", "c"), failed={"a": peer}), DeciderMemory(), NOW, ctx()).writes
+    created = decoded(write)
+    assert (created["kind"], created["mode"], created["next_members"]) == ("node_lost", "reconfigure", ["a", "b", "c"])
+    ev = event(kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE, next_members=("a", "b", "c"), decided_at=NOW - 0.5)
+    acks = {"a": ack(0, 0.0), "c": ack(0, 0.0)}
+    waiting = JobSnapshot(nodes=nodes, round=in_process("a", "b", "c"), event=ev, acks=acks)
+    assert plan(waiting, DeciderMemory(), NOW, ctx()).writes == ()  # b may still answer within the budget (1 s)
+    (targeted,) = plan(waiting, DeciderMemory(), NOW + 1.0, ctx()).writes
+    assert decoded(targeted)["next_members"] == ["a", "c"] and decoded(targeted)["target"] == 0
+    done = JobSnapshot(nodes=nodes, round=in_process("a", "b", "c"), event=evolve_event(decoded(targeted)),
+                       stopped={m: StoppedRecord(ok=True, reconfigured=True) for m in ("a", "c")})  # fmt: skip
+    complete, published = plan(done, DeciderMemory(), NOW + 2.0, ctx()).writes  # b is not waited for
+    assert decoded(published)["members"] == ["a", "c"] and decoded(published)["restarts"] == 0
