@@ -39,6 +39,7 @@ from hyperpodrun.hang import HangPolicy, culprits, hung_ranks
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
+from hyperpodrun.spare import spare_command
 from hyperpodrun.progress import StepRates, missed_target
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
@@ -86,7 +87,10 @@ class Agent:
         # Node-local, private to this agent: memory-backed where /dev/shm exists.
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self._control_dir = Path(tempfile.mkdtemp(prefix="hyperpodrun-", dir=shm))
-        self._control = ControlWriter(self._control_dir / "control.bin", config.nproc_per_node)
+        self._spares = 0 if config.no_python else config.spare_ranks
+        self._control = ControlWriter(self._control_dir / "control.bin", config.nproc_per_node, spares=self._spares)
+        self._spare_checked = 0.0  # when the agent last looked whether a spare is due
+        self._spare_announced: int | None = None  # pid of the spare whose readiness was logged
         self._group: WorkerGroup | None = None
         self._reaper: Reaper | None = None
         self._signal: int | None = None
@@ -232,6 +236,7 @@ class Agent:
                     return self._stop_now(group, directive), False
             if pending is None and state == WorkerState.HEALTHY and self._hang is None and self._hung_killed is None:
                 self._check_hang(group, rates)
+                self._ensure_spare(group)
             if pending is not None and state == WorkerState.HEALTHY and self._moved_in_place(pending):
                 self._control.clear()
                 self._repairing = None
@@ -335,6 +340,32 @@ class Agent:
         """Whether a failed rank is replaced in place (the round runs in-process) rather than the job restarted."""
         return self.rdzv.in_process and self.config.restart_mode is RestartMode.AUTO
 
+    def _ensure_spare(self, group: WorkerGroup) -> None:
+        """Keep a spare (hyperpodrun.spare) beside the ranks of a job repaired in place."""
+        now = time.monotonic()
+        if group.spare_ready and self._spare_announced is None and self._control.spare_phase(0) == RankPhase.PARKED:
+            self._spare_announced = group.spare_pid
+            self.events.emit(EventType.SPARE_READY, pid=group.spare_pid)
+        if self._spare_announced is None and group.spare_pid is not None and not group.spare_ready:
+            self._spares = 0  # it died before it was ready: the failure would repeat
+            _say(f"the spare rank (pid {group.spare_pid}) exited before it was ready; no spares for this job: "
+                 f"see {group.spare_log}")  # fmt: skip
+            group.drop_spare()
+        if not self._spares or self._repairing is not None or group.spare_ready or now - self._spare_checked < 1.0:
+            return
+        self._spare_checked = now
+        if not all(p.reconfigurable for p in self._control.progress()) or not self._repairs_in_place():
+            return
+        cfg = self.config
+        attempt_dir = self._logs.new_attempt(self._attempt)
+        self._attempt += 1
+        logs, env = self._rank_setup(attempt_dir / "spare", 0, None, RestartReason.FAILURE)
+        self._control.reset_spare(0)
+        command = spare_command(cfg.python, str(self._control.path), self._control.spare_slot(0),
+                                script=None if cfg.module else cfg.entrypoint, module=cfg.entrypoint if cfg.module else None, args=cfg.args)  # fmt: skip
+        group.start_spare(command, env=env, logs=logs)
+        self._spare_announced = None
+
     def _replace_failed(self, group: WorkerGroup) -> WorkerState:
         """Restart the failed local ranks parked; their siblings keep their state and wait for the repair."""
         failures = group.failures()
@@ -347,6 +378,10 @@ class Agent:
         pids = {}
         for failure in failures:
             self._control.reset_rank(failure.local_rank, acked_event=0)
+            if group.spare_ready and self._control.spare_phase(0) == RankPhase.PARKED:  # torch imported already
+                self._control.assign_spare(0, failure.local_rank)
+                pids[failure.global_rank] = group.promote_spare(failure.local_rank)
+                continue
             logs, env = self._rank_setup(attempt_dir, failure.local_rank, None, RestartReason.FAILURE)
             pids[failure.global_rank] = group.replace(failure.local_rank, rank_env=env, logs=logs)
         self.events.emit(EventType.RANKS_REPLACED, ranks=sorted(pids), pids=list(pids.values()), reason=what, log_dir=str(attempt_dir))

@@ -88,18 +88,23 @@ def pid_of_rank(job, rank: int) -> int:
 
 
 @pytest.mark.parametrize(
-    ("backend_name", "nodes"),
-    [("c10d", ("a", "b")), ("etcd", ("a", "b")), ("c10d", ("a",))],  # ("a",): 2 ranks on one node, nothing else to help
+    ("backend_name", "nodes", "spares"),
+    [
+        ("c10d", ("a", "b"), 1),  # the spare, torch already imported, takes the failed rank's place
+        ("etcd", ("a", "b"), 0),  # a new process is started parked
+        ("c10d", ("a",), 1),  # 2 ranks on one node, nothing else to help
+    ],
 )
-def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, request) -> None:
-    """kill -9 of one rank: its node restarts it parked, the survivor keeps its process and state,
-    the replacement is hydrated from it, and no committed step is lost or trained twice."""
+def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spares, request) -> None:
+    """kill -9 of one rank: its node replaces it (its spare, or a new process), parked; the survivor keeps
+    its process and state, the replacement is hydrated from it, and no committed step is lost or trained twice."""
     endpoint = request.getfixturevalue("etcd_endpoint") if backend_name == "etcd" else None
-    per_node = ("--nproc-per-node", str(2 // len(nodes)))
+    per_node = ("--nproc-per-node", str(2 // len(nodes)), "--spare-ranks", str(spares))
     job = make_job(backend=backend_name, endpoint=endpoint, script=INPLACE, nnodes=str(len(nodes)), flags=("--max-restarts", "3", *per_node))
     for name in nodes:
         job.start_node(name)
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
+    spare = wait_until(lambda: job.events("spare_ready"), timeout=90, what="a spare to be ready") if spares else []
     job.wait_steps(5)
     survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
     os.kill(victim, signal.SIGKILL)
@@ -113,6 +118,9 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, reque
     assert [r["how"] for r in records if r["pid"] == survivor] == ["fresh", "recovered"], records
     replacement = [r for r in records if r["how"] == "peers"]
     assert len(replacement) == 1 and replacement[0]["pid"] != victim and replacement[0]["world"] == 2, records
+    victim_node = next(e["node"] for e in job.events("worker_failed"))
+    spares_there = [e["pid"] for e in spare if e["node"] == victim_node]
+    assert (replacement[0]["pid"] in spares_there) == bool(spares), (replacement, spare)  # the spare took its place
     failed = job.events("worker_failed")
     assert len(failed) == 1 and failed[0]["repaired_in_place"] and failed[0]["signal"] == "SIGKILL", failed
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
@@ -234,7 +242,7 @@ def test_a_hung_rank_is_killed_and_replaced_in_place(make_job) -> None:
 
     hung = job.events("rank_hung")
     assert [e["rank"] for e in hung] == [1], hung  # the culprit only, not the rank waiting for it
-    assert "Thread" in Path(hung[0]["log_file"]).read_text()  # its Python stacks, dumped before the kill
+    assert "(most recent call first)" in Path(hung[0]["log_file"]).read_text()  # its Python stacks, dumped before the kill
     assert {r["pid"] for r in worlds(job) if r["rank"] == 0} == {survivor}
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
     steps = [p["step"] for p in job.progress()]
