@@ -104,7 +104,8 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     for name in nodes:
         job.start_node(name)
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
-    spare = wait_until(lambda: job.events("spare_ready"), timeout=90, what="a spare to be ready") if spares else []
+    if spares:
+        wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == len(nodes), timeout=90, what="every node's spare")
     job.wait_steps(5)
     survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
     os.kill(victim, signal.SIGKILL)
@@ -119,8 +120,8 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     replacement = [r for r in records if r["how"] == "peers"]
     assert len(replacement) == 1 and replacement[0]["pid"] != victim and replacement[0]["world"] == 2, records
     victim_node = next(e["node"] for e in job.events("worker_failed"))
-    spares_there = [e["pid"] for e in spare if e["node"] == victim_node]
-    assert (replacement[0]["pid"] in spares_there) == bool(spares), (replacement, spare)  # the spare took its place
+    spares_there = [e["pid"] for e in job.events("spare_ready") if e["node"] == victim_node]
+    assert (replacement[0]["pid"] in spares_there) == bool(spares), (replacement, spares_there)  # the spare took its place
     failed = job.events("worker_failed")
     assert len(failed) == 1 and failed[0]["repaired_in_place"] and failed[0]["signal"] == "SIGKILL", failed
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
