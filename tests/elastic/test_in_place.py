@@ -252,3 +252,29 @@ def test_a_hung_rank_is_killed_and_replaced_in_place(make_job) -> None:
     for f in final:
         for got, want in zip(f["params"], reference_params({steps[-1]})[steps[-1]]):
             assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_two_failures_in_a_row_are_each_repaired_in_place(make_job) -> None:
+    """The spare takes the first failed rank's place, and the second one's is taken by a new spare or, when
+    none is ready yet, a new process. Each repair counts against --max-restarts; nothing is lost."""
+    job = make_job(script=INPLACE, nnodes="2", flags=("--max-restarts", "2"))
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == 2, timeout=90, what="every node's spare")
+    survivor = pid_of_rank(job, 0)
+    for n in (1, 2):
+        victim = pid_of_rank(job, 1)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda n=n: len([r for r in worlds(job) if r["how"] == "peers"]) == n, timeout=60, what=f"repair {n}")
+        job.wait_steps(3)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+    assert {r["pid"] for r in worlds(job) if r["rank"] == 0} == {survivor}
+    assert [e["kind"] for e in job.events("scale_targeted")] == ["rank_failure", "rank_failure"]
+    assert len({r["pid"] for r in worlds(job) if r["rank"] == 1}) == 3  # the first rank and its two replacements
+    steps = [p["step"] for p in job.progress()]
+    assert steps == list(range(1, len(steps) + 1)), steps
+    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
+    for f in final:
+        for got, want in zip(f["params"], reference_params({steps[-1]})[steps[-1]]):
+            assert got == pytest.approx(want, abs=1e-5)
