@@ -87,6 +87,29 @@ def pid_of_rank(job, rank: int) -> int:
     return [r for r in worlds(job) if r["rank"] == rank][-1]["pid"]
 
 
+def hit_rank_1(job, sig: int) -> tuple[int, int]:
+    """``sig`` to rank 1 mid-training; returns (rank 0's pid, rank 1's) once the replacement trained a few steps."""
+    job.wait_steps(5)
+    survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
+    os.kill(victim, sig)
+    wait_until(lambda: [r for r in worlds(job) if r["how"] == "peers"], timeout=60, what="the replacement rank to be hydrated")
+    job.wait_steps(5)
+    return survivor, victim
+
+
+def assert_trained_like_one_process(job) -> list[int]:
+    """Every committed step once, in order, and every rank's final parameters those of an unbroken run; the steps."""
+    steps = [p["step"] for p in job.progress()]
+    assert steps == list(range(1, len(steps) + 1)), steps  # nothing committed was lost or redone
+    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
+    assert final and {f["step"] for f in final} == {steps[-1]}, final
+    reference = reference_params({steps[-1]})[steps[-1]]
+    for f in final:
+        for got, want in zip(f["params"], reference):
+            assert got == pytest.approx(want, abs=1e-5)
+    return steps
+
+
 @pytest.mark.parametrize(
     ("backend_name", "nodes", "spares"),
     [
@@ -106,11 +129,7 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
     if spares:
         wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == len(nodes), timeout=90, what="every node's spare")
-    job.wait_steps(5)
-    survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
-    os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: [r for r in worlds(job) if r["how"] == "peers"], timeout=60, what="the replacement rank to be hydrated")
-    job.wait_steps(5)
+    survivor, victim = hit_rank_1(job, signal.SIGKILL)
     codes = job.finish()
     assert codes == dict.fromkeys(nodes, 0), [job.stderr(n) for n in nodes]
 
@@ -128,15 +147,8 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     assert not [e for e in job.events("workers_stopped") if e["event_id"]], "no rank was stopped before the job's end"
     in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
     assert {e["reason"] for e in in_place} == {"failure"} and len(in_place) == len(nodes), in_place  # every node, repaired
-    steps = [p["step"] for p in job.progress()]
-    assert steps == list(range(1, len(steps) + 1)), steps  # every committed step once, none lost or redone
+    assert_trained_like_one_process(job)
     assert {p["world"] for p in job.progress()} == {2}
-    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    assert len(final) == 2 and {f["step"] for f in final} == {steps[-1]}, final
-    reference = reference_params({steps[-1]})[steps[-1]]
-    for f in final:  # both replicas equal an unbroken single-process run
-        for got, want in zip(f["params"], reference):
-            assert got == pytest.approx(want, abs=1e-5)
 
 
 def rank_pids(job, name: str) -> set[int]:
@@ -218,12 +230,7 @@ def test_a_lost_node_is_repaired_in_place(make_job) -> None:
     assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records
     assert [r["how"] for r in records if r["pid"] == survivor][-1] == "recovered", records
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")][-1] == ("node_lost", "reconfigure")
-    steps = [p["step"] for p in job.progress()]
-    assert steps == list(range(1, len(steps) + 1)), steps  # nothing committed was lost or redone
-    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    assert [f["step"] for f in final] == [steps[-1]], final
-    for got, want in zip(final[0]["params"], reference_params({steps[-1]})[steps[-1]]):
-        assert got == pytest.approx(want, abs=1e-5)
+    assert_trained_like_one_process(job)
 
 
 def test_a_hung_rank_is_killed_and_replaced_in_place(make_job) -> None:
@@ -233,11 +240,7 @@ def test_a_hung_rank_is_killed_and_replaced_in_place(make_job) -> None:
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
-    job.wait_steps(5)
-    survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
-    os.kill(victim, signal.SIGSTOP)
-    wait_until(lambda: [r for r in worlds(job) if r["how"] == "peers"], timeout=60, what="the replacement rank to be hydrated")
-    job.wait_steps(5)
+    survivor, _ = hit_rank_1(job, signal.SIGSTOP)
     codes = job.finish()
     assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
 
@@ -246,12 +249,7 @@ def test_a_hung_rank_is_killed_and_replaced_in_place(make_job) -> None:
     assert "(most recent call first)" in Path(hung[0]["log_file"]).read_text()  # its Python stacks, dumped before the kill
     assert {r["pid"] for r in worlds(job) if r["rank"] == 0} == {survivor}
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
-    steps = [p["step"] for p in job.progress()]
-    assert steps == list(range(1, len(steps) + 1)), steps
-    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    for f in final:
-        for got, want in zip(f["params"], reference_params({steps[-1]})[steps[-1]]):
-            assert got == pytest.approx(want, abs=1e-5)
+    assert_trained_like_one_process(job)
 
 
 def test_two_failures_in_a_row_are_each_repaired_in_place(make_job) -> None:
@@ -272,9 +270,4 @@ def test_two_failures_in_a_row_are_each_repaired_in_place(make_job) -> None:
     assert {r["pid"] for r in worlds(job) if r["rank"] == 0} == {survivor}
     assert [e["kind"] for e in job.events("scale_targeted")] == ["rank_failure", "rank_failure"]
     assert len({r["pid"] for r in worlds(job) if r["rank"] == 1}) == 3  # the first rank and its two replacements
-    steps = [p["step"] for p in job.progress()]
-    assert steps == list(range(1, len(steps) + 1)), steps
-    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    for f in final:
-        for got, want in zip(f["params"], reference_params({steps[-1]})[steps[-1]]):
-            assert got == pytest.approx(want, abs=1e-5)
+    assert_trained_like_one_process(job)
