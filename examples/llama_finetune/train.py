@@ -533,8 +533,11 @@ def train(cfg: TrainConfig) -> int:
         dataset, batch_sampler=sampler, num_workers=cfg.num_workers, pin_memory=rt.device.type == "cuda",
         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
     )  # fmt: skip
-    trained_from, left = elastic.step, False
+    left = False
     while elastic.step < cfg.steps and not left:
+        # Log the first step of every loader iterator (a start, a new world, an epoch): the same step on
+        # every rank, joiners included, since the log's all-reduce is a collective.
+        first_step = elastic.step + 1
         for batch in sampler.steps(loader):
             try:  # a peer that dies mid-step fails a collective of it: repaired in place, nothing committed is lost
                 t0 = time.perf_counter()
@@ -550,7 +553,7 @@ def train(cfg: TrainConfig) -> int:
                 if cfg.min_step_time > 0:
                     time.sleep(max(0.0, cfg.min_step_time - (time.perf_counter() - t0)))
                 step_time = time.perf_counter() - t0
-                if step % cfg.log_every == 0 or step == trained_from + 1 or step == cfg.steps:
+                if step % cfg.log_every == 0 or step == first_step or step == cfg.steps:
                     if rt.distributed:
                         dist.all_reduce(loss_sum)  # the global batch's loss, for the log only
                     metrics = {
@@ -565,6 +568,8 @@ def train(cfg: TrainConfig) -> int:
                     )
                     if cfg.metrics is not None and rt.is_main:
                         append_jsonl(cfg.metrics, metrics)
+                if step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+                    elastic.save_checkpoint()  # before the event: in the world that trained the step, which a joiner is not part of
                 resized = False
                 if elastic_event_detected():  # once per optimizer step, on every rank
                     if not elastic.reconfigure():  # this node leaves, or a restart: the state was saved
@@ -575,8 +580,6 @@ def train(cfg: TrainConfig) -> int:
                     say = print if rt.is_main else (lambda *a, **k: None)
                     say(f"elastic event at step {step}: world {rt.world_size} in place, batch {describe_plan(sampler.plan)}",
                         flush=True)  # fmt: skip
-                if step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-                    elastic.save_checkpoint()
             except RuntimeError as exc:  # anything but a failed peer is raised again by recover()
                 if not elastic.recover(exc):
                     left = True

@@ -34,9 +34,9 @@ from __future__ import annotations
 import atexit
 import gc
 import os
-import weakref
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -145,6 +145,7 @@ class ElasticTraining:
         self.step = 0
         self.extra: dict[str, Any] = {}
         self.resumed_from = "fresh"  # how start() got the state: fresh, checkpoint or peers
+        self._saved_step: int | None = None  # the step this process last saved
         self.round = int(os.environ.get(ROUND_ENV, "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -296,7 +297,8 @@ class ElasticTraining:
                 "the restarted job starts without this state", file=sys.stderr, flush=True,
             )  # fmt: skip
         else:
-            self.save_checkpoint()
+            if self._saved_step != self.step:  # the loop may have saved this very step already
+                self.save_checkpoint()
             self.checkpointer.wait()
         return False
 
@@ -557,6 +559,7 @@ class ElasticTraining:
     # -------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> None:
         """Save the state at :attr:`step` through the checkpointer (collective)."""
+        self._saved_step = self.step
         self.checkpointer.save(
             self.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             data=self.sampler, extra=self.extra,

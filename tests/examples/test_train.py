@@ -116,7 +116,7 @@ def elastic_runs(tmp_path_factory: pytest.TempPathFactory) -> ElasticRuns:
     root = tmp_path_factory.mktemp("elastic")
     config = demo.DemoConfig(
         run_dir=root / "elastic", steps=ELASTIC_STEPS, global_batch=ELASTIC_BATCH, micro_batch=2, seq_len=64,
-        seed=ELASTIC_SEED, min_step_time=0.25, ckpt_every=0,
+        seed=ELASTIC_SEED, min_step_time=0.25, ckpt_every=1,  # every event lands on a save step: a joiner must not be expected to save it
         schedule=(demo.Change(at_step=2, action="join", node="node-2"),
                   demo.Change(at_step=20, action="leave", node="node-2")),
         train_args=("--save-final", str(root / "elastic_final.pt")),
@@ -143,16 +143,18 @@ def test_elastic_run_reaches_each_world_size(elastic_runs: ElasticRuns) -> None:
     assert [(e.from_world, e.to_world) for e in summary.scale_events] == [(1, 2), (2, 1)]
     for event in summary.scale_events:
         assert event.downtime_s is not None and 0 < event.downtime_s < 120
-    # Both scale events in place (the example uses ElasticTraining): nothing saved or loaded for them,
-    # the joiner hydrated from its peer; the only checkpoint is the end of training.
+    # Both scale events in place (the example uses ElasticTraining): nothing loaded for them, the joiner
+    # hydrated from its peer. A checkpoint every step, each once, the event's step saved by the world that
+    # trained it, before the event (a joiner, hydrated at that step, is not part of that save).
     assert [e.mode for e in summary.scale_events] == ["in place", "in place"]
     events = read_jsonl(summary.run_dir / "events.jsonl")
-    saved = [(e["step"], e["world_size"]) for e in events if e["event"] == "checkpoint_saved"]
-    assert saved == [(ELASTIC_STEPS, 1)] and not [e for e in events if e["event"] == "checkpoint_loaded"]
+    saved = {e["step"]: e["world_size"] for e in events if e["event"] == "checkpoint_saved"}
+    assert sorted(saved) == list(range(1, ELASTIC_STEPS + 1)) and not [e for e in events if e["event"] == "checkpoint_loaded"]
     hydrated = [(e["world_size"], e["newcomers"]) for e in events if e["event"] == "hydrated"]
     assert hydrated == [(2, 1), (1, 0)]
     steps = [e["step"] for e in events if e["event"] == "hydrated"]
     assert 0 < steps[0] < steps[1] < ELASTIC_STEPS
+    assert (saved[steps[0]], saved[steps[0] + 1], saved[steps[1]], saved[steps[1] + 1]) == (1, 2, 2, 1)
 
 
 @pytest.mark.slow
