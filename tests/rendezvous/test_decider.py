@@ -291,8 +291,16 @@ def test_a_peer_failure_report_repairs_at_once_and_leaves_out_a_member_that_does
     acks = {"a": ack(0, 0.0), "c": ack(0, 0.0)}
     waiting = JobSnapshot(nodes=nodes, round=in_process("a", "b", "c"), event=ev, acks=acks)
     assert plan(waiting, DeciderMemory(), NOW, ctx()).writes == ()  # b may still answer within the budget (1 s)
-    (targeted,) = plan(waiting, DeciderMemory(), NOW + 1.0, ctx()).writes
+    repair = plan(waiting, DeciderMemory(), NOW + 1.0, ctx())
+    (targeted,) = repair.writes
     assert decoded(targeted)["next_members"] == ["a", "c"] and decoded(targeted)["target"] == 0
+    # b's lease outlives its agent: found in the soak, the next join admitted it as a standby and stalled
+    later = JobSnapshot(nodes={**nodes, "d": node("d", parked=True)}, round=in_process("a", "c"))
+    (join,) = plan(later, repair.memory, NOW + 2.0, ctx()).writes
+    assert decoded(join)["kind"] == "join" and decoded(join)["next_members"] == ["a", "c", "d"]
+    back = JobSnapshot(nodes={**nodes, "b": node("b", parked=True)}, round=in_process("a", "c"))  # b registered anew
+    (rejoin,) = plan(back, repair.memory, NOW + 2.0, ctx()).writes
+    assert decoded(rejoin)["next_members"] == ["a", "c", "b"]
     done = JobSnapshot(nodes=nodes, round=in_process("a", "b", "c"), event=evolve_event(decoded(targeted)),
                        stopped={m: StoppedRecord(ok=True, reconfigured=True) for m in ("a", "c")})  # fmt: skip
     complete, published = plan(done, DeciderMemory(), NOW + 2.0, ctx()).writes  # b is not waited for

@@ -117,6 +117,9 @@ class DeciderMemory:
     lost_since: Mapping[str, float] = field(default_factory=dict)
     capacity_since: float | None = None
     first_min_reached_at: float | None = None
+    # Members left out of a repair for not answering, with their node record then: while the record is
+    # unchanged (a dead agent's lease outlives it) the node is not alive to the policy (no standby).
+    left_out: Mapping[str, NodeRecord] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -236,16 +239,18 @@ def _event_kind(snap: JobSnapshot, rnd: RoundRecord, decision: Decision) -> Even
 
 def _view(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext) -> tuple[DeciderMemory, ClusterView]:
     rnd = snap.round
+    left_out = {n: r for n, r in mem.left_out.items() if snap.nodes.get(n) == r}  # until it registers anew or expires
     first_seen = {n: mem.first_seen.get(n, now) for n in snap.nodes}
     members: tuple[str, ...] = rnd.members if rnd is not None else ()
     lost_since = {m: mem.lost_since.get(m, now) for m in members if m not in snap.nodes}
-    alive = {n: NodeState(n, first_seen[n], r.leaving) for n, r in snap.nodes.items()}
+    alive = {n: NodeState(n, first_seen[n], r.leaving) for n, r in snap.nodes.items() if n not in left_out}
     standbys = [n for n in alive if n not in members and not alive[n].leaving]
     capacity_since = (mem.capacity_since if mem.capacity_since is not None else now) if standbys else None
     first_min = mem.first_min_reached_at
     if first_min is None and len(alive) >= ctx.policy.min_replicas:
         first_min = now
-    new_mem = DeciderMemory(first_seen=first_seen, lost_since=lost_since, capacity_since=capacity_since, first_min_reached_at=first_min)
+    new_mem = DeciderMemory(first_seen=first_seen, lost_since=lost_since, capacity_since=capacity_since,
+                            first_min_reached_at=first_min, left_out=left_out)  # fmt: skip
     if rnd is not None and rnd.state is RoundState.HALTED and rnd.halt_kind is EventKind.INSUFFICIENT:
         members = ()  # halted for lack of nodes: the start rules apply again
     view = ClusterView(
@@ -380,7 +385,8 @@ def _target_repair(
     note = Note(round=ev.round, what=f"event {ev.id} ({ev.kind.value}, reconfigure)", reason="ranks repair their group in place",
                 event="scale_targeted", fields={"event_id": ev.id, "kind": ev.kind.value, "mode": EventMode.RECONFIGURE.value, "target_step": 0})  # fmt: skip
     updated = _update(snap, evolve(ev, target=0, next_members=nxt, reason=reason, master_addr=snap.nodes[head].addr, master_port=master_port), mem)
-    return Plan(writes=updated.writes, notes=(note,), memory=mem)
+    left_out = {**mem.left_out, **{m: snap.nodes[m] for m in missing if m in snap.nodes}}
+    return Plan(writes=updated.writes, notes=(note,), memory=dataclasses.replace(mem, left_out=left_out))
 
 
 def _joiners(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord) -> list[str]:
