@@ -395,6 +395,18 @@ class Checkpointer:
         """Finish any in-flight save."""
         self.wait()
 
+    def release_group(self, *, abandon: bool = False) -> None:
+        """Let go of the process group the saves used (it is being torn down); the next save makes a new one.
+
+        ``abandon``: a peer died, so an in-flight save can never complete: drop it (its
+        temporary directory never gets a marker and is never loaded).
+        """
+        if abandon:
+            self._pending = None
+        elif self._pending is not None:
+            self.wait()
+        self._comm = self._comm_world = None  # holding a gloo group keeps its sockets open: peers blocked on them never fail
+
     def __enter__(self) -> Checkpointer:
         return self
 

@@ -36,6 +36,7 @@ import gc
 import os
 import sys
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -268,7 +269,12 @@ class ElasticTraining:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
         kept = _Kept(step=self.step, sharded=False, structure=structure_digest(self.module), checksum=value_checksum(self.module))
+        # A gloo group closes its sockets only once nothing references it, and a peer blocked on this rank
+        # learns of the failure only then: the failed step's frames (holding the DDP wrapper) must go too.
+        traceback.clear_frames(exc.__traceback__)
         self._drop_wrapper()  # the DDP wrapper belongs to the broken group
+        if self.checkpointer is not None:
+            self.checkpointer.release_group(abandon=True)
         teardown_group(broken=True)
         self._store = None
         torn_down = time.monotonic() - t0
@@ -335,6 +341,8 @@ class ElasticTraining:
             gc.collect()  # FSDP2's hooks hold the old sharded model in cycles: free it before the new one is built
         else:
             self._drop_wrapper()  # the DDP wrapper belongs to the old group
+        if self.checkpointer is not None:
+            self.checkpointer.release_group()
         teardown_group()
         self._store = None
         return kept

@@ -116,13 +116,14 @@ def assert_trained_like_one_process(job) -> list[int]:
         ("c10d", ("a", "b"), 1),  # the spare, torch already imported, takes the failed rank's place
         ("etcd", ("a", "b"), 0),  # a new process is started parked
         ("c10d", ("a",), 1),  # 2 ranks on one node, nothing else to help
+        ("c10d", ("a", "b", "c"), 1),  # rank 0 may wait on rank 2, which must let go of the broken group for it to notice
     ],
 )
 def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spares, request) -> None:
     """kill -9 of one rank: its node replaces it (its spare, or a new process), parked; the survivor keeps
     its process and state, the replacement is hydrated from it, and no committed step is lost or trained twice."""
     endpoint = request.getfixturevalue("etcd_endpoint") if backend_name == "etcd" else None
-    per_node = ("--nproc-per-node", str(2 // len(nodes)), "--spare-ranks", str(spares))
+    per_node = ("--nproc-per-node", str(max(1, 2 // len(nodes))), "--spare-ranks", str(spares))
     job = make_job(backend=backend_name, endpoint=endpoint, script=INPLACE, nnodes=str(len(nodes)), flags=("--max-restarts", "3", *per_node))
     for name in nodes:
         job.start_node(name)
@@ -137,7 +138,7 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records  # never restarted
     assert [r["how"] for r in records if r["pid"] == survivor] == ["fresh", "recovered"], records
     replacement = [r for r in records if r["how"] == "peers"]
-    assert len(replacement) == 1 and replacement[0]["pid"] != victim and replacement[0]["world"] == 2, records
+    assert len(replacement) == 1 and replacement[0]["pid"] != victim and replacement[0]["world"] == max(2, len(nodes)), records
     victim_node = next(e["node"] for e in job.events("worker_failed"))
     spares_there = [e["pid"] for e in job.events("spare_ready") if e["node"] == victim_node]
     assert (replacement[0]["pid"] in spares_there) == bool(spares), (replacement, spares_there)  # the spare took its place
@@ -148,7 +149,7 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
     assert {e["reason"] for e in in_place} == {"failure"} and len(in_place) == len(nodes), in_place  # every node, repaired
     assert_trained_like_one_process(job)
-    assert {p["world"] for p in job.progress()} == {2}
+    assert {p["world"] for p in job.progress()} == {max(2, len(nodes))}
 
 
 def rank_pids(job, name: str) -> set[int]:
