@@ -244,7 +244,7 @@ def plot(result: BenchmarkResult, runs: list[dict[str, Any]], summary: dict[str,
     ax2.set_title("downtime (solid) and + recomputed steps (light)", fontsize=10)
     ax2.legend(fontsize=8)
     ax2.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"scale_events ({result.mode}, step time {result.params['timers']['step_time_s']} s, "
+    fig.suptitle(f"{result.name} ({result.mode}, step time {result.params['timers']['step_time_s']} s, "
                  f"checkpoint every {result.params['train']['ckpt_every']} steps)")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -124,8 +124,8 @@ class Timers:
                 f"lease_ttl_s must be >= 1 (torchrun's keep-alive is in whole seconds), got {self.lease_ttl_s!r}"
             )
 
-    def launcher_args(self, variant: str, endpoint: str, run_id: str, work: Path) -> list[str]:
-        """The launcher flags of one node (every node of a job gets the same)."""
+    def launcher_args(self, variant: str, endpoint: str, run_id: str, work: Path, node: str) -> list[str]:
+        """The launcher flags of ``node`` (every node of a job gets the same, but its own log folder)."""
         common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                   "--rdzv-id", run_id, "--max-restarts", str(self.max_restarts)]  # fmt: skip
         if variant in OURS:
@@ -137,7 +137,7 @@ class Timers:
                 "--faulty-scale-down-timeout", f"{self.faulty_scale_down_timeout_s:g}",
                 "--graceful-shutdown-timeout", f"{self.graceful_shutdown_timeout_s:g}",
                 "--rdzv-conf", f"lease_ttl={self.lease_ttl_s:g}",
-                "--event-log", str(work / "events.jsonl"), "--log-dir", str(work / "logs"),
+                "--event-log", str(work / "events.jsonl"), "--log-dir", str(work / "logs" / node),  # one per node: attempt folders would collide
             ]  # fmt: skip
         return common + ["--rdzv-conf", self.torchrun_rdzv_conf()]
 
@@ -199,7 +199,7 @@ class Scenario:
     def start_node(self, name: str) -> float:
         script = str(require_train_script())
         argv = self.train.argv(run_dir=self.work / "run", data_cache=self.data_cache, metrics=self.metrics)
-        flags = self.timers.launcher_args(self.variant, self.endpoint, self.run_id, self.work)
+        flags = self.timers.launcher_args(self.variant, self.endpoint, self.run_id, self.work, name)
         launcher = hyperpodrun_cmd if self.variant in OURS else torchrun_cmd
         env = dict(self.env)
         if self.gpus >= 2:  # a simulated node per GPU: A keeps GPU 0, the one other node alive at a time GPU 1
