@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import random
-import shutil
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
@@ -47,14 +48,22 @@ from common import (
     BenchmarkResult,
     BenchmarkTimeoutError,
     TrainArgs,
-    add_train_arguments,
     format_table,
     median,
     parse_args,
     require_train_script,
 )
-from scale_analysis import OURS, VARIANTS, hyperpodrun_phases, phase_breakdown, plot, step_interval, summarize_events
-from scale_events import STARTUP_TIMEOUT_S, Scenario, ScenarioFailed, Timers, _read_jsonl
+from scale_analysis import OURS, gap_between, hyperpodrun_phases, phase_breakdown, plot, summarize_events
+from scale_events import (
+    STARTUP_TIMEOUT_S,
+    Scenario,
+    ScenarioFailed,
+    Timers,
+    _read_jsonl,
+    add_scenario_arguments,
+    chosen_launchers,
+    run_variants,
+)
 
 NAME = "failures"
 KINDS = ("rank_crash",)
@@ -109,20 +118,8 @@ def measure_failure(records: list[dict[str, Any]], *, t_event: float, grace: flo
     before = [i for i, r in enumerate(records) if r["ts"] <= t_event + grace]
     if not before or before[-1] + 1 >= len(records):
         return None
-    last_old, first_new = records[before[-1]], records[before[-1] + 1]
-    downtime = first_new["ts"] - last_old["ts"]
-    interval = step_interval(records, before_ts=last_old["ts"], world=last_old["world_size"])
-    return {
-        "downtime_s": downtime,
-        "step_interval_s": interval,
-        "pause_s": max(0.0, downtime - interval) if interval is not None else None,
-        "last_old_step": last_old["step"],
-        "first_new_step": first_new["step"],
-        "steps_lost": max(0, last_old["step"] - (first_new["step"] - 1)),
-        "last_old_ts": last_old["ts"],
-        "first_new_ts": first_new["ts"],
-        "to_world": first_new["world_size"],
-    }
+    first_new = records[before[-1] + 1]
+    return {**gap_between(records, records[before[-1]], first_new), "to_world": first_new["world_size"]}
 
 
 def repair_mode(phases: dict[str, float]) -> str:
@@ -202,26 +199,17 @@ class FailureScenario(Scenario):
         self.bus.wait_for(ready, timeout=self.event_timeout, what=what)
 
     def run_failures(self, plan: list[tuple[str, int]]) -> dict[str, Any]:
-        out: dict[str, Any] = {"variant": self.variant, "env": self.env_settings, "events": [], "failure": None}
-        try:
-            self.start_node("A")  # B once A hosts the store: agents started together race to host it
-            self.bus.wait_for(lambda _: self._check_job() or _listening(self.endpoint), timeout=STARTUP_TIMEOUT_S,
-                              what=f"{self.variant}: node A's store at {self.endpoint}")  # fmt: skip
-            self.start_node("B")
-            self.wait_steps_at(2, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: steps at world 2")
-            for index, (kind, step) in enumerate(plan):
-                self.wait_step(step, world=2, what=f"{self.variant}: step {step} at world 2")
-                ev = self._failure(index, kind, step)
-                out["events"].append(ev)
-                if ev["outcome"] != "ok":
-                    out["failure"] = ev["error"]
-                    break
-        except (ScenarioFailed, BenchmarkTimeoutError) as e:
-            out["failure"] = str(e)
-        finally:
-            out["exit_codes"] = self.close()
-            out["timeline"] = [(r["ts"], r["step"], r["world_size"]) for r in self.records()]
-        return out
+        return self.drive(self._failures(plan))
+
+    def _failures(self, plan: list[tuple[str, int]]) -> Iterator[Callable[[int], dict[str, Any]]]:
+        self.start_node("A")  # B once A hosts the store: agents started together race to host it
+        self.bus.wait_for(lambda _: self._check_job() or _listening(self.endpoint), timeout=STARTUP_TIMEOUT_S,
+                          what=f"{self.variant}: node A's store at {self.endpoint}")  # fmt: skip
+        self.start_node("B")
+        self.wait_steps_at(2, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: steps at world 2")
+        for kind, step in plan:
+            self.wait_step(step, world=2, what=f"{self.variant}: step {step} at world 2")
+            yield functools.partial(self._failure, kind=kind, step=step)
 
     def _victim(self) -> tuple[str, int, int]:
         """(node, rank, pid) of the rank on the node that does not hold global rank 0."""
@@ -232,7 +220,7 @@ class FailureScenario(Scenario):
                 return name, rank, pid
         raise ScenarioFailed("hang", f"no rank of a non-master node found: {self.rank_pids('A')}, {self.rank_pids('B')}")
 
-    def _failure(self, index: int, kind: str, step: int) -> dict[str, Any]:
+    def _failure(self, index: int, *, kind: str, step: int) -> dict[str, Any]:
         node, rank, pid = self._victim()
         print(f"{NAME}: {self.variant}: event {index + 1} {kind} at step {step}: kill -9 of rank {rank} (node {node}, pid {pid})",
               flush=True)  # fmt: skip
@@ -285,44 +273,35 @@ def _listening(endpoint: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--launchers", type=lambda s: tuple(s.split(",")), default=None,
-                            help=f"from {', '.join(VARIANTS)} (default: {', '.join(DEFAULT_VARIANTS['quick'])}; "
-                                 f"smoke: {', '.join(DEFAULT_VARIANTS['smoke'])})")  # fmt: skip
+        add_scenario_arguments(parser, default_launchers=f"{', '.join(DEFAULT_VARIANTS['quick'])}; "
+                                                         f"smoke: {', '.join(DEFAULT_VARIANTS['smoke'])}")  # fmt: skip
         parser.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=KINDS, help=f"from {', '.join(KINDS)}")
         parser.add_argument("--events", type=int, default=None, help="failures per kind (default by mode)")
         parser.add_argument("--seed", type=int, default=0, help="seed of the failure steps [0]")
         parser.add_argument("--at-checkpoints", choices=("yes", "no"), default=None,
                             help="whether a failure may fall on a checkpoint step [yes; smoke: no]")
-        parser.add_argument("--step-time", type=float, default=Timers.step_time_s, help="fixed step time, s")
-        parser.add_argument("--ckpt-every", type=int, default=10, help="periodic checkpoint interval, steps [10]")
-        parser.add_argument("--event-timeout", type=float, default=None, help="hard limit per event, s")
-        add_train_arguments(parser, global_batch=4, micro_batch=2)
-        parser.set_defaults(seq_len=128)
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
-    args.launchers = args.launchers or DEFAULT_VARIANTS[args.mode]
-    for v in args.launchers:
-        if v not in VARIANTS:
-            raise SystemExit(f"--launchers: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    args.launchers = chosen_launchers(args, DEFAULT_VARIANTS)
     for k in args.kinds:
         if k not in KINDS:
             raise SystemExit(f"--kinds: unknown failure kind {k!r}; choose from {', '.join(KINDS)}")
+    timers = Timers(step_time_s=args.step_time)
+    train = TrainArgs.from_namespace(args, steps=1_000_000, min_step_time=args.step_time, ckpt_every=args.ckpt_every)
     count = args.events if args.events is not None else EVENTS_PER_KIND[args.mode]
     settle = SETTLE_STEPS[args.mode]
     at_checkpoints = (args.at_checkpoints or ("no" if args.mode == "smoke" else "yes")) == "yes"
     steps = kill_steps(count * len(args.kinds), seed=args.seed, first=settle, min_gap=settle + 1,
                        ckpt_every=args.ckpt_every, at_checkpoints=at_checkpoints)  # fmt: skip
     plan = [(args.kinds[i % len(args.kinds)], s) for i, s in enumerate(steps)]
-    timers = Timers(step_time_s=args.step_time)
-    train = TrainArgs.from_namespace(args, steps=1_000_000, min_step_time=args.step_time, ckpt_every=args.ckpt_every)
     event_timeout = args.event_timeout or EVENT_TIMEOUT_S[args.mode]
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
         params={
-            "launchers": list(args.launchers),
             "plan": [f"{k} at step {s}" for k, s in plan],
             "seed": args.seed,
+            "launchers": list(args.launchers),
             "failures_at_checkpoint_steps": at_checkpoints,
             "timers": dataclasses.asdict(timers),
             "event_timeout_s": event_timeout,
@@ -335,18 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         baseline="torchrun --nnodes 1:2 (c10d, --max-restarts), the same script and failures in the same run: "
         "every worker restarts and resumes from the last periodic checkpoint",
     )
-    work_root = args.out / "work" / NAME
-    shutil.rmtree(work_root, ignore_errors=True)
-    runs = []
-    for variant in args.launchers:
-        scenario = FailureScenario(
-            variant, train, timers, work=work_root / variant, data_cache=args.out / "data-cache",
-            event_timeout=event_timeout, settle_steps=settle,
-        )  # fmt: skip
-        run = scenario.run_failures(plan)
-        runs.append(run)
-        if run["failure"]:
-            print(f"{NAME}: {variant} failed: {run['failure'].splitlines()[0]}", flush=True)
+    runs = run_variants(
+        FailureScenario, args.launchers, lambda scenario: scenario.run_failures(plan), name=NAME, out=args.out,
+        train=train, timers=timers, event_timeout=event_timeout, settle_steps=settle,
+    )  # fmt: skip
     summary = summarize_events(runs)
     summary["phases_from_kill_median_s"] = phase_medians(runs)
     summary["hyperpodrun_spans"] = phase_breakdown(runs)

@@ -58,7 +58,11 @@ def measure_event(records: list[dict[str, Any]], *, t_event: float, to_world: in
     before = [r for r in records if r["ts"] < first_new["ts"] and r["world_size"] != to_world]
     if not before:
         return None
-    last_old = max(before, key=lambda r: r["ts"])
+    return gap_between(records, max(before, key=lambda r: r["ts"]), first_new)
+
+
+def gap_between(records: list[dict[str, Any]], last_old: dict[str, Any], first_new: dict[str, Any]) -> dict[str, Any]:
+    """Downtime, pause and steps lost between the last step before an event and the first after it."""
     downtime = first_new["ts"] - last_old["ts"]
     interval = step_interval(records, before_ts=last_old["ts"], world=last_old["world_size"])
     return {

@@ -1,0 +1,110 @@
+"""Keep ``benchmarks/failures.py`` working: its analysis functions, and the script end to end in ``--smoke``.
+
+The smoke run kills the non-master rank of a 2-node hyperpodrun job twice (kill -9, each
+after the repair of the previous one) and checks that both repairs ran in place and redid
+at most one step, with sane phases. No timing thresholds: the machine's speed is not tested.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_DIR = REPO / "benchmarks"
+SMOKE_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def failures() -> Iterator[ModuleType]:
+    """benchmarks/failures.py as a module (it imports ``common`` and ``scale_events`` as the scripts do)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        yield importlib.import_module("failures")
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+
+def _steps(*points: tuple[float, int]) -> list[dict[str, float | int]]:
+    return [{"ts": ts, "step": step, "world_size": 2} for ts, step in points]
+
+
+def test_kill_steps_are_seeded_increasing_and_can_avoid_checkpoint_steps(failures: ModuleType) -> None:
+    draw = dict(seed=3, first=3, min_gap=4, ckpt_every=10)
+    steps = failures.kill_steps(20, at_checkpoints=True, **draw)
+    assert steps == failures.kill_steps(20, at_checkpoints=True, **draw)  # the same for every variant
+    assert all(b - a >= 4 for a, b in zip([3, *steps], steps))
+    assert len({s % 10 for s in steps}) >= 5  # spread over the checkpoint interval
+    off = failures.kill_steps(20, at_checkpoints=False, **draw)
+    assert all(s % 10 for s in off) and all(b > a for a, b in zip(off, off[1:]))
+    with pytest.raises(ValueError, match="min_gap"):
+        failures.kill_steps(1, seed=0, first=1, min_gap=0, ckpt_every=10, at_checkpoints=True)
+
+
+def test_measure_failure_reads_downtime_and_redone_steps(failures: ModuleType) -> None:
+    # Steps 1-4 every 0.5 s; the kill at 2.05; step 4 was logged 10 ms after it (its collectives had
+    # finished); a restart resumed from the checkpoint of step 2 and logged step 3 again at 6.0.
+    records = _steps((0.5, 1), (1.0, 2), (1.5, 3), (2.06, 4), (6.0, 3), (6.5, 4))
+    m = failures.measure_failure(records, t_event=2.05, grace=0.5)
+    assert (m["last_old_step"], m["first_new_step"], m["steps_lost"]) == (4, 3, 2)
+    assert m["downtime_s"] == pytest.approx(6.0 - 2.06) and m["to_world"] == 2
+    assert m["pause_s"] == pytest.approx(6.0 - 2.06 - 0.5)
+    repaired = failures.measure_failure(_steps((0.5, 1), (1.0, 2), (3.0, 3)), t_event=1.2, grace=0.5)
+    assert repaired["steps_lost"] == 0 and repaired["downtime_s"] == pytest.approx(2.0)
+    assert failures.measure_failure(records[:4], t_event=2.05, grace=0.5) is None  # not recovered yet
+
+
+def test_repair_mode_counts_a_fallback_to_a_restart(failures: ModuleType) -> None:
+    assert failures.repair_mode({"ranks_replaced": 0.1, "group_up": 1.0, "first_step": 1.5}) == "in-place"
+    assert failures.repair_mode({"ranks_replaced": 0.1, "workers_started": 61.0}) == "restart"
+    assert failures.repair_mode({"scale_decided": 0.3}) == "unknown"
+
+
+def test_target_report_compares_medians_with_issue_11(failures: ModuleType) -> None:
+    summary = {
+        "by_kind": {"rank_crash": {"hyperpodrun": {"steps_lost_median": 0, "downtime_median_s": 2.5}}},
+        "lost_time_ratio": {"hyperpodrun": {"torchrun": {"rank_crash": 0.15}}},
+    }
+    report = failures.target_report(summary, kind="rank_crash", baseline="torchrun")
+    assert {name: t["met"] for name, t in report.items()} == {
+        "steps_lost_median": True, "downtime_median_s": False, "lost_time_ratio": True,
+    }  # fmt: skip
+    assert failures.target_report(summary, kind="rank_crash", baseline="torchrun-noshare")["lost_time_ratio"] == {
+        "value": None, "target": 0.2, "met": None,
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)
+def test_failures_smoke(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "failures.py"), "--smoke", "--out", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads((tmp_path / "failures_smoke.json").read_text())
+    assert data["benchmark"] == "failures" and data["baseline"] and (tmp_path / data["plot"]).is_file()
+    (run,) = data["samples"]["runs"]
+    assert run["variant"] == "hyperpodrun" and run["failure"] is None, run["failure"]
+    assert run["exit_codes"] == {"A": None, "B": None}  # no job death: both launchers ran to the end
+    assert [(e["kind"], e["outcome"], e["mode"], e["node"]) for e in run["events"]] == [
+        ("rank_crash", "ok", "in-place", "B")
+    ] * 2
+    for ev in run["events"]:
+        assert ev["steps_lost"] <= 1 and ev["first_new_step"] == ev["last_old_step"] + 1 - ev["steps_lost"], ev
+        assert ev["to_world"] == 2 and 0 < ev["detect_s"] < ev["downtime_s"], ev
+        phases = ev["phases_s"]
+        order = [phases[p] for p in ("ranks_replaced", "group_torn_down", "group_up", "hydrated", "first_step")]
+        assert order == sorted(order) and order[0] > 0, phases
+        assert "workers_started" not in phases and "checkpoint_loaded" not in phases  # nothing restarted or read
+    summary = data["summary"]
+    assert summary["job_deaths"] == {"hyperpodrun": 0} and summary["modes"]["hyperpodrun"] == ["in-place"] * 2
+    assert summary["by_kind"]["rank_crash"]["hyperpodrun"]["steps_lost_median"] <= 1
+    assert summary["targets"]["rank_crash"]["steps_lost_median"]["met"] is True
