@@ -29,11 +29,13 @@ from enum import Enum
 from pathlib import Path
 from types import FrameType
 
+import psutil
+
 from hyperpodrun.config import LaunchConfig, RestartMode
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.logs import LogDirectory, RankLogs
-from hyperpodrun.hang import HangPolicy, hung_ranks
+from hyperpodrun.hang import HangPolicy, culprits, hung_ranks
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
@@ -93,6 +95,7 @@ class Agent:
         self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
         self._hang: str | None = None  # why the running group was declared hung
         self._repairing: str | None = None  # the failure whose ranks were restarted parked, until the repair
+        self._hung_killed: str | None = None  # why hung ranks were killed, to be repaired in place
         self._hang_policy = HangPolicy(timeout=config.hang_timeout)
         self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
@@ -213,6 +216,7 @@ class Agent:
                     step_times=step_times, reconfigurable=all(p.reconfigurable for p in progress),
                     failure=self._repairing or self._hang or (failures[0].summary() if failures else None),
                     repairing=self._repairing is not None,
+                    peer_failed=any(p.phase == RankPhase.RECOVERING for p in progress),
                 )  # fmt: skip
                 directive = self._poll_riding_out_outages(status, group)
                 if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):
@@ -226,7 +230,7 @@ class Agent:
                             reason=f"{directive.reason}; local rank(s) {missed} passed step {directive.target_step} before it was published",
                         )  # fmt: skip
                     return self._stop_now(group, directive), False
-            if pending is None and state == WorkerState.HEALTHY and self._hang is None:
+            if pending is None and state == WorkerState.HEALTHY and self._hang is None and self._hung_killed is None:
                 self._check_hang(group, rates)
             if pending is not None and state == WorkerState.HEALTHY and self._moved_in_place(pending):
                 self._control.clear()
@@ -296,10 +300,13 @@ class Agent:
         """A rank without progress for the hang limit: dump every local rank's stacks, then fail the group."""
         limit = self._hang_policy.limit(rates.slowest)
         progress = self._control.progress()
-        hung = hung_ranks(progress, now=time.time(), limit=limit)
+        now = time.time()
+        hung = hung_ranks(progress, now=now, limit=limit)
+        pids = group.pids
+        if hung and self._repairs_in_place():  # kill the culprits only: the ranks waiting for them hold the state
+            hung = culprits(hung, idle={r: now - progress[r].time for r in hung}, states={r: _status(pids[r]) for r in hung}, limit=limit)
         if not hung:
             return
-        pids = group.pids
         for local_rank, pid in pids.items():  # faulthandler (registered by elastic_events) writes to the rank's log
             for sig in (signal.SIGUSR1, signal.SIGCONT):  # SIGCONT: a SIGSTOPped rank dumps too
                 with contextlib.suppress(ProcessLookupError):
@@ -308,18 +315,20 @@ class Agent:
         r = hung[0]
         idle = time.time() - progress[r].time
         rank = group.assignment.global_rank(r)
-        self._hang = (
+        why = (
             f"rank {rank} (local rank {r}, pid {pids.get(r)}) made no progress for {idle:.0f}s at step {progress[r].step} "
             f"(hang timeout {limit:g}s); Python stacks of every local rank in their logs: {group.log_file(r)}"
         )
         self.events.emit(EventType.RANK_HUNG, rank=rank, local_ranks=list(hung), step=progress[r].step,
                          idle_s=round(idle, 3), hang_timeout=limit, log_file=str(group.log_file(r)))  # fmt: skip
-        _say(self._hang)
+        _say(why)
         if self._repairs_in_place():  # only the hung ranks go; their peers' collectives fail and they recover
             for local_rank in hung:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pids[local_rank], signal.SIGKILL)
+            self._hung_killed = why  # the kill shows as a failed rank: repaired like a crash
             return
+        self._hang = why
         group.stop(grace=self.config.shutdown_timeout)
 
     def _repairs_in_place(self) -> bool:
@@ -330,7 +339,7 @@ class Agent:
         """Restart the failed local ranks parked; their siblings keep their state and wait for the repair."""
         failures = group.failures()
         root = failures[0]
-        what = self._hang or root.summary()
+        what = self._hung_killed or self._hang or root.summary()
         self.events.emit(EventType.WORKER_FAILED, rank=root.global_rank, exitcode=root.exitcode, signal=root.signal_name,
                          message=root.message, log_file=str(root.log_file), repaired_in_place=True)  # fmt: skip
         attempt_dir = self._logs.new_attempt(self._attempt)
@@ -343,7 +352,7 @@ class Agent:
         self.events.emit(EventType.RANKS_REPLACED, ranks=sorted(pids), pids=list(pids.values()), reason=what, log_dir=str(attempt_dir))
         _say(f"{what}; repairing in place: rank(s) {sorted(pids)} restarted parked (pid {list(pids.values())}), "
              "the other ranks keep their state")  # fmt: skip
-        self._repairing, self._hang = what, None
+        self._repairing, self._hang, self._hung_killed = what, None, None
         return group.poll()
 
     def _failed_in_place(self) -> bool:
@@ -548,6 +557,14 @@ class Agent:
     def _restore_signal_handlers(previous: dict[int, object]) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _status(pid: int) -> str:
+    """The process state of ``pid`` as psutil names it ("" when it is gone)."""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return ""
 
 
 def _value(enum_or_none) -> str | None:

@@ -6,6 +6,10 @@ deadlocked collective, stuck I/O, a SIGSTOPped process). The limit is ``--hang-t
 or, by default, ten times the slowest step seen, never below a minute. The decision is a
 pure function of the progress and the time; the agent dumps the ranks' stacks and treats
 the hang as a failure.
+
+In a synchronous job one hung rank stops every rank: the others wait in a collective for
+it. Where failures are repaired in place, only the culprits are killed (:func:`culprits`),
+so that the waiting ranks keep the state the replacement is hydrated from.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from dataclasses import dataclass
 
 from elastic_events.control import RankPhase, RankProgress
 
-__all__ = ["HangPolicy", "hung_ranks"]
+__all__ = ["HangPolicy", "culprits", "hung_ranks"]
+
+#: Process states (psutil's names) of a rank that cannot be merely waiting for a peer.
+STUCK_STATES = frozenset({"stopped", "tracing-stop", "disk-sleep"})
 
 #: Phases in which a rank is expected to call elastic_event_detected() every step.
 STEPPING = frozenset({RankPhase.STARTING, RankPhase.RUNNING, RankPhase.READY})
@@ -49,3 +56,11 @@ def hung_ranks(progress: Sequence[RankProgress], *, now: float, limit: float | N
     return tuple(
         r for r, p in enumerate(progress) if p.step > 0 and p.time > 0 and p.phase in STEPPING and now - p.time > limit
     )
+
+
+def culprits(hung: Sequence[int], *, idle: dict[int, float], states: dict[int, str], limit: float) -> tuple[int, ...]:
+    """The hung ranks to kill: those stopped or in uninterruptible I/O at once; ranks that are only
+    waiting (most likely in a collective, for a peer that is the real culprit) once they have been
+    idle for a second limit, which gives the culprit's own agent time to act."""
+    stuck = tuple(r for r in hung if states.get(r) in STUCK_STATES)
+    return stuck or tuple(r for r in hung if idle[r] > 2 * limit)

@@ -87,6 +87,9 @@ class AgentMetrics:
         )  # fmt: skip
         self.restarts = Counter(f"{PREFIX}_restarts", "Worker group restarts, by reason", ["reason"], registry=r)
         self.worker_failures = Counter(f"{PREFIX}_worker_failures", "Worker ranks that failed", registry=r)
+        self.ranks_replaced = Counter(
+            f"{PREFIX}_ranks_replaced", "Failed ranks restarted alone, to be repaired in place", registry=r
+        )
         self.nodes_lost = Counter(f"{PREFIX}_nodes_lost", "Nodes lost (lease expired)", registry=r)
         self.store_lost = Counter(f"{PREFIX}_store_lost", "Times this agent lost its store", registry=r)
         self.rank_steps = Gauge(f"{PREFIX}_rank_steps", "Steps of each local rank in this round", ["local_rank"], registry=r)
@@ -135,6 +138,8 @@ class AgentMetrics:
             self.scale_events.labels(kind=str(record.get("kind", "unknown")), mode=str(record.get("mode", "restart"))).inc()
         elif event == "worker_failed":
             self.worker_failures.inc()
+        elif event == "ranks_replaced":
+            self.ranks_replaced.inc(len(record.get("ranks") or ()))
         elif event == "node_lost":
             self.nodes_lost.inc()
         elif event == "store_lost":

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from elastic_events.hydration import (
+    HydrationError,
     RankReport,
     StateMismatchError,
     TensorSpec,
@@ -54,6 +55,17 @@ def test_without_survivors_there_is_no_source() -> None:
 def test_state_that_does_not_agree_is_refused(reports, message) -> None:
     with pytest.raises(StateMismatchError, match=message):
         plan_hydration(reports)
+
+
+def test_a_repair_takes_the_survivors_at_the_furthest_step_and_brings_the_others_to_it() -> None:
+    """A peer died mid-step: rank 1's collectives completed before the death reached rank 0."""
+    plan = plan_hydration([survivor(0, 10, checksum="old"), survivor(1, 11, checksum="new"), newcomer(2)], recovering=True)
+    assert (plan.source, plan.newcomers, plan.survivors, plan.step) == (1, (0, 2), (1,), 11)
+
+
+def test_a_sharded_model_is_not_repaired_in_place() -> None:
+    with pytest.raises(HydrationError, match="shards on the failed rank exist nowhere else"):
+        plan_hydration([survivor(0, sharded=True), newcomer(1)], recovering=True)
 
 
 def test_digests_see_shapes_and_values() -> None:

@@ -107,6 +107,19 @@ def test_stop_counts_steps_lost_since_the_last_checkpoint(fed) -> None:
     assert value(v, "hyperpodrun_store_lost_total") == 1
 
 
+def test_a_failure_repaired_in_place_counts_the_replaced_ranks_and_no_restart(fed) -> None:
+    metrics, log = fed
+    log.emit("workers_started", round=1, reason="start")
+    log.emit("worker_failed", repaired_in_place=True)
+    log.emit("ranks_replaced", ranks=[3, 5], pids=[101, 102])
+    log.emit("scale_targeted", kind="rank_failure", mode="reconfigure", target_step=0)
+    v = _values(metrics)
+    assert value(v, "hyperpodrun_ranks_replaced_total") == 2
+    assert value(v, "hyperpodrun_scale_events_total", kind="rank_failure", mode="reconfigure") == 1
+    assert value(v, "hyperpodrun_worker_failures_total") == 1
+    assert "hyperpodrun_restarts_total" not in str(v)  # no worker group was restarted
+
+
 def test_progress_sets_steps_and_rate_per_local_rank() -> None:
     metrics = AgentMetrics()
     metrics.observe_progress((5, 4, 4), (0.5, 0.25, 0.0))

@@ -20,11 +20,13 @@ from hyperpodrun.rendezvous.records import (
     EventKind,
     EventMode,
     EventRecord,
+    FailedRecord,
     Keys,
     NodeRecord,
     RoundRecord,
     RoundState,
     StoppedRecord,
+    decode,
 )
 from hyperpodrun.supervisor import WorkerState
 from elastic_events.control import ControlReader, ControlWriter, EventKind as ChannelKind
@@ -52,6 +54,10 @@ def event(*, next_members=("a", "b"), target=None, mode=EventMode.RESTART, kind=
 
 def decoded(write) -> dict:
     return json.loads(write.value)
+
+
+def evolve_event(record: dict) -> EventRecord:
+    return decode(EventRecord, Keys.EVENT, json.dumps(record).encode())
 
 
 def ack(step: int, step_time: float, **kw) -> AckRecord:
@@ -213,3 +219,81 @@ def test_an_in_place_node_polling_between_the_deciders_two_writes_keeps_its_rank
     halted = RoundRecord(**{**running("a").__dict__, "state": RoundState.HALTED, "halt_kind": EventKind.NODE_LOST})
     assert rdzv._left_behind(halted, done, 4).kind is DirectiveKind.STOP  # never published: stop
     assert rdzv._left_behind(running("a", "c", round_no=5), None, 4).kind is DirectiveKind.STOP  # fell back to a restart
+
+
+# --------------------------------------------------------------------------- failures repaired in place
+
+
+def in_process(*members: str, restarts: int = 0) -> RoundRecord:
+    return RoundRecord(round=3, members=members, master_addr="10.0.0.1", master_port=40000,
+                       events=((NOW - 100, len(members)),), inprocess=True, restarts=restarts)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("inprocess", "repairable", "restarts", "mode"),
+    [
+        (True, True, 0, "reconfigure"),  # repaired in place, at once
+        (True, False, 0, "stop"),  # the node could not restart its rank parked
+        (False, True, 0, "stop"),  # some rank does not use the in-process API
+        (True, True, 3, "stop"),  # --max-restarts used up: the job fails as torchrun's would
+    ],
+)
+def test_a_rank_failure_is_repaired_in_place_only_where_it_can_be(inprocess: bool, repairable: bool, restarts: int, mode: str) -> None:
+    rnd = in_process("a", "b", restarts=restarts) if inprocess else running("a", "b")
+    snap = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=rnd, failed={"b": FailedRecord(message="rank 3 killed", repairable=repairable)})
+    (write,) = plan(snap, DeciderMemory(), NOW, ctx(max_restarts=3)).writes
+    ev = decoded(write)
+    assert (ev["kind"], ev["mode"]) == ("rank_failure", mode)
+    assert ev["next_members"] == (["a", "b"] if mode == "reconfigure" else None)
+
+
+def test_a_repair_is_targeted_at_once_on_a_fresh_port_of_a_surviving_head() -> None:
+    """No step to agree on (the ranks stopped at the failed collective), and no rate to wait for."""
+    ev = event(kind=EventKind.RANK_FAILURE, mode=EventMode.RECONFIGURE)
+    snap = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=in_process("a", "b"), event=ev,
+                       acks={"a": ack(0, 0.0, port=43210), "b": ack(0, 0.0, cooperative=False)})  # fmt: skip
+    (write,) = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    targeted = decoded(write)
+    assert targeted["target"] == 0 and targeted["mode"] == "reconfigure"
+    assert (targeted["master_addr"], targeted["master_port"]) == ("10.0.0.1", 43210)
+
+
+def test_a_lost_node_is_left_out_of_the_repaired_round_without_waiting_for_it() -> None:
+    """The restart path waits faulty_scale_down_timeout for a lost node; in place the survivors cannot step
+    without a new group, so it is re-formed at once (the lost node may come back later as a joiner)."""
+    snap = JobSnapshot(nodes={"a": node("a"), "c": node("c")}, round=in_process("a", "b", "c"))
+    mem = DeciderMemory(lost_since={"b": NOW - 1.0})
+    (write,) = plan(snap, mem, NOW, ctx()).writes
+    ev = decoded(write)
+    assert (ev["kind"], ev["mode"], ev["next_members"]) == ("node_lost", "reconfigure", ["a", "c"])
+    restarting = JobSnapshot(nodes=snap.nodes, round=running("a", "b", "c"))
+    assert decoded(plan(restarting, mem, NOW, ctx()).writes[0])["mode"] == "stop"  # the restart path is unchanged
+
+
+def test_a_completed_repair_publishes_an_in_process_round_and_counts_a_restart() -> None:
+    ev = event(kind=EventKind.RANK_FAILURE, mode=EventMode.RECONFIGURE, target=0)
+    stopped = {m: StoppedRecord(ok=True, reconfigured=True) for m in ("a", "b")}
+    snap = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=in_process("a", "b"), event=ev, stopped=stopped)
+    complete, published = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    rnd = decoded(published)
+    assert decoded(complete)["complete"] and rnd["inprocess"] and rnd["restarts"] == 1 and rnd["reason"] == "failure"
+
+
+def test_a_peer_failure_report_repairs_at_once_and_leaves_out_a_member_that_does_not_answer() -> None:
+    """kill -9 of a node: its lease outlives it (10 s by default), but the survivors' collectives failed at
+    once. The repair waits one propagation budget for acks, then goes on without the silent member."""
+    nodes = {"a": node("a"), "b": node("b"), "c": node("c")}
+    peer = FailedRecord(message="a collective failed on a", repairable=True, peer=True)
+    (write,) = plan(JobSnapshot(nodes=nodes, round=in_process("a", "b", "c"), failed={"a": peer}), DeciderMemory(), NOW, ctx()).writes
+    created = decoded(write)
+    assert (created["kind"], created["mode"], created["next_members"]) == ("node_lost", "reconfigure", ["a", "b", "c"])
+    ev = event(kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE, next_members=("a", "b", "c"), decided_at=NOW - 0.5)
+    acks = {"a": ack(0, 0.0), "c": ack(0, 0.0)}
+    waiting = JobSnapshot(nodes=nodes, round=in_process("a", "b", "c"), event=ev, acks=acks)
+    assert plan(waiting, DeciderMemory(), NOW, ctx()).writes == ()  # b may still answer within the budget (1 s)
+    (targeted,) = plan(waiting, DeciderMemory(), NOW + 1.0, ctx()).writes
+    assert decoded(targeted)["next_members"] == ["a", "c"] and decoded(targeted)["target"] == 0
+    done = JobSnapshot(nodes=nodes, round=in_process("a", "b", "c"), event=evolve_event(decoded(targeted)),
+                       stopped={m: StoppedRecord(ok=True, reconfigured=True) for m in ("a", "c")})  # fmt: skip
+    complete, published = plan(done, DeciderMemory(), NOW + 2.0, ctx()).writes  # b is not waited for
+    assert decoded(published)["members"] == ["a", "c"] and decoded(published)["restarts"] == 0

@@ -90,6 +90,7 @@ class LocalStatus:
     reconfigurable: bool = False  # every local rank declared the in-process API
     failure: str | None = None
     repairing: bool = False  # ``failure``'s ranks were restarted parked, to be repaired in place
+    peer_failed: bool = False  # a local rank's collective failed (a peer died or hung); it waits for the repair
 
     @property
     def cooperative(self) -> bool:

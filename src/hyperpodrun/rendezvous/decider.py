@@ -15,10 +15,12 @@ An event runs through these steps (``EventRecord``)::
         --> next round published with the live next members, or the round HALTED
 
 In a round that runs in-process, failures are repaired in place: a rank failure (its node
-restarted the failed ranks parked) or a lost node makes a RECONFIGURE event of kind
-``rank_failure`` / ``node_lost`` at once. It waits for the acks of the live members (for a
-fresh master port) and is targeted at step 0: the survivors already stopped stepping at the
-failed collective, so there is no step to agree on.
+restarted the failed ranks parked), a member whose ranks saw a collective fail (a peer died
+or hung: the first sign of a lost node, long before its lease expires) or a lost node makes a
+RECONFIGURE event of kind ``rank_failure`` / ``node_lost`` at once. It waits one propagation
+budget for the acks of the live members (a fresh master port; a member that does not answer
+is left out of the repaired round) and is targeted at step 0: the survivors already stopped
+stepping at the failed collective, so there is no step to agree on.
 
 A next member that vanished between decision and completion is never published: the
 round halts and the start rules pick the next membership from the live nodes.
@@ -158,16 +160,14 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
             closed = ClosedRecord(status=JobOutcome.SUCCEEDED, message="all ranks exited 0")
             return Plan(writes=(Write(Keys.CLOSED, encode(closed), 0),), memory=mem,
                         notes=(Note(round=rnd.round, what="job succeeded", reason=closed.message, event="job_succeeded"),))  # fmt: skip
-        if snap.failed:
-            message = next(iter(snap.failed.values())).message
-            if (
-                _repairs_in_place(rnd, ctx)
-                and all(f.repairable for f in snap.failed.values())
-                and all(m in snap.nodes for m in rnd.members)
-                and rnd.restarts < ctx.max_restarts
-            ):
-                return _new_event(snap, rnd, now, mem, kind=EventKind.RANK_FAILURE, mode=EventMode.RECONFIGURE,
-                                  next_members=rnd.members, reason=f"rank failure, repaired in place: {message}", failure=message)  # fmt: skip
+        in_place = _repairs_in_place(rnd, ctx)
+        if snap.failed and not (in_place and any(m not in snap.nodes for m in rnd.members)):  # a lost member: the policy's rules below
+            crashed = [f for f in snap.failed.values() if not f.peer]
+            message = (crashed or list(snap.failed.values()))[0].message
+            if in_place and all(f.repairable for f in snap.failed.values()) and (not crashed or rnd.restarts < ctx.max_restarts):
+                kind = EventKind.RANK_FAILURE if crashed else EventKind.NODE_LOST  # no rank died here: a node elsewhere did
+                return _new_event(snap, rnd, now, mem, kind=kind, mode=EventMode.RECONFIGURE, next_members=rnd.members,
+                                  reason=f"{'rank failure' if crashed else 'peer failure'}, repaired in place: {message}", failure=message)  # fmt: skip
             return _new_event(snap, rnd, now, mem, kind=EventKind.RANK_FAILURE, mode=EventMode.STOP,
                               next_members=None, reason=f"rank failure: {message}", failure=message)  # fmt: skip
         if (
@@ -201,7 +201,7 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
                              nproc_per_node=ctx.nproc_per_node, max_world_size=ctx.max_world_size)  # fmt: skip
             if reshape.members and reshape.members[0] in snap.nodes:
                 return _new_event(snap, rnd, now, mem, kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE,
-                                  next_members=reshape.members, reason=f"{decision.reason}; repaired in place: {reshape.reason}")  # fmt: skip
+                                  next_members=reshape.members, reason=f"lost member(s) repaired in place: {reshape.reason}")  # fmt: skip
         return _new_event(snap, rnd, now, mem, kind=EventKind.NODE_LOST, mode=EventMode.STOP,
                           next_members=None, reason=decision.reason)  # fmt: skip
     if running:
@@ -291,7 +291,10 @@ def _drive_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: floa
     gone = [m for m in ev.next_members or () if m not in snap.nodes]
     if ev.mode is EventMode.RECONFIGURE and gone:  # the new group can never form: stop everyone now
         return _update(snap, evolve(ev, mode=EventMode.STOP, reason=f"{ev.reason}; {gone} vanished during the in-place reconfiguration"), mem)
-    waiting = [m for m in live + _joiners(snap, ev, rnd) if m not in snap.stopped]
+    reporting = live + _joiners(snap, ev, rnd)
+    if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:  # a member left out of the repair is gone
+        reporting = [m for m in ev.next_members or () if m in snap.nodes]
+    waiting = [m for m in reporting if m not in snap.stopped]
     deadline = ev.decided_at + ctx.policy.graceful_shutdown_timeout + ctx.ack_timeout
     if waiting and now < deadline:
         return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for {len(waiting)} member(s) to stop")
@@ -305,13 +308,13 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
         return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=ev.reason + "; no member is alive"), mem)
     acks = {m: snap.acks[m] for m in live if m in snap.acks}
     missing = [m for m in live if m not in acks]
+    if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:
+        return _target_repair(snap, ev, acks, missing, elapsed, ctx, mem)
     if missing:
         if elapsed <= ctx.ack_timeout:
             return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for acks from {missing}")
         reason = ev.reason + f"; no ack from {missing} within {ctx.ack_timeout:g}s"
         return _update(snap, evolve(ev, mode=EventMode.STOP, reason=reason), mem)
-    if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:
-        return _target_repair(snap, ev, acks, elapsed, ctx, mem)
     if not all(a.cooperative for a in acks.values()):
         reason = ev.reason + "; ranks do not call elastic_event_detected() on every rank"
         return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=reason), mem)
@@ -348,18 +351,30 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
     return Plan(writes=updated.writes, notes=(note,), memory=mem)
 
 
-def _target_repair(snap: JobSnapshot, ev: EventRecord, acks: Mapping[str, AckRecord], elapsed: float, ctx: DeciderContext, mem: DeciderMemory) -> Plan:
-    """A failure repaired in place: at once (step 0), rank 0 on the first surviving member's fresh port."""
-    head = ev.next_members[0] if ev.next_members else None
+def _target_repair(
+    snap: JobSnapshot, ev: EventRecord, acks: Mapping[str, AckRecord], missing: Sequence[str], elapsed: float, ctx: DeciderContext, mem: DeciderMemory
+) -> Plan:
+    """A failure repaired in place: at once (step 0), rank 0 on the first surviving member's fresh port.
+
+    Members get one propagation budget to answer; one that does not (its lease has not expired yet,
+    but its agent is gone with its ranks) is left out of the repaired round.
+    """
+    if missing and elapsed <= ctx.propagation:
+        return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for acks from {missing}")
+    nxt = tuple(m for m in ev.next_members or () if m not in missing)
+    reason = ev.reason + (f"; left out {missing}: no answer within {ctx.propagation:g}s" if missing else "")
+    if len(nxt) not in ctx.policy.allowed_sizes():
+        return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{reason}; {len(nxt)} node(s) is not an allowed size"), mem)
+    head = nxt[0]
     if head not in acks:
-        return _update(snap, evolve(ev, mode=EventMode.STOP, reason=f"{ev.reason}; rank 0 of the repaired round would not be a survivor"), mem)
-    cold = [m for m in ev.next_members if m not in acks and m in snap.nodes and not snap.nodes[m].parked]
+        return _update(snap, evolve(ev, mode=EventMode.STOP, reason=f"{reason}; rank 0 of the repaired round would not be a survivor"), mem)
+    cold = [m for m in nxt if m not in acks and m in snap.nodes and not snap.nodes[m].parked]
     if cold and elapsed <= ctx.ack_timeout:  # a standby refills the lost node's place: wait for it to park
         return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for {cold} to park their ranks")
     master_port = acks[head].port or snap.nodes[head].port
     note = Note(round=ev.round, what=f"event {ev.id} ({ev.kind.value}, reconfigure)", reason="ranks repair their group in place",
                 event="scale_targeted", fields={"event_id": ev.id, "kind": ev.kind.value, "mode": EventMode.RECONFIGURE.value, "target_step": 0})  # fmt: skip
-    updated = _update(snap, evolve(ev, target=0, master_addr=snap.nodes[head].addr, master_port=master_port), mem)
+    updated = _update(snap, evolve(ev, target=0, next_members=nxt, reason=reason, master_addr=snap.nodes[head].addr, master_port=master_port), mem)
     return Plan(writes=updated.writes, notes=(note,), memory=mem)
 
 

@@ -301,6 +301,9 @@ class ElasticRendezvous(RendezvousHandler):
         if status.group_state == WorkerState.FAILED or status.repairing:
             failed = FailedRecord(message=status.failure or "rank failed", repairable=status.repairing)
             self._put_once(Keys.failed(my_round) + self._node_id, encode(failed))
+        elif status.peer_failed:  # the first sign of a lost node, long before its lease expires
+            failed = FailedRecord(message=f"a collective failed on {self._node_id}: a peer died or hung", repairable=True, peer=True)
+            self._put_once(Keys.failed(my_round) + self._node_id, encode(failed))
         if rnd is not None and self._round is not None and rnd.round == my_round and rnd.inprocess != self._round.inprocess:
             self._round = rnd  # the decider marked the round in-process
         directive = None

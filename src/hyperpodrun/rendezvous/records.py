@@ -196,6 +196,7 @@ class StoppedRecord:
 class FailedRecord:
     message: str
     repairable: bool = False  # the node restarted its failed ranks parked, to be repaired in place
+    peer: bool = False  # none of the node's ranks died: a collective of theirs failed (a peer elsewhere died or hung)
 
 
 @dataclass(frozen=True, kw_only=True)
