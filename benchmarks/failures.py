@@ -36,11 +36,13 @@ import dataclasses
 import functools
 import os
 import random
+import re
 import signal
 import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -53,7 +55,16 @@ from common import (
     parse_args,
     require_train_script,
 )
-from scale_analysis import OURS, gap_between, hyperpodrun_phases, phase_breakdown, plot, summarize_events
+from scale_analysis import (
+    OURS,
+    event_mode,
+    gap_between,
+    hyperpodrun_phases,
+    measure_event,
+    phase_breakdown,
+    plot,
+    summarize_events,
+)
 from scale_events import (
     STARTUP_TIMEOUT_S,
     Scenario,
@@ -66,13 +77,20 @@ from scale_events import (
 )
 
 NAME = "failures"
-KINDS = ("rank_crash",)
+KINDS = ("rank_crash", "hang", "node_loss")  # drawn in turn; a node loss is followed by a new node joining
+#: What each kind does to the non-master node: its rank, or its launcher's whole process tree.
+KIND_ACTION = {"rank_crash": "kill -9 of its rank", "node_loss": "kill -9 of its launcher's tree",
+               "hang": "SIGSTOP of its rank"}  # fmt: skip
+#: torchrun has no hang detection: a stopped rank blocks its peers until the collective timeout.
+NOT_DETECTED = {"torchrun": ("hang",), "torchrun-noshare": ("hang",)}
+HANG_TIMEOUT_S = 5.0
+GROUP_RANK = re.compile(r"this node is group rank (\d+)")
 DEFAULT_VARIANTS = {
     "smoke": ("hyperpodrun",),
-    "quick": ("hyperpodrun", "hyperpodrun-restart", "torchrun"),
-    "full": ("hyperpodrun", "hyperpodrun-restart", "torchrun"),
+    "quick": ("hyperpodrun", "hyperpodrun-restart", "torchrun-noshare"),
+    "full": ("hyperpodrun", "hyperpodrun-restart", "torchrun-noshare"),
 }
-EVENTS_PER_KIND = {"smoke": 2, "quick": 5, "full": 10}
+EVENTS_PER_KIND = {"smoke": 1, "quick": 4, "full": 10}
 EVENT_TIMEOUT_S = {"smoke": 60.0, "quick": 90.0, "full": 120.0}
 SETTLE_STEPS = {"smoke": 2, "quick": 3, "full": 4}
 #: Records of hyperpodrun's event log that mark the launcher noticing a failure.
@@ -107,27 +125,37 @@ def kill_steps(count: int, *, seed: int, first: int, min_gap: int, ckpt_every: i
     return steps
 
 
-def measure_failure(records: list[dict[str, Any]], *, t_event: float, grace: float) -> dict[str, Any] | None:
+def measure_failure(
+    records: list[dict[str, Any]], *, t_event: float, grace: float, resumed_after: float | None = None
+) -> dict[str, Any] | None:
     """Downtime and steps lost of one failure from rank 0's step log, or None if not recovered yet.
 
     The last record logged by ``t_event + grace`` is the last step before the failure (a step
     whose collectives finished before the kill is logged within milliseconds; with a minimum
-    step time ``grace`` no step begun after the kill can end that early), the next record in
-    the log is the first step after the recovery.
+    step time ``grace`` no step begun after the kill can end that early). The first step after
+    the recovery is the next record, or with ``resumed_after`` (when the launcher's log says the
+    job was repaired or restarted) the first record after that time: steps a hung rank still
+    took part in before it was killed are not the recovery.
     """
     before = [i for i, r in enumerate(records) if r["ts"] <= t_event + grace]
-    if not before or before[-1] + 1 >= len(records):
+    if not before:
         return None
-    first_new = records[before[-1] + 1]
-    return {**gap_between(records, records[before[-1]], first_new), "to_world": first_new["world_size"]}
+    after = [r for r in records[before[-1] + 1 :] if resumed_after is None or r["ts"] > resumed_after]
+    if not after:
+        return None
+    return {**gap_between(records, records[before[-1]], after[0]), "to_world": after[0]["world_size"]}
+
+
+#: hyperpodrun's records of a job running again after a failure: a repaired group, restarted ranks.
+RESUMED_RECORDS = ("group_up", "workers_started")
 
 
 def repair_mode(phases: dict[str, float]) -> str:
-    """``in-place`` when the agent replaced the failed rank alone and the job went on in process,
-    ``restart`` when every rank restarted (also a repair that fell back to a restart)."""
+    """``in-place`` when the survivors went on in process (the failed rank replaced alone, or a lost
+    node left out), ``restart`` when every rank restarted (also a repair that fell back to a restart)."""
     if "workers_started" in phases:
         return "restart"
-    return "in-place" if "ranks_replaced" in phases else "unknown"
+    return "in-place" if "ranks_replaced" in phases or "group_up" in phases else "unknown"
 
 
 def phase_medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -145,33 +173,57 @@ def phase_medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def target_report(summary: dict[str, Any], *, kind: str, baseline: str) -> dict[str, Any]:
-    """Issue 11's targets against the in-place variant's medians for ``kind``: value, target, met."""
+def target_report(summary: dict[str, Any], *, kind: str, baseline: str, hang_timeout_s: float) -> dict[str, Any]:
+    """Issue 11's targets against the in-place variant's medians for ``kind``: value, target, met.
+
+    A hang is not held to the downtime target (its detection alone takes ``hang_timeout_s``) but
+    to detection within the hang timeout + 1 s, and then a repair like a crash.
+    """
     ours = summary["by_kind"].get(kind, {}).get("hyperpodrun", {})
     values = {
-        "steps_lost_median": ours.get("steps_lost_median"),
-        "downtime_median_s": ours.get("downtime_median_s"),
-        "lost_time_ratio": summary["lost_time_ratio"].get("hyperpodrun", {}).get(baseline, {}).get(kind),
-    }
+        "steps_lost_median": (ours.get("steps_lost_median"), TARGETS["steps_lost_median"]),
+        "downtime_median_s": (ours.get("downtime_median_s"), TARGETS["downtime_median_s"]),
+        "lost_time_ratio": (summary["lost_time_ratio"].get("hyperpodrun", {}).get(baseline, {}).get(kind),
+                            TARGETS["lost_time_ratio"]),
+    }  # fmt: skip
+    if kind == "hang":
+        values = {"steps_lost_median": values["steps_lost_median"],
+                  "detect_median_s": (ours.get("detect_median_s"), hang_timeout_s + 1.0)}  # fmt: skip
     return {
-        name: {"value": v, "target": TARGETS[name], "met": None if v is None else v <= TARGETS[name]}
-        for name, v in values.items()
+        name: {"value": v, "target": target, "met": None if v is None else v <= target}
+        for name, (v, target) in values.items()
     }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FailureTimers(Timers):
+    """``scale_events.Timers`` plus hyperpodrun's ``--hang-timeout`` (the launcher's floor is 60 s)."""
+
+    hang_timeout_s: float = HANG_TIMEOUT_S
+
+    def launcher_args(self, variant: str, endpoint: str, run_id: str, work: Path, node: str) -> list[str]:
+        args = super().launcher_args(variant, endpoint, run_id, work, node)
+        return args + ["--hang-timeout", f"{self.hang_timeout_s:g}"] if variant in OURS else args
 
 
 # --------------------------------------------------------------------------- one launcher's run
 
 
 class FailureScenario(Scenario):
-    """Two nodes of one launcher variant, started together, whose non-master rank is killed at given steps."""
+    """Two nodes of one launcher variant (B started once A hosts the store); at given steps the one
+    that does not hold rank 0 fails (its rank killed or stopped, or the whole node killed)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lost: set[str] = set()  # nodes killed on purpose (node loss), not a job death
 
     def _check_job(self) -> None:
         for name, node in self.nodes.items():
-            if node.poll() is not None:
+            if node.poll() is not None and name not in self.lost:
                 raise ScenarioFailed("exited", f"node {name} exited with {node.poll()}:\n{node.tail(15)}")
 
     def rank_pids(self, name: str) -> dict[int, int]:
-        """Global rank -> pid of the training processes under node ``name``'s launcher."""
+        """``RANK`` it was started with (-1: none, a parked rank) -> pid of the ranks under node ``name``'s launcher."""
         script = str(require_train_script())
         try:
             procs = psutil.Process(self.nodes[name].pid).children(recursive=True)
@@ -208,34 +260,86 @@ class FailureScenario(Scenario):
         self.start_node("B")
         self.wait_steps_at(2, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: steps at world 2")
         for kind, step in plan:
+            if kind in NOT_DETECTED.get(self.variant, ()):
+                continue
             self.wait_step(step, world=2, what=f"{self.variant}: step {step} at world 2")
             yield functools.partial(self._failure, kind=kind, step=step)
 
-    def _victim(self) -> tuple[str, int, int]:
-        """(node, rank, pid) of the rank on the node that does not hold global rank 0."""
-        for name in ("A", "B"):
+    def _resumed_after(self, t_event: float) -> float | None:
+        """When hyperpodrun's log says the job runs again after the failure at ``t_event`` (None: not yet)."""
+        if self.variant not in OURS:
+            return None
+        phases = hyperpodrun_phases(_read_jsonl(self.work / "events.jsonl"), t_event)
+        done = [phases[r] for r in RESUMED_RECORDS if r in phases]
+        return t_event + min(done) if done else None
+
+    def _rejoin(self, node: str) -> dict[str, Any]:
+        """Start a new ``node`` after its loss and measure the job's way back to 2 nodes (a join)."""
+        self.lost.discard(node)
+        t_start = self.start_node(node)
+        try:
+            self.wait_steps_at(2, self.settle_steps, timeout=self.event_timeout,
+                               what=f"{self.variant}: steps at world 2 after node {node} started again")  # fmt: skip
+        except BenchmarkTimeoutError as e:
+            return {"outcome": "hang", "error": f"{e}; last output:\n{self._tails()}"}
+        except ScenarioFailed as e:
+            return {"outcome": e.outcome, "error": str(e)}
+        measured = measure_event(self.records(), t_event=t_start, to_world=2) or {}
+        mode = "restart"
+        if self.variant in OURS:
+            log = _read_jsonl(self.work / "events.jsonl")
+            mode = event_mode(log, hyperpodrun_phases(log, t_start), t_start)
+        return {"outcome": "ok", "t_start": t_start, "mode": mode,
+                **{k: measured.get(k) for k in ("downtime_s", "steps_lost")}}  # fmt: skip
+
+    def master_node(self) -> str | None:
+        """The node whose launcher holds group rank 0 now (1 rank per node: global rank 0).
+
+        hyperpodrun says so on every round ("this node is group rank N"); a rank moved in place
+        keeps the ``RANK`` it was started with, so only torchrun's (always restarted) ranks are read.
+        """
+        if self.variant in OURS:
+            for line in reversed(self.bus.lines()):
+                found = GROUP_RANK.search(line.text)
+                if found and found.group(1) == "0" and line.source in self.nodes:
+                    return line.source
+            return None
+        return next((name for name in self.nodes if 0 in self.rank_pids(name)), None)
+
+    def _victim(self) -> tuple[str, int]:
+        """(node, pid) of the rank of the node that does not hold global rank 0 (2 nodes: global rank 1)."""
+        master = self.master_node()
+        for name in sorted(set(self.nodes) - {master}):
             pids = self.rank_pids(name)
-            if pids and 0 not in pids:
-                rank, pid = next(iter(pids.items()))  # rank -1: a replacement (parked ranks get theirs later)
-                return name, rank, pid
-        raise ScenarioFailed("hang", f"no rank of a non-master node found: {self.rank_pids('A')}, {self.rank_pids('B')}")
+            if master is not None and len(pids) == 1:
+                return name, next(iter(pids.values()))
+        raise ScenarioFailed("hang", f"no rank of a node without rank 0 (node {master}) found: "
+                             f"{ {name: self.rank_pids(name) for name in self.nodes} }")  # fmt: skip
 
     def _failure(self, index: int, *, kind: str, step: int) -> dict[str, Any]:
-        node, rank, pid = self._victim()
-        print(f"{NAME}: {self.variant}: event {index + 1} {kind} at step {step}: kill -9 of rank {rank} (node {node}, pid {pid})",
-              flush=True)  # fmt: skip
+        node, pid = self._victim()
+        world = 1 if kind == "node_loss" else 2
+        print(f"{NAME}: {self.variant}: event {index + 1} {kind} at step {step}: {KIND_ACTION[kind]} "
+              f"(node {node}, rank 1, pid {pid})", flush=True)  # fmt: skip
         t_event = time.time()
-        os.kill(pid, signal.SIGKILL)
-        ev: dict[str, Any] = {"index": index, "kind": kind, "node": node, "rank": rank, "pid": pid, "at_step": step,
-                              "t_event": t_event, "from_world": 2, "to_world": 2}  # fmt: skip
+        if kind == "node_loss":
+            self.lost.add(node)
+            self.nodes[node].kill_tree()
+        else:
+            os.kill(pid, signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
+        ev: dict[str, Any] = {"index": index, "kind": kind, "node": node, "rank": 1, "pid": pid, "at_step": step,
+                              "t_event": t_event, "from_world": 2, "to_world": world}  # fmt: skip
         grace = self.timers.step_time_s
 
         def recovered(_: object) -> dict[str, Any] | None:
             self._check_job()
-            m = measure_failure(self.records(), t_event=t_event, grace=grace)
+            resumed = self._resumed_after(t_event)
+            if self.variant in OURS and resumed is None:
+                return None
+            m = measure_failure(self.records(), t_event=t_event, grace=grace, resumed_after=resumed)
             if m is None:
                 return None
-            after = [r for r in self.records() if r["ts"] >= m["first_new_ts"] and r["world_size"] == 2]
+            after = [r for r in self.records() if r["ts"] >= m["first_new_ts"] and r["world_size"] == world]
             return m if len(after) >= self.settle_steps else None
 
         try:
@@ -247,6 +351,11 @@ class FailureScenario(Scenario):
             return {**ev, "outcome": e.outcome, "error": str(e)}
         ev.update(outcome="ok", **measured)
         ev["lost_time_s"] = ev["downtime_s"] + ev["steps_lost"] * self.timers.step_time_s
+        if kind == "node_loss":  # a new node B, so the next failure finds the job at 2 nodes again
+            rejoin = self._rejoin(node)
+            ev["rejoin"] = rejoin
+            if rejoin["outcome"] != "ok":
+                return {**ev, "outcome": rejoin["outcome"], "error": rejoin["error"]}
         if self.variant in OURS:
             log = _read_jsonl(self.work / "events.jsonl")
             ev["phases_s"] = hyperpodrun_phases(log, t_event)
@@ -277,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          f"smoke: {', '.join(DEFAULT_VARIANTS['smoke'])}")  # fmt: skip
         parser.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=KINDS, help=f"from {', '.join(KINDS)}")
         parser.add_argument("--events", type=int, default=None, help="failures per kind (default by mode)")
+        parser.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S,
+                            help=f"hyperpodrun's --hang-timeout, s [{HANG_TIMEOUT_S:g}]")
         parser.add_argument("--seed", type=int, default=0, help="seed of the failure steps [0]")
         parser.add_argument("--at-checkpoints", choices=("yes", "no"), default=None,
                             help="whether a failure may fall on a checkpoint step [yes; smoke: no]")
@@ -286,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in args.kinds:
         if k not in KINDS:
             raise SystemExit(f"--kinds: unknown failure kind {k!r}; choose from {', '.join(KINDS)}")
-    timers = Timers(step_time_s=args.step_time)
+    timers = FailureTimers(step_time_s=args.step_time, hang_timeout_s=args.hang_timeout)
     train = TrainArgs.from_namespace(args, steps=1_000_000, min_step_time=args.step_time, ckpt_every=args.ckpt_every)
     count = args.events if args.events is not None else EVENTS_PER_KIND[args.mode]
     settle = SETTLE_STEPS[args.mode]
@@ -325,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     summary["job_deaths"] = {run["variant"]: int(run["failure"] is not None) for run in runs}
     baseline = next((v for v in ("torchrun", "torchrun-noshare") if v in args.launchers), None)
     if "hyperpodrun" in args.launchers:
-        summary["targets"] = {k: target_report(summary, kind=k, baseline=baseline or "torchrun") for k in args.kinds}
+        summary["targets"] = {
+            k: target_report(summary, kind=k, baseline=baseline or "torchrun", hang_timeout_s=timers.hang_timeout_s)
+            for k in args.kinds
+        }
     result.samples["runs"] = runs
     result.summary = summary
     result.notes += [
@@ -355,6 +469,12 @@ def print_report(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
             ))  # fmt: skip
     print(format_table(["launcher", "event", "step", "outcome", "mode", "downtime s", "steps lost", "lost time s",
                         "detect s", "torn down", "group up", "hydrated", "first step"], rows))  # fmt: skip
+    for run in runs:
+        for ev in run["events"]:
+            if ev.get("rejoin", {}).get("outcome") == "ok":
+                r = ev["rejoin"]
+                print(f"{run['variant']}: node {ev['node']} started again after its loss at step {ev['at_step']}: "
+                      f"{r['mode']}, downtime {_fmt(r['downtime_s'])} s, steps lost {r['steps_lost']}")  # fmt: skip
     for kind, by_variant in summary["by_kind"].items():
         for variant, s in by_variant.items():
             print(f"{kind} {variant}: {s['ok']}/{s['n']} ok, median downtime {_fmt(s['downtime_median_s'])} s, "
