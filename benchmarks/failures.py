@@ -1,32 +1,41 @@
-"""Failure recovery: downtime, steps redone and phases of a crashed rank, hyperpodrun in place / restarting against torchrun.
+"""Failure recovery: downtime, steps redone and phases of a rank crash, a hang and a node loss, hyperpodrun in place / restarting against torchrun.
 
 The same training script as ``scale_events.py`` (the example trainer: tiny Llama,
 ``ElasticTraining``, ``--min-step-time`` for a fixed step time, a periodic checkpoint every
-``--ckpt-every`` steps) on 2 simulated nodes x 1 rank (one launcher per node on this machine,
-started together), under each launcher variant in the same run:
+``--ckpt-every`` steps) on 2 simulated nodes x 1 rank (one launcher per node on this machine;
+B starts once A hosts the store), under each launcher variant in the same run:
 
 * ``hyperpodrun`` (``--restart-mode auto``): every rank uses ``ElasticTraining``, so the round
-  runs in process; the crashed rank's node restarts only that rank, parked; the survivors catch
-  the failed collective (``elastic.recover``), join the repaired group and hydrate the
-  replacement from memory: no checkpoint is read;
+  runs in process and a failure is repaired in place: the survivors catch the failed collective
+  (``elastic.recover``) and join the repaired group; a crashed or hung rank's node restarts only
+  that rank, parked, and it is hydrated from the survivors' memory: no checkpoint is read;
 * ``hyperpodrun-restart`` (``--restart-mode process``): every rank restarts and resumes from the
   last DCP checkpoint;
-* ``torchrun --nnodes 1:2 --rdzv-backend c10d --max-restarts N``: restarts every worker, which
-  resumes from the last checkpoint (``torchrun-noshare``: with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
+* ``torchrun --nnodes 1:2 --rdzv-backend c10d --max-restarts N`` with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``torchrun-noshare``; ``torchrun``: as shipped):
+  restarts every worker, which resumes from the last checkpoint.
 
-Events (``--kinds``): ``rank_crash``, kill -9 of the rank of the node that does not hold global
-rank 0, at seeded random steps (the same steps for every variant, spread over the checkpoint
-interval), each once the job has recovered from the previous one and trained a few steps.
+Failures (``--kinds``, drawn in turn), always of node B's rank or node (the node without global
+rank 0), at seeded random steps (the same steps for every variant, spread over the checkpoint
+interval), each once the job has recovered from the previous one and trained a few steps:
 
-Per event, from rank 0's per-step log (``--metrics``): downtime = end of the last step logged
-before the failure to the end of the first step logged after it (one step included); steps lost
-= that last step minus the step training resumed from (work redone); lost time = downtime +
-steps lost x step time; time to detect = kill until the launcher noticed (hyperpodrun: its
-``worker_failed`` / ``scale_decided`` record; torchrun: its agent's "will restart worker group"
-line); hyperpodrun's phases (seconds from the kill) from its event log. The timers and launcher
-flags are ``scale_events.Timers``; the analysis reuses ``scale_analysis`` (medians and ratios).
+    rank_crash  kill -9 of the rank
+    hang        SIGSTOP of the rank (hyperpodrun ``--hang-timeout 5``; torchrun has no hang
+                detection: skipped for it)
+    node_loss   kill -9 of the launcher's whole process tree; the job goes on at 1 node, then a
+                new node B starts and joins (``rejoin``, measured too)
 
-    python benchmarks/failures.py [--quick | --smoke] [--seed N] [--launchers hyperpodrun,hyperpodrun-restart,torchrun]
+Per failure, from rank 0's per-step log (``--metrics``): downtime = end of the last step logged
+before the failure to the end of the first step logged after the recovery (one step included);
+steps lost = that last step minus the step training resumed from (work redone); lost time =
+downtime + steps lost x step time; time to detect = failure until the launcher noticed
+(hyperpodrun: its ``worker_failed`` / ``rank_hung`` / ``node_lost`` / ``scale_decided`` record;
+torchrun: its agent's "will restart worker group" line); hyperpodrun's phases (seconds from the
+failure) from its event log. The timers and launcher flags are ``scale_events.Timers``; the
+analysis reuses ``scale_analysis`` (medians and ratios per kind and variant).
+
+    python benchmarks/failures.py [--quick | --smoke] [--seed N] [--kinds rank_crash,hang,node_loss]
+        [--launchers hyperpodrun,hyperpodrun-restart,torchrun-noshare,torchrun]
 """
 
 from __future__ import annotations
