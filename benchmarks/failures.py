@@ -50,7 +50,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,8 @@ KIND_ACTION = {"rank_crash": "kill -9 of its rank", "node_loss": "kill -9 of its
 #: torchrun has no hang detection: a stopped rank blocks its peers until the collective timeout.
 NOT_DETECTED = {"torchrun": ("hang",), "torchrun-noshare": ("hang",)}
 HANG_TIMEOUT_S = 5.0
+#: Steps added to the gap after a node loss: the new node starts and joins before the next failure.
+REJOIN_STEPS = 24
 GROUP_RANK = re.compile(r"this node is group rank (\d+)")
 DEFAULT_VARIANTS = {
     "smoke": ("hyperpodrun",),
@@ -114,24 +116,29 @@ TARGETS = {"steps_lost_median": 1.0, "downtime_median_s": 2.0, "lost_time_ratio"
 # --------------------------------------------------------------------------- pure analysis
 
 
-def kill_steps(count: int, *, seed: int, first: int, min_gap: int, ckpt_every: int, at_checkpoints: bool) -> list[int]:
-    """``count`` increasing steps to fail at: gaps of ``min_gap`` plus a seeded draw across the checkpoint interval.
+def failure_plan(
+    kinds: Sequence[str], count: int, *, seed: int, first: int, min_gap: int, ckpt_every: int, at_checkpoints: bool
+) -> list[tuple[str, int]]:
+    """``count`` failures of each kind, in turn, at increasing steps: gaps of ``min_gap`` (plus
+    :data:`REJOIN_STEPS` after a node loss, for the new node to join) and a seeded draw across
+    the checkpoint interval.
 
     The same seed gives every variant the same steps, so the restarting variants' lost work
     (back to the last checkpoint) is sampled across the interval, not at one point of it.
-    Without ``at_checkpoints`` a step that saves a checkpoint is moved one step on (a kill
+    Without ``at_checkpoints`` a step that saves a checkpoint is moved one step on (a failure
     seen at such a step lands inside the save).
     """
     if count < 0 or first < 1 or min_gap < 1:
         raise ValueError(f"count must be >= 0, first and min_gap >= 1, got {count}, {first}, {min_gap}")
     rng = random.Random(seed)
-    steps, step = [], first
-    for _ in range(count):
-        step += min_gap + rng.randrange(max(1, ckpt_every))
+    plan: list[tuple[str, int]] = []
+    step = first
+    for i in range(count * len(kinds)):
+        step += min_gap + rng.randrange(max(1, ckpt_every)) + (REJOIN_STEPS if plan and plan[-1][0] == "node_loss" else 0)
         if not at_checkpoints and ckpt_every and step % ckpt_every == 0:
             step += 1
-        steps.append(step)
-    return steps
+        plan.append((kinds[i % len(kinds)], step))
+    return plan
 
 
 def measure_failure(
@@ -167,18 +174,32 @@ def repair_mode(phases: dict[str, float]) -> str:
     return "in-place" if "ranks_replaced" in phases or "group_up" in phases else "unknown"
 
 
-def phase_medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per hyperpodrun variant, the median offset from the kill of each phase record (seconds)."""
-    out: dict[str, dict[str, float]] = {}
+def phase_medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per hyperpodrun variant and failure kind, the median offset from the failure of each phase record (s)."""
+    values: dict[str, dict[str, dict[str, list[float]]]] = {}
     for run in runs:
         if run["variant"] not in OURS:
             continue
-        values: dict[str, list[float]] = {}
         for ev in run["events"]:
             for name, t in (ev.get("phases_s") or {}).items():
-                values.setdefault(name, []).append(t)
-        if values:
-            out[run["variant"]] = {name: median(v) for name, v in values.items()}
+                values.setdefault(run["variant"], {}).setdefault(ev["kind"], {}).setdefault(name, []).append(t)
+    return {
+        variant: {kind: {name: median(v) for name, v in phases.items()} for kind, phases in by_kind.items()}
+        for variant, by_kind in values.items()
+    }
+
+
+def rejoin_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per variant, how the new node's join after each node loss went: modes, median downtime and steps lost."""
+    out = {}
+    for run in runs:
+        joins = [ev["rejoin"] for ev in run["events"] if ev.get("rejoin", {}).get("outcome") == "ok"]
+        if joins:
+            down = [j["downtime_s"] for j in joins if j["downtime_s"] is not None]
+            lost = [j["steps_lost"] for j in joins if j["steps_lost"] is not None]
+            out[run["variant"]] = {"n": len(joins), "modes": [j["mode"] for j in joins],
+                                   "downtime_median_s": median(down) if down else None,
+                                   "steps_lost_median": median(lost) if lost else None}  # fmt: skip
     return out
 
 
@@ -358,7 +379,7 @@ class FailureScenario(Scenario):
             return {**ev, "outcome": "hang", "error": f"{e}; last output:\n{self._tails()}"}
         except ScenarioFailed as e:
             return {**ev, "outcome": e.outcome, "error": str(e)}
-        ev.update(outcome="ok", **measured)
+        ev.update(outcome="ok", **measured, late_by_steps=measured["last_old_step"] - step)
         ev["lost_time_s"] = ev["downtime_s"] + ev["steps_lost"] * self.timers.step_time_s
         if kind == "node_loss":  # a new node B, so the next failure finds the job at 2 nodes again
             rejoin = self._rejoin(node)
@@ -411,9 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     count = args.events if args.events is not None else EVENTS_PER_KIND[args.mode]
     settle = SETTLE_STEPS[args.mode]
     at_checkpoints = (args.at_checkpoints or ("no" if args.mode == "smoke" else "yes")) == "yes"
-    steps = kill_steps(count * len(args.kinds), seed=args.seed, first=settle, min_gap=settle + 1,
-                       ckpt_every=args.ckpt_every, at_checkpoints=at_checkpoints)  # fmt: skip
-    plan = [(args.kinds[i % len(args.kinds)], s) for i, s in enumerate(steps)]
+    plan = failure_plan(args.kinds, count, seed=args.seed, first=settle, min_gap=settle + 1,
+                        ckpt_every=args.ckpt_every, at_checkpoints=at_checkpoints)  # fmt: skip
     event_timeout = args.event_timeout or EVENT_TIMEOUT_S[args.mode]
     result = BenchmarkResult(
         name=NAME,
@@ -439,14 +459,15 @@ def main(argv: list[str] | None = None) -> int:
         train=train, timers=timers, event_timeout=event_timeout, settle_steps=settle,
     )  # fmt: skip
     summary = summarize_events(runs)
-    summary["phases_from_kill_median_s"] = phase_medians(runs)
+    summary["phases_from_failure_median_s"] = phase_medians(runs)
+    summary["rejoin_after_node_loss"] = rejoin_summary(runs)
     summary["hyperpodrun_spans"] = phase_breakdown(runs)
     summary["modes"] = {run["variant"]: [ev.get("mode") for ev in run["events"]] for run in runs}
     summary["job_deaths"] = {run["variant"]: int(run["failure"] is not None) for run in runs}
-    baseline = next((v for v in ("torchrun", "torchrun-noshare") if v in args.launchers), None)
+    baseline = next((v for v in ("torchrun-noshare", "torchrun") if v in args.launchers), None)
     if "hyperpodrun" in args.launchers:
         summary["targets"] = {
-            k: target_report(summary, kind=k, baseline=baseline or "torchrun", hang_timeout_s=timers.hang_timeout_s)
+            k: target_report(summary, kind=k, baseline=baseline or "torchrun-noshare", hang_timeout_s=timers.hang_timeout_s)
             for k in args.kinds
         }
     result.samples["runs"] = runs
@@ -472,7 +493,7 @@ def print_report(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
         for ev in run["events"]:
             ph = ev.get("phases_s") or {}
             rows.append((
-                run["variant"], ev["kind"], ev["at_step"], ev["outcome"], ev.get("mode", "-"), ev.get("downtime_s"),
+                run["variant"], ev["kind"], ev.get("last_old_step", ev["at_step"]), ev["outcome"], ev.get("mode", "-"), ev.get("downtime_s"),
                 ev.get("steps_lost"), ev.get("lost_time_s"), ev.get("detect_s"), ph.get("group_torn_down"),
                 ph.get("group_up"), ph.get("hydrated"), ph.get("first_step"),
             ))  # fmt: skip
@@ -482,7 +503,7 @@ def print_report(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
         for ev in run["events"]:
             if ev.get("rejoin", {}).get("outcome") == "ok":
                 r = ev["rejoin"]
-                print(f"{run['variant']}: node {ev['node']} started again after its loss at step {ev['at_step']}: "
+                print(f"{run['variant']}: node {ev['node']} started again after its loss at step {ev['last_old_step']}: "
                       f"{r['mode']}, downtime {_fmt(r['downtime_s'])} s, steps lost {r['steps_lost']}")  # fmt: skip
     for kind, by_variant in summary["by_kind"].items():
         for variant, s in by_variant.items():

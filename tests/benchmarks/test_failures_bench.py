@@ -37,16 +37,20 @@ def _steps(*points: tuple[float, int]) -> list[dict[str, float | int]]:
     return [{"ts": ts, "step": step, "world_size": 2} for ts, step in points]
 
 
-def test_kill_steps_are_seeded_increasing_and_can_avoid_checkpoint_steps(failures: ModuleType) -> None:
+def test_failure_plan_is_seeded_spread_and_leaves_room_for_a_rejoin(failures: ModuleType) -> None:
     draw = dict(seed=3, first=3, min_gap=4, ckpt_every=10)
-    steps = failures.kill_steps(20, at_checkpoints=True, **draw)
-    assert steps == failures.kill_steps(20, at_checkpoints=True, **draw)  # the same for every variant
-    assert all(b - a >= 4 for a, b in zip([3, *steps], steps))
+    kinds = ("rank_crash", "node_loss")
+    plan = failures.failure_plan(kinds, 10, at_checkpoints=True, **draw)
+    assert plan == failures.failure_plan(kinds, 10, at_checkpoints=True, **draw)  # the same for every variant
+    assert [k for k, _ in plan] == list(kinds) * 10
+    steps = [s for _, s in plan]
+    gaps = [b - a for a, b in zip([3, *steps], steps)]
+    assert all(g >= 4 for g in gaps) and all(g >= 4 + failures.REJOIN_STEPS for g in gaps[2::2])  # after a loss
     assert len({s % 10 for s in steps}) >= 5  # spread over the checkpoint interval
-    off = failures.kill_steps(20, at_checkpoints=False, **draw)
+    off = [s for _, s in failures.failure_plan(kinds, 10, at_checkpoints=False, **draw)]
     assert all(s % 10 for s in off) and all(b > a for a, b in zip(off, off[1:]))
     with pytest.raises(ValueError, match="min_gap"):
-        failures.kill_steps(1, seed=0, first=1, min_gap=0, ckpt_every=10, at_checkpoints=True)
+        failures.failure_plan(kinds, 1, seed=0, first=1, min_gap=0, ckpt_every=10, at_checkpoints=True)
 
 
 def test_measure_failure_reads_downtime_and_redone_steps(failures: ModuleType) -> None:
