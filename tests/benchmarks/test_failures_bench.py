@@ -1,4 +1,4 @@
-"""Keep ``benchmarks/failures.py`` working: its analysis functions, and the script end to end in ``--smoke``.
+"""Keep ``benchmarks/failures.py`` working: its analysis (``failure_analysis.py``), and the script end to end in ``--smoke``.
 
 The smoke run fails the non-master node of a 2-node hyperpodrun job three times, each after
 the repair of the previous failure: kill -9 of its rank, SIGSTOP of its rank (hang), kill -9 of
@@ -25,10 +25,10 @@ SMOKE_TIMEOUT_S = 300
 
 @pytest.fixture(scope="module")
 def failures() -> Iterator[ModuleType]:
-    """benchmarks/failures.py as a module (it imports ``common`` and ``scale_events`` as the scripts do)."""
+    """benchmarks/failure_analysis.py as a module (it imports ``common`` and ``scale_analysis`` as the scripts do)."""
     sys.path.insert(0, str(BENCH_DIR))
     try:
-        yield importlib.import_module("failures")
+        yield importlib.import_module("failure_analysis")
     finally:
         sys.path.remove(str(BENCH_DIR))
 
