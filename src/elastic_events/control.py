@@ -30,7 +30,9 @@ Layout (little-endian, fixed offsets)::
      32  u64  round the rank is in
      40  i64  step of the last in-memory snapshot (-1 none)
      48  f64  unix time of the last phase change
-     56  ..   reserved
+     56  u32  spare slots only: the local rank this spare replaces, plus one (0: none yet)
+     60  ..   reserved
+    spare slots (pre-started replacements, ``hyperpodrun.spare``) follow the ranks' slots
 
 A rank's check is two ``struct`` operations on mapped memory while nothing is
 pending: it records its step and reads the target step. It returns True once per
@@ -81,6 +83,8 @@ _ROUND_OFFSET = 32
 _SNAPSHOT_OFFSET = 40
 _PHASE_TIME = struct.Struct("<d")
 _PHASE_TIME_OFFSET = 48
+_ASSIGN = struct.Struct("<I")
+_ASSIGN_OFFSET = 56
 
 
 class EventKind(IntEnum):
@@ -175,10 +179,11 @@ def _empty_slot() -> bytes:
 class ControlWriter:
     """Agent side: creates the file, publishes events, reads the ranks' progress."""
 
-    def __init__(self, path: Path, nproc: int) -> None:
+    def __init__(self, path: Path, nproc: int, *, spares: int = 0) -> None:
         self.path = Path(path)
         self.nproc = nproc
-        size = channel_size(nproc)
+        self.spares = spares
+        size = channel_size(nproc + spares)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -191,8 +196,28 @@ class ControlWriter:
 
     def reset_ranks(self) -> None:
         """Reset every rank slot and clear the pending event (before starting a new group)."""
-        self._mm[HEADER_SIZE:] = _empty_slot() * self.nproc
+        self._mm[HEADER_SIZE : HEADER_SIZE + SLOT_SIZE * self.nproc] = _empty_slot() * self.nproc
         _store(self._mm, _TARGET_OFFSET, _TARGET, NO_TARGET)
+
+    def spare_slot(self, spare: int) -> int:
+        """The slot index of spare ``spare`` (after the ranks' slots)."""
+        if not 0 <= spare < self.spares:
+            raise ValueError(f"spare must be in 0..{self.spares - 1}, got {spare}")
+        return self.nproc + spare
+
+    def reset_spare(self, spare: int) -> None:
+        """An empty slot for a new spare process (no assignment)."""
+        offset = HEADER_SIZE + SLOT_SIZE * self.spare_slot(spare)
+        self._mm[offset : offset + SLOT_SIZE] = _empty_slot()
+
+    def assign_spare(self, spare: int, local_rank: int) -> None:
+        """Tell spare ``spare`` to become ``local_rank`` (whose slot the agent has reset)."""
+        if not 0 <= local_rank < self.nproc:
+            raise ValueError(f"local_rank must be in 0..{self.nproc - 1}, got {local_rank}")
+        _store(self._mm, HEADER_SIZE + SLOT_SIZE * self.spare_slot(spare) + _ASSIGN_OFFSET, _ASSIGN, local_rank + 1)
+
+    def spare_phase(self, spare: int) -> RankPhase:
+        return RankPhase(_PHASE.unpack_from(self._mm, HEADER_SIZE + SLOT_SIZE * self.spare_slot(spare) + _PHASE_OFFSET)[0])
 
     def reset_rank(self, local_rank: int, *, acked_event: int) -> None:
         """Reset one rank's slot (a replacement process takes it over); events up to ``acked_event`` count as seen."""
@@ -329,6 +354,11 @@ class ControlReader:
             _store(self._mm, self._slot + _ROUND_OFFSET, _ROUND, round)
         _store(self._mm, self._slot + _PHASE_TIME_OFFSET, _PHASE_TIME, time.time())
         _store(self._mm, self._slot + _PHASE_OFFSET, _PHASE, phase)
+
+    def assignment(self) -> int | None:
+        """A spare's slot: the local rank it was told to become (None: not yet)."""
+        value = _ASSIGN.unpack_from(self._mm, self._slot + _ASSIGN_OFFSET)[0]
+        return value - 1 if value else None
 
     def progress(self) -> RankProgress:
         """This rank's own slot, as the agent reads it."""

@@ -29,16 +29,15 @@ from enum import Enum
 from pathlib import Path
 from types import FrameType
 
-import psutil
-
 from hyperpodrun.config import LaunchConfig, RestartMode
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.logs import LogDirectory, RankLogs
-from hyperpodrun.hang import HangPolicy, culprits, hung_ranks
+from hyperpodrun.hang import HangPolicy, hung_ranks
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
+from hyperpodrun.repair import InPlaceRepair, spares_for
 from hyperpodrun.progress import StepRates, missed_target
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
@@ -86,7 +85,7 @@ class Agent:
         # Node-local, private to this agent: memory-backed where /dev/shm exists.
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self._control_dir = Path(tempfile.mkdtemp(prefix="hyperpodrun-", dir=shm))
-        self._control = ControlWriter(self._control_dir / "control.bin", config.nproc_per_node)
+        self._control = ControlWriter(self._control_dir / "control.bin", config.nproc_per_node, spares=spares_for(config))
         self._group: WorkerGroup | None = None
         self._reaper: Reaper | None = None
         self._signal: int | None = None
@@ -94,8 +93,10 @@ class Agent:
         self._outage_since: float | None = None
         self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
         self._hang: str | None = None  # why the running group was declared hung
-        self._repairing: str | None = None  # the failure whose ranks were restarted parked, until the repair
-        self._hung_killed: str | None = None  # why hung ranks were killed, to be repaired in place
+        self._repair = InPlaceRepair(
+            config, control=self._control, events=events, new_attempt=self._new_attempt,
+            rank_setup=lambda directory, local_rank: self._rank_setup(directory, local_rank, None, RestartReason.FAILURE),
+        )  # fmt: skip
         self._hang_policy = HangPolicy(timeout=config.hang_timeout)
         self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
@@ -189,7 +190,7 @@ class Agent:
             state = group.poll()
             if state == WorkerState.FAILED and pending is None and not failure_logged:
                 if self._repairs_in_place():
-                    state = self._replace_failed(group)
+                    state, self._hang = self._repair.replace_failed(group, hang=self._hang), None
                 else:
                     failure_logged = True
                     self._log_failure(group)  # its siblings stop now: they must not hang in a collective
@@ -212,10 +213,10 @@ class Agent:
                     self.on_progress(steps, step_times)
                 failures = group.failures() if state == WorkerState.FAILED else []
                 status = LocalStatus(
-                    group_state=WorkerState.FAILED if self._hang and not self._repairing else state, steps=steps,
+                    group_state=WorkerState.FAILED if self._hang else state, steps=steps,
                     step_times=step_times, reconfigurable=all(p.reconfigurable for p in progress),
-                    failure=self._repairing or self._hang or (failures[0].summary() if failures else None),
-                    repairing=self._repairing is not None,
+                    failure=self._repair.repairing or self._hang or (failures[0].summary() if failures else None),
+                    repairing=self._repair.repairing is not None,
                     peer_failed=any(p.phase == RankPhase.RECOVERING for p in progress),
                 )  # fmt: skip
                 directive = self._poll_riding_out_outages(status, group)
@@ -230,11 +231,12 @@ class Agent:
                             reason=f"{directive.reason}; local rank(s) {missed} passed step {directive.target_step} before it was published",
                         )  # fmt: skip
                     return self._stop_now(group, directive), False
-            if pending is None and state == WorkerState.HEALTHY and self._hang is None and self._hung_killed is None:
+            if pending is None and state == WorkerState.HEALTHY and self._hang is None and self._repair.hung_killed is None:
                 self._check_hang(group, rates)
+                self._repair.keep_spare(group, in_process=self._repairs_in_place)
             if pending is not None and state == WorkerState.HEALTHY and self._moved_in_place(pending):
                 self._control.clear()
-                self._repairing = None
+                self._repair.repairing = None
                 self.events.emit(EventType.WORKERS_RECONFIGURED, event_id=pending.event_id, round=pending.next_round, world_size=pending.world_size)
                 self._guard_store(lambda: rdzv.report_stopped(pending.event_id, ok=True, reconfigured=True), group)
                 return pending, True
@@ -303,8 +305,8 @@ class Agent:
         now = time.time()
         hung = hung_ranks(progress, now=now, limit=limit)
         pids = group.pids
-        if hung and self._repairs_in_place():  # kill the culprits only: the ranks waiting for them hold the state
-            hung = culprits(hung, idle={r: now - progress[r].time for r in hung}, states={r: _status(pids[r]) for r in hung}, limit=limit)
+        if hung and self._repairs_in_place():  # the culprits only: the ranks waiting for them hold the state
+            hung = self._repair.culprits(group, hung, progress, now=now, limit=limit)
         if not hung:
             return
         for local_rank, pid in pids.items():  # faulthandler (registered by elastic_events) writes to the rank's log
@@ -322,11 +324,8 @@ class Agent:
         self.events.emit(EventType.RANK_HUNG, rank=rank, local_ranks=list(hung), step=progress[r].step,
                          idle_s=round(idle, 3), hang_timeout=limit, log_file=str(group.log_file(r)))  # fmt: skip
         _say(why)
-        if self._repairs_in_place():  # only the hung ranks go; their peers' collectives fail and they recover
-            for local_rank in hung:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pids[local_rank], signal.SIGKILL)
-            self._hung_killed = why  # the kill shows as a failed rank: repaired like a crash
+        if self._repairs_in_place():  # the kill shows as a failed rank: repaired like a crash
+            self._repair.kill_culprits(group, hung, why)
             return
         self._hang = why
         group.stop(grace=self.config.shutdown_timeout)
@@ -334,26 +333,6 @@ class Agent:
     def _repairs_in_place(self) -> bool:
         """Whether a failed rank is replaced in place (the round runs in-process) rather than the job restarted."""
         return self.rdzv.in_process and self.config.restart_mode is RestartMode.AUTO
-
-    def _replace_failed(self, group: WorkerGroup) -> WorkerState:
-        """Restart the failed local ranks parked; their siblings keep their state and wait for the repair."""
-        failures = group.failures()
-        root = failures[0]
-        what = self._hung_killed or self._hang or root.summary()
-        self.events.emit(EventType.WORKER_FAILED, rank=root.global_rank, exitcode=root.exitcode, signal=root.signal_name,
-                         message=root.message, log_file=str(root.log_file), repaired_in_place=True)  # fmt: skip
-        attempt_dir = self._logs.new_attempt(self._attempt)
-        self._attempt += 1
-        pids = {}
-        for failure in failures:
-            self._control.reset_rank(failure.local_rank, acked_event=0)
-            logs, env = self._rank_setup(attempt_dir, failure.local_rank, None, RestartReason.FAILURE)
-            pids[failure.global_rank] = group.replace(failure.local_rank, rank_env=env, logs=logs)
-        self.events.emit(EventType.RANKS_REPLACED, ranks=sorted(pids), pids=list(pids.values()), reason=what, log_dir=str(attempt_dir))
-        _say(f"{what}; repairing in place: rank(s) {sorted(pids)} restarted parked (pid {list(pids.values())}), "
-             "the other ranks keep their state")  # fmt: skip
-        self._repairing, self._hang, self._hung_killed = what, None, None
-        return group.poll()
 
     def _failed_in_place(self) -> bool:
         """A local rank reported FAILED while moving rounds (its new group did not form, hydration failed)."""
@@ -474,8 +453,7 @@ class Agent:
 
     def _start_group(self, rnd: RoundInfo | None, reason: RestartReason) -> WorkerGroup:
         """Start the local ranks for ``rnd``; ``None``: parked (no rank, world or master until admitted)."""
-        attempt_dir = self._logs.new_attempt(self._attempt)
-        self._attempt += 1
+        attempt_dir = self._new_attempt()
         cfg = self.config
         logs, envs = {}, {}
         for local_rank in range(cfg.nproc_per_node):
@@ -500,6 +478,12 @@ class Agent:
             log_dir=str(attempt_dir),
         )
         return group
+
+    def _new_attempt(self) -> Path:
+        """A new attempt folder of the run's logs."""
+        path = self._logs.new_attempt(self._attempt)
+        self._attempt += 1
+        return path
 
     def _rank_setup(self, attempt_dir: Path, local_rank: int, rnd: RoundInfo | None, reason: RestartReason) -> tuple[RankLogs, dict[str, str]]:
         """A local rank's log files and environment for ``rnd`` (None: parked until admitted)."""
@@ -557,14 +541,6 @@ class Agent:
     def _restore_signal_handlers(previous: dict[int, object]) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
-
-
-def _status(pid: int) -> str:
-    """The process state of ``pid`` as psutil names it ("" when it is gone)."""
-    try:
-        return psutil.Process(pid).status()
-    except psutil.Error:
-        return ""
 
 
 def _value(enum_or_none) -> str | None:

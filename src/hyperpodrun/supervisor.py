@@ -163,6 +163,7 @@ class WorkerGroup:
         self.assignment = assignment
         self._logs = logs
         self._ranks: list[_Rank] = []
+        self._spare: _Rank | None = None  # a pre-started replacement (hyperpodrun.spare)
         self.state = WorkerState.INIT
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -173,14 +174,62 @@ class WorkerGroup:
         self.state = WorkerState.HEALTHY
 
     def _spawn(self, local_rank: int) -> _Rank:
-        logs = self._logs[local_rank]
-        env = {**self._base_env, **self._rank_env[local_rank]}
-        global_rank = self.assignment.global_rank(local_rank)
+        return self._start_process(
+            self._command, {**self._base_env, **self._rank_env[local_rank]}, self._logs[local_rank],
+            local_rank=local_rank, global_rank=self.assignment.global_rank(local_rank),
+        )  # fmt: skip
+
+    def start_spare(self, command: list[str], *, env: dict[str, str], logs: RankLogs) -> int:
+        """Start a spare (see :mod:`hyperpodrun.spare`) beside the ranks; its pid. It is stopped with them."""
+        if self._spare is not None and self._spare.proc.poll() is None:
+            raise ValueError(f"a spare (pid {self._spare.proc.pid}) is already running")
+        self._spare = self._start_process(command, {**self._base_env, **env}, logs, local_rank=-1, global_rank=-1)
+        return self._spare.proc.pid
+
+    @property
+    def spare_ready(self) -> bool:
+        return self._spare is not None and self._spare.proc.poll() is None
+
+    @property
+    def spare_pid(self) -> int | None:
+        return self._spare.proc.pid if self._spare is not None else None
+
+    @property
+    def spare_log(self) -> Path | None:
+        return self._spare.logs.stderr_file if self._spare is not None else None
+
+    def drop_spare(self) -> None:
+        """Kill the spare, if any (it holds no state)."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return
+        _killpg(spare.proc.pid, signal.SIGKILL)
+        try:
+            spare.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            log.warning("spare (pid %d) did not exit after SIGKILL", spare.proc.pid)
+        if self._reaper is not None:
+            self._reaper.remove(spare.proc.pid)
+        for pump in spare.pumps:
+            pump.join(5.0)
+
+    def promote_spare(self, local_rank: int) -> int:
+        """The spare takes the place of ``local_rank`` (which exited; its slot told to the spare); its pid."""
+        spare, old = self._spare, self._ranks[local_rank]
+        if spare is None or spare.proc.poll() is not None:
+            raise ValueError("no running spare to promote")
+        self._retire(old)
+        spare.local_rank, spare.global_rank = local_rank, old.global_rank
+        self._ranks[local_rank], self._spare = spare, None
+        self._refresh_after_replace()
+        return spare.proc.pid
+
+    def _start_process(self, command: list[str], env: dict[str, str], logs: RankLogs, *, local_rank: int, global_rank: int) -> _Rank:
         out_fd = None if logs.console_stdout else open_for_child(logs.stdout_file)
         err_fd = None if logs.console_stderr else open_for_child(logs.stderr_file)
         try:
             proc = subprocess.Popen(
-                self._command,
+                command,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out_fd if out_fd is not None else subprocess.PIPE,
@@ -189,7 +238,7 @@ class WorkerGroup:
                 preexec_fn=_child_setup,
             )
         except OSError as e:
-            raise LaunchError(f"cannot start worker {self._command[0]!r}: {e.strerror}") from None
+            raise LaunchError(f"cannot start worker {command[0]!r}: {e.strerror}") from None
         finally:
             for fd in (out_fd, err_fd):
                 if fd is not None:
@@ -197,7 +246,7 @@ class WorkerGroup:
         if self._reaper is not None:
             self._reaper.add(proc.pid)  # the rank's process group: pgid == pid (own session)
         rank = _Rank(local_rank, global_rank, proc, logs)
-        prefix = f"[rank{global_rank}]:"
+        prefix = f"[rank{global_rank}]:" if global_rank >= 0 else "[spare]:"
         if proc.stdout is not None:
             rank.pumps.append(StreamPump(proc.stdout, prefix=prefix, file=logs.stdout_file, console=sys.stdout))
         if proc.stderr is not None:
@@ -211,19 +260,25 @@ class WorkerGroup:
 
         The group is HEALTHY again once no replaced rank is left failed.
         """
-        old = self._ranks[local_rank]
+        self._retire(self._ranks[local_rank])
+        self._rank_env[local_rank], self._logs[local_rank] = rank_env, logs
+        self._ranks[local_rank] = self._spawn(local_rank)
+        self._refresh_after_replace()
+        return self._ranks[local_rank].proc.pid
+
+    def _retire(self, old: _Rank) -> None:
+        """Clean up after a rank that exited and is being replaced."""
         if old.proc.poll() is None:
-            raise ValueError(f"local rank {local_rank} (pid {old.proc.pid}) is still running: only an exited rank is replaced")
+            raise ValueError(f"local rank {old.local_rank} (pid {old.proc.pid}) is still running: only an exited rank is replaced")
         _killpg(old.proc.pid, signal.SIGKILL)  # its dataloader workers
         for pump in old.pumps:
             pump.join(5.0)
         if self._reaper is not None:
             self._reaper.remove(old.proc.pid)
-        self._rank_env[local_rank], self._logs[local_rank] = rank_env, logs
-        self._ranks[local_rank] = self._spawn(local_rank)
+
+    def _refresh_after_replace(self) -> None:
         if self.state == WorkerState.FAILED and all(r.proc.returncode in (None, 0) for r in self._ranks):
             self.state = WorkerState.HEALTHY
-        return self._ranks[local_rank].proc.pid
 
     @property
     def pids(self) -> dict[int, int]:
@@ -286,6 +341,7 @@ class WorkerGroup:
 
     def stop(self, *, grace: float, sig: int = signal.SIGTERM) -> None:
         """Stop every rank and all its descendants: ``sig``, up to ``grace`` seconds, then SIGKILL."""
+        self.drop_spare()
         procs = self._tree()
         for p in procs:
             _send(p, sig)

@@ -87,24 +87,49 @@ def pid_of_rank(job, rank: int) -> int:
     return [r for r in worlds(job) if r["rank"] == rank][-1]["pid"]
 
 
+def hit_rank_1(job, sig: int) -> tuple[int, int]:
+    """``sig`` to rank 1 mid-training; returns (rank 0's pid, rank 1's) once the replacement trained a few steps."""
+    job.wait_steps(5)
+    survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
+    os.kill(victim, sig)
+    wait_until(lambda: [r for r in worlds(job) if r["how"] == "peers"], timeout=60, what="the replacement rank to be hydrated")
+    job.wait_steps(5)
+    return survivor, victim
+
+
+def assert_trained_like_one_process(job) -> list[int]:
+    """Every committed step once, in order, and every rank's final parameters those of an unbroken run; the steps."""
+    steps = [p["step"] for p in job.progress()]
+    assert steps == list(range(1, len(steps) + 1)), steps  # nothing committed was lost or redone
+    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
+    assert final and {f["step"] for f in final} == {steps[-1]}, final
+    reference = reference_params({steps[-1]})[steps[-1]]
+    for f in final:
+        for got, want in zip(f["params"], reference):
+            assert got == pytest.approx(want, abs=1e-5)
+    return steps
+
+
 @pytest.mark.parametrize(
-    ("backend_name", "nodes"),
-    [("c10d", ("a", "b")), ("etcd", ("a", "b")), ("c10d", ("a",))],  # ("a",): 2 ranks on one node, nothing else to help
+    ("backend_name", "nodes", "spares"),
+    [
+        ("c10d", ("a", "b"), 1),  # the spare, torch already imported, takes the failed rank's place
+        ("etcd", ("a", "b"), 0),  # a new process is started parked
+        ("c10d", ("a",), 1),  # 2 ranks on one node, nothing else to help
+    ],
 )
-def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, request) -> None:
-    """kill -9 of one rank: its node restarts it parked, the survivor keeps its process and state,
-    the replacement is hydrated from it, and no committed step is lost or trained twice."""
+def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spares, request) -> None:
+    """kill -9 of one rank: its node replaces it (its spare, or a new process), parked; the survivor keeps
+    its process and state, the replacement is hydrated from it, and no committed step is lost or trained twice."""
     endpoint = request.getfixturevalue("etcd_endpoint") if backend_name == "etcd" else None
-    per_node = ("--nproc-per-node", str(2 // len(nodes)))
+    per_node = ("--nproc-per-node", str(2 // len(nodes)), "--spare-ranks", str(spares))
     job = make_job(backend=backend_name, endpoint=endpoint, script=INPLACE, nnodes=str(len(nodes)), flags=("--max-restarts", "3", *per_node))
     for name in nodes:
         job.start_node(name)
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
-    job.wait_steps(5)
-    survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
-    os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: [r for r in worlds(job) if r["how"] == "peers"], timeout=60, what="the replacement rank to be hydrated")
-    job.wait_steps(5)
+    if spares:
+        wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == len(nodes), timeout=90, what="every node's spare")
+    survivor, victim = hit_rank_1(job, signal.SIGKILL)
     codes = job.finish()
     assert codes == dict.fromkeys(nodes, 0), [job.stderr(n) for n in nodes]
 
@@ -113,21 +138,17 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, reque
     assert [r["how"] for r in records if r["pid"] == survivor] == ["fresh", "recovered"], records
     replacement = [r for r in records if r["how"] == "peers"]
     assert len(replacement) == 1 and replacement[0]["pid"] != victim and replacement[0]["world"] == 2, records
+    victim_node = next(e["node"] for e in job.events("worker_failed"))
+    spares_there = [e["pid"] for e in job.events("spare_ready") if e["node"] == victim_node]
+    assert (replacement[0]["pid"] in spares_there) == bool(spares), (replacement, spares_there)  # the spare took its place
     failed = job.events("worker_failed")
     assert len(failed) == 1 and failed[0]["repaired_in_place"] and failed[0]["signal"] == "SIGKILL", failed
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
     assert not [e for e in job.events("workers_stopped") if e["event_id"]], "no rank was stopped before the job's end"
     in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
     assert {e["reason"] for e in in_place} == {"failure"} and len(in_place) == len(nodes), in_place  # every node, repaired
-    steps = [p["step"] for p in job.progress()]
-    assert steps == list(range(1, len(steps) + 1)), steps  # every committed step once, none lost or redone
+    assert_trained_like_one_process(job)
     assert {p["world"] for p in job.progress()} == {2}
-    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    assert len(final) == 2 and {f["step"] for f in final} == {steps[-1]}, final
-    reference = reference_params({steps[-1]})[steps[-1]]
-    for f in final:  # both replicas equal an unbroken single-process run
-        for got, want in zip(f["params"], reference):
-            assert got == pytest.approx(want, abs=1e-5)
 
 
 def rank_pids(job, name: str) -> set[int]:
@@ -209,12 +230,7 @@ def test_a_lost_node_is_repaired_in_place(make_job) -> None:
     assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records
     assert [r["how"] for r in records if r["pid"] == survivor][-1] == "recovered", records
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")][-1] == ("node_lost", "reconfigure")
-    steps = [p["step"] for p in job.progress()]
-    assert steps == list(range(1, len(steps) + 1)), steps  # nothing committed was lost or redone
-    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    assert [f["step"] for f in final] == [steps[-1]], final
-    for got, want in zip(final[0]["params"], reference_params({steps[-1]})[steps[-1]]):
-        assert got == pytest.approx(want, abs=1e-5)
+    assert_trained_like_one_process(job)
 
 
 def test_a_hung_rank_is_killed_and_replaced_in_place(make_job) -> None:
@@ -224,22 +240,34 @@ def test_a_hung_rank_is_killed_and_replaced_in_place(make_job) -> None:
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
-    job.wait_steps(5)
-    survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
-    os.kill(victim, signal.SIGSTOP)
-    wait_until(lambda: [r for r in worlds(job) if r["how"] == "peers"], timeout=60, what="the replacement rank to be hydrated")
-    job.wait_steps(5)
+    survivor, _ = hit_rank_1(job, signal.SIGSTOP)
     codes = job.finish()
     assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
 
     hung = job.events("rank_hung")
     assert [e["rank"] for e in hung] == [1], hung  # the culprit only, not the rank waiting for it
-    assert "Thread" in Path(hung[0]["log_file"]).read_text()  # its Python stacks, dumped before the kill
+    assert "(most recent call first)" in Path(hung[0]["log_file"]).read_text()  # its Python stacks, dumped before the kill
     assert {r["pid"] for r in worlds(job) if r["rank"] == 0} == {survivor}
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
-    steps = [p["step"] for p in job.progress()]
-    assert steps == list(range(1, len(steps) + 1)), steps
-    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    for f in final:
-        for got, want in zip(f["params"], reference_params({steps[-1]})[steps[-1]]):
-            assert got == pytest.approx(want, abs=1e-5)
+    assert_trained_like_one_process(job)
+
+
+def test_two_failures_in_a_row_are_each_repaired_in_place(make_job) -> None:
+    """The spare takes the first failed rank's place, and the second one's is taken by a new spare or, when
+    none is ready yet, a new process. Each repair counts against --max-restarts; nothing is lost."""
+    job = make_job(script=INPLACE, nnodes="2", flags=("--max-restarts", "2"))
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == 2, timeout=90, what="every node's spare")
+    survivor = pid_of_rank(job, 0)
+    for n in (1, 2):
+        victim = pid_of_rank(job, 1)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda n=n: len([r for r in worlds(job) if r["how"] == "peers"]) == n, timeout=60, what=f"repair {n}")
+        job.wait_steps(3)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+    assert {r["pid"] for r in worlds(job) if r["rank"] == 0} == {survivor}
+    assert [e["kind"] for e in job.events("scale_targeted")] == ["rank_failure", "rank_failure"]
+    assert len({r["pid"] for r in worlds(job) if r["rank"] == 1}) == 3  # the first rank and its two replacements
+    assert_trained_like_one_process(job)

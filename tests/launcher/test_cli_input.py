@@ -25,6 +25,7 @@ GOOD = str(SCRIPTS / "allreduce.py")
         (["--rdzv-backend", "etcd-v2", GOOD], "etcd v2 API is not supported"),
         (["--redirects", "7", GOOD], "--redirects: expected 0, 1, 2 or 3"),
         (["--max-restarts", "-1", GOOD], "--max-restarts: must be >= 0"),
+        (["--spare-ranks", "2", GOOD], "--spare-ranks: must be 0 or 1"),
         (["--signals-to-handle", "SIGNOPE", GOOD], "unknown signal 'SIGNOPE'"),
         (["--standalone", "--nnodes", "2", GOOD], "--standalone runs one node"),
         (["--metrics-port", "70000", GOOD], "--metrics-port: must be in 0..65535"),

@@ -297,3 +297,17 @@ def test_a_peer_failure_report_repairs_at_once_and_leaves_out_a_member_that_does
                        stopped={m: StoppedRecord(ok=True, reconfigured=True) for m in ("a", "c")})  # fmt: skip
     complete, published = plan(done, DeciderMemory(), NOW + 2.0, ctx()).writes  # b is not waited for
     assert decoded(published)["members"] == ["a", "c"] and decoded(published)["restarts"] == 0
+
+
+def test_a_repair_made_from_the_survivors_reports_is_named_after_the_crash_reported_since() -> None:
+    """Found by the crash test: a survivor's failed collective reached the decider before the crashed rank's
+    node reported, and the event was logged as a lost node."""
+    nodes = {"a": node("a"), "b": node("b")}
+    ev = event(kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE, next_members=("a", "b"))
+    failed = {"a": FailedRecord(message="a collective failed on a", repairable=True, peer=True),
+              "b": FailedRecord(message="rank 1 was killed by SIGKILL", repairable=True)}  # fmt: skip
+    snap = JobSnapshot(nodes=nodes, round=in_process("a", "b"), event=ev, acks={"a": ack(0, 0.0), "b": ack(0, 0.0)}, failed=failed)
+    (write,) = plan(snap, DeciderMemory(), NOW, ctx(max_restarts=1)).writes
+    assert (decoded(write)["kind"], decoded(write)["target"], decoded(write)["failure"]) == ("rank_failure", 0, "rank 1 was killed by SIGKILL")
+    (stopped,) = plan(snap, DeciderMemory(), NOW, ctx(max_restarts=0)).writes
+    assert decoded(stopped)["mode"] == "stop"  # a crash counts against --max-restarts however it was first seen

@@ -361,6 +361,11 @@ def _target_repair(
     """
     if missing and elapsed <= ctx.propagation:
         return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for acks from {missing}")
+    crashed = [f for f in snap.failed.values() if not f.peer]
+    if crashed and ev.kind is EventKind.NODE_LOST and not missing:  # made from the survivors' reports; a rank died
+        ev = evolve(ev, kind=EventKind.RANK_FAILURE, failure=crashed[0].message, reason=f"rank failure, repaired in place: {crashed[0].message}")
+        if snap.round is not None and snap.round.restarts >= ctx.max_restarts:
+            return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{ev.reason}; --max-restarts {ctx.max_restarts} used up"), mem)
     nxt = tuple(m for m in ev.next_members or () if m not in missing)
     reason = ev.reason + (f"; left out {missing}: no answer within {ctx.propagation:g}s" if missing else "")
     if len(nxt) not in ctx.policy.allowed_sizes():

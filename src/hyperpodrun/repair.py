@@ -1,0 +1,128 @@
+"""The agent's side of failures repaired in place: replacing failed ranks, spare ranks, hung culprits.
+
+In a round that runs in-process (every rank uses ``ElasticTraining``), a failed local rank is
+replaced alone, parked, while its siblings and the other nodes' ranks keep their processes and
+state (they wait in ``recover()``); the decider then makes the repair event. A spare
+(:mod:`hyperpodrun.spare`) kept beside the ranks takes the first failed rank's place without a
+process start. A hung rank is killed alone when it is the culprit (:func:`~hyperpodrun.hang.culprits`)
+and then repaired like a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import psutil
+
+from elastic_events.control import ControlWriter, RankPhase, RankProgress
+from hyperpodrun.config import LaunchConfig
+from hyperpodrun.events import EventLog, EventType
+from hyperpodrun.hang import culprits
+from hyperpodrun.logs import RankLogs
+from hyperpodrun.spare import spare_command
+from hyperpodrun.supervisor import WorkerGroup, WorkerState
+
+__all__ = ["InPlaceRepair", "spares_for"]
+
+#: A parked rank's log files and environment: (directory, local rank) -> (logs, env).
+RankSetup = Callable[[Path, int], tuple[RankLogs, dict[str, str]]]
+
+SPARE_CHECK_S = 1.0  # how often the agent looks whether a spare is due
+
+
+def spares_for(config: LaunchConfig) -> int:
+    """Spare slots this node's control channel needs (a binary entrypoint cannot be pre-started)."""
+    return 0 if config.no_python else config.spare_ranks
+
+
+class InPlaceRepair:
+    """What one agent does about its failed ranks while the job repairs failures in place."""
+
+    def __init__(self, config: LaunchConfig, *, control: ControlWriter, events: EventLog,
+                 new_attempt: Callable[[], Path], rank_setup: RankSetup) -> None:  # fmt: skip
+        self.config = config
+        self._control, self._events = control, events
+        self._new_attempt, self._rank_setup = new_attempt, rank_setup
+        self._spares = spares_for(config)
+        self._spare_checked = 0.0
+        self._spare_announced: int | None = None  # pid of the spare whose readiness was logged
+        self.repairing: str | None = None  # the failure whose ranks were replaced, until the repair is done
+        self.hung_killed: str | None = None  # why hung ranks were killed, until they are replaced
+
+    def replace_failed(self, group: WorkerGroup, *, hang: str | None) -> WorkerState:
+        """Replace the failed local ranks, parked (the spare first); their siblings keep their state."""
+        failures = group.failures()
+        root = failures[0]
+        what = self.hung_killed or hang or root.summary()
+        self._events.emit(EventType.WORKER_FAILED, rank=root.global_rank, exitcode=root.exitcode, signal=root.signal_name,
+                          message=root.message, log_file=str(root.log_file), repaired_in_place=True)  # fmt: skip
+        attempt_dir = self._new_attempt()
+        pids = {}
+        for failure in failures:
+            self._control.reset_rank(failure.local_rank, acked_event=0)
+            if group.spare_ready and self._control.spare_phase(0) == RankPhase.PARKED:  # torch imported already
+                self._control.assign_spare(0, failure.local_rank)
+                pids[failure.global_rank] = group.promote_spare(failure.local_rank)
+                continue
+            logs, env = self._rank_setup(attempt_dir, failure.local_rank)
+            pids[failure.global_rank] = group.replace(failure.local_rank, rank_env=env, logs=logs)
+        self._events.emit(EventType.RANKS_REPLACED, ranks=sorted(pids), pids=list(pids.values()), reason=what, log_dir=str(attempt_dir))
+        _say(f"{what}; repairing in place: rank(s) {sorted(pids)} replaced, parked (pid {list(pids.values())}); "
+             "the other ranks keep their state")  # fmt: skip
+        self.repairing, self.hung_killed = what, None
+        return group.poll()
+
+    def kill_culprits(self, group: WorkerGroup, hung: Sequence[int], why: str) -> None:
+        """Kill only the hung ranks: their peers' collectives fail and they wait for the repair."""
+        pids = group.pids
+        for local_rank in hung:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pids[local_rank], signal.SIGKILL)
+        self.hung_killed = why
+
+    def culprits(self, group: WorkerGroup, hung: Sequence[int], progress: Sequence[RankProgress], *, now: float, limit: float) -> tuple[int, ...]:
+        pids = group.pids
+        return culprits(hung, idle={r: now - progress[r].time for r in hung}, states={r: _status(pids[r]) for r in hung}, limit=limit)
+
+    def keep_spare(self, group: WorkerGroup, *, in_process: Callable[[], bool]) -> None:
+        """Keep a spare beside the ranks of a job repaired in place (checked at most every second)."""
+        now = time.monotonic()
+        if group.spare_ready and self._spare_announced is None and self._control.spare_phase(0) == RankPhase.PARKED:
+            self._spare_announced = group.spare_pid
+            self._events.emit(EventType.SPARE_READY, pid=group.spare_pid)
+        if self._spare_announced is None and group.spare_pid is not None and not group.spare_ready:
+            self._spares = 0  # it died before it was ready: the failure would repeat
+            _say(f"the spare rank (pid {group.spare_pid}) exited before it was ready; no spares for this job: see {group.spare_log}")
+            group.drop_spare()
+        if not self._spares or self.repairing is not None or group.spare_ready or now - self._spare_checked < SPARE_CHECK_S:
+            return
+        self._spare_checked = now
+        if not all(p.reconfigurable for p in self._control.progress()) or not in_process():
+            return
+        cfg = self.config
+        spare_dir = self._new_attempt() / "spare"
+        logs, env = self._rank_setup(spare_dir, 0)
+        self._control.reset_spare(0)
+        command = spare_command(cfg.python, str(self._control.path), self._control.spare_slot(0),
+                                script=None if cfg.module else cfg.entrypoint, module=cfg.entrypoint if cfg.module else None, args=cfg.args)  # fmt: skip
+        group.start_spare(command, env=env, logs=logs)
+        self._spare_announced = None
+
+
+def _status(pid: int) -> str:
+    """The process state of ``pid`` as psutil names it ("" when it is gone)."""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return ""
+
+
+def _say(message: str) -> None:
+    print(f"hyperpodrun: {message}", file=sys.stderr, flush=True)
+
