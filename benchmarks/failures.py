@@ -223,13 +223,26 @@ class FailureScenario(Scenario):
             return None
         return next((name for name in self.nodes if 0 in self.rank_pids(name)), None)
 
+    def active_rank_pid(self, name: str) -> int | None:
+        """The pid of node ``name``'s training rank: for hyperpodrun the one its agent last started or
+        put in a failed rank's place (its spare rank runs the same script and waits); torchrun's only one."""
+        if self.variant not in OURS:
+            pids = self.rank_pids(name)
+            return next(iter(pids.values())) if len(pids) == 1 else None
+        suffix, latest = f"-{self.nodes[name].pid}", None
+        for record in _read_jsonl(self.work / "events.jsonl"):
+            if record["event"] in ("workers_started", "ranks_replaced") and str(record["node"]).endswith(suffix):
+                pids = record["pids"]
+                latest = list(pids.values() if isinstance(pids, dict) else pids)
+        return latest[0] if latest and len(latest) == 1 and psutil.pid_exists(latest[0]) else None
+
     def _victim(self) -> tuple[str, int]:
         """(node, pid) of the rank of the node that does not hold global rank 0 (2 nodes: global rank 1)."""
         master = self.master_node()
         for name in sorted(set(self.nodes) - {master}):
-            pids = self.rank_pids(name)
-            if master is not None and len(pids) == 1:
-                return name, next(iter(pids.values()))
+            pid = self.active_rank_pid(name) if master is not None else None
+            if pid is not None:
+                return name, pid
         raise ScenarioFailed("hang", f"no rank of a node without rank 0 (node {master}) found: "
                              f"{ {name: self.rank_pids(name) for name in self.nodes} }")  # fmt: skip
 
