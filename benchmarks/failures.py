@@ -60,6 +60,7 @@ from common import (
     TrainArgs,
     format_table,
     parse_args,
+    read_metrics,
     require_train_script,
 )
 from failure_analysis import (
@@ -85,7 +86,6 @@ from scale_events import (
     Scenario,
     ScenarioFailed,
     Timers,
-    _read_jsonl,
     add_scenario_arguments,
     chosen_launchers,
     run_variants,
@@ -133,6 +133,10 @@ class FailureScenario(Scenario):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lost: set[str] = set()  # nodes killed on purpose (node loss), not a job death
+
+    def event_log(self) -> list[dict[str, Any]]:
+        """hyperpodrun's event log (every node's agent and rank append to the same file)."""
+        return read_metrics(self.work / "events.jsonl")  # the same tolerant JSON-lines reader
 
     def _check_job(self) -> None:
         for name, node in self.nodes.items():
@@ -186,7 +190,7 @@ class FailureScenario(Scenario):
         """When hyperpodrun's log says the job runs again after the failure at ``t_event`` (None: not yet)."""
         if self.variant not in OURS:
             return None
-        phases = hyperpodrun_phases(_read_jsonl(self.work / "events.jsonl"), t_event)
+        phases = hyperpodrun_phases(self.event_log(), t_event)
         done = [phases[r] for r in RESUMED_RECORDS if r in phases]
         return t_event + min(done) if done else None
 
@@ -204,7 +208,7 @@ class FailureScenario(Scenario):
         measured = measure_event(self.records(), t_event=t_start, to_world=2) or {}
         mode = "restart"
         if self.variant in OURS:
-            log = _read_jsonl(self.work / "events.jsonl")
+            log = self.event_log()
             mode = event_mode(log, hyperpodrun_phases(log, t_start), t_start)
         return {"outcome": "ok", "t_start": t_start, "mode": mode,
                 **{k: measured.get(k) for k in ("downtime_s", "steps_lost")}}  # fmt: skip
@@ -230,7 +234,7 @@ class FailureScenario(Scenario):
             pids = self.rank_pids(name)
             return next(iter(pids.values())) if len(pids) == 1 else None
         suffix, latest = f"-{self.nodes[name].pid}", None
-        for record in _read_jsonl(self.work / "events.jsonl"):
+        for record in self.event_log():
             if record["event"] in ("workers_started", "ranks_replaced") and str(record["node"]).endswith(suffix):
                 pids = record["pids"]
                 latest = list(pids.values() if isinstance(pids, dict) else pids)
@@ -287,7 +291,7 @@ class FailureScenario(Scenario):
             if rejoin["outcome"] != "ok":
                 return {**ev, "outcome": rejoin["outcome"], "error": rejoin["error"]}
         if self.variant in OURS:
-            log = _read_jsonl(self.work / "events.jsonl")
+            log = self.event_log()
             ev["phases_s"] = hyperpodrun_phases(log, t_event)
             ev["mode"] = repair_mode(ev["phases_s"])
             noticed = [ev["phases_s"][r] for r in DETECT_RECORDS if r in ev["phases_s"]]
@@ -330,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     timers = FailureTimers(step_time_s=args.step_time, hang_timeout_s=args.hang_timeout)
     train = TrainArgs.from_namespace(args, steps=1_000_000, min_step_time=args.step_time, ckpt_every=args.ckpt_every)
     count = args.events if args.events is not None else EVENTS_PER_KIND[args.mode]
+    if count < 1:
+        raise SystemExit(f"--events: must be >= 1, got {count}")
     settle = SETTLE_STEPS[args.mode]
     at_checkpoints = (args.at_checkpoints or ("no" if args.mode == "smoke" else "yes")) == "yes"
     plan = failure_plan(args.kinds, count, seed=args.seed, first=settle, min_gap=settle + 1,
