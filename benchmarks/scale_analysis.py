@@ -58,7 +58,11 @@ def measure_event(records: list[dict[str, Any]], *, t_event: float, to_world: in
     before = [r for r in records if r["ts"] < first_new["ts"] and r["world_size"] != to_world]
     if not before:
         return None
-    last_old = max(before, key=lambda r: r["ts"])
+    return gap_between(records, max(before, key=lambda r: r["ts"]), first_new)
+
+
+def gap_between(records: list[dict[str, Any]], last_old: dict[str, Any], first_new: dict[str, Any]) -> dict[str, Any]:
+    """Downtime, pause and steps lost between the last step before an event and the first after it."""
     downtime = first_new["ts"] - last_old["ts"]
     interval = step_interval(records, before_ts=last_old["ts"], world=last_old["world_size"])
     return {
@@ -244,7 +248,7 @@ def plot(result: BenchmarkResult, runs: list[dict[str, Any]], summary: dict[str,
     ax2.set_title("downtime (solid) and + recomputed steps (light)", fontsize=10)
     ax2.legend(fontsize=8)
     ax2.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"scale_events ({result.mode}, step time {result.params['timers']['step_time_s']} s, "
+    fig.suptitle(f"{result.name} ({result.mode}, step time {result.params['timers']['step_time_s']} s, "
                  f"checkpoint every {result.params['train']['ckpt_every']} steps)")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)

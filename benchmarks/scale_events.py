@@ -45,12 +45,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +126,8 @@ class Timers:
                 f"lease_ttl_s must be >= 1 (torchrun's keep-alive is in whole seconds), got {self.lease_ttl_s!r}"
             )
 
-    def launcher_args(self, variant: str, endpoint: str, run_id: str, work: Path) -> list[str]:
-        """The launcher flags of one node (every node of a job gets the same)."""
+    def launcher_args(self, variant: str, endpoint: str, run_id: str, work: Path, node: str) -> list[str]:
+        """The launcher flags of ``node`` (every node of a job gets the same, but its own log folder)."""
         common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                   "--rdzv-id", run_id, "--max-restarts", str(self.max_restarts)]  # fmt: skip
         if variant in OURS:
@@ -137,7 +139,7 @@ class Timers:
                 "--faulty-scale-down-timeout", f"{self.faulty_scale_down_timeout_s:g}",
                 "--graceful-shutdown-timeout", f"{self.graceful_shutdown_timeout_s:g}",
                 "--rdzv-conf", f"lease_ttl={self.lease_ttl_s:g}",
-                "--event-log", str(work / "events.jsonl"), "--log-dir", str(work / "logs"),
+                "--event-log", str(work / "events.jsonl"), "--log-dir", str(work / "logs" / node),  # one per node: attempt folders would collide
             ]  # fmt: skip
         return common + ["--rdzv-conf", self.torchrun_rdzv_conf()]
 
@@ -199,7 +201,7 @@ class Scenario:
     def start_node(self, name: str) -> float:
         script = str(require_train_script())
         argv = self.train.argv(run_dir=self.work / "run", data_cache=self.data_cache, metrics=self.metrics)
-        flags = self.timers.launcher_args(self.variant, self.endpoint, self.run_id, self.work)
+        flags = self.timers.launcher_args(self.variant, self.endpoint, self.run_id, self.work, name)
         launcher = hyperpodrun_cmd if self.variant in OURS else torchrun_cmd
         env = dict(self.env)
         if self.gpus >= 2:  # a simulated node per GPU: A keeps GPU 0, the one other node alive at a time GPU 1
@@ -264,25 +266,19 @@ class Scenario:
 
     # -- the scenario
 
-    def run(self, events: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    def drive(self, events: Iterable[Callable[[int], dict[str, Any]]]) -> dict[str, Any]:
+        """Run ``events`` (each makes one event happen and measures it) until one fails; always closes the nodes.
+
+        ``events`` is consumed lazily, so it may start nodes and wait before yielding each event.
+        """
         out: dict[str, Any] = {"variant": self.variant, "env": self.env_settings, "events": [], "failure": None}
         try:
-            self.start_node("A")
-            self.wait_steps_at(
-                1, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: node A's first steps"
-            )
-            world = 1
-            for index, (kind, node) in enumerate(events):
-                target = world + KIND_WORLD[kind]
-                phase = event_phase(index, self.train.ckpt_every)
-                what = f"{self.variant}: step {phase} of the checkpoint interval at world {world}"
-                self.wait_steps_at(world, self.settle_steps, phase=phase, timeout=self.event_timeout, what=what)
-                ev = self._event(index, kind, node, world, target)
+            for index, event in enumerate(events):
+                ev = event(index)
                 out["events"].append(ev)
                 if ev["outcome"] != "ok":
                     out["failure"] = ev["error"]
                     break
-                world = target
         except (ScenarioFailed, BenchmarkTimeoutError) as e:
             out["failure"] = str(e)
         finally:
@@ -290,7 +286,22 @@ class Scenario:
             out["timeline"] = [(r["ts"], r["step"], r["world_size"]) for r in self.records()]
         return out
 
-    def _event(self, index: int, kind: str, node: str, world: int, target: int) -> dict[str, Any]:
+    def run(self, events: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+        return self.drive(self._scale_events(events))
+
+    def _scale_events(self, events: tuple[tuple[str, str], ...]) -> Iterator[Callable[[int], dict[str, Any]]]:
+        self.start_node("A")
+        self.wait_steps_at(1, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: node A's first steps")
+        world = 1
+        for index, (kind, node) in enumerate(events):
+            target = world + KIND_WORLD[kind]
+            phase = event_phase(index, self.train.ckpt_every)
+            what = f"{self.variant}: step {phase} of the checkpoint interval at world {world}"
+            self.wait_steps_at(world, self.settle_steps, phase=phase, timeout=self.event_timeout, what=what)
+            yield functools.partial(self._event, kind=kind, node=node, world=world, target=target)
+            world = target
+
+    def _event(self, index: int, *, kind: str, node: str, world: int, target: int) -> dict[str, Any]:
         print(f"{NAME}: {self.variant}: event {index + 1} {kind} ({node}), world {world} -> {target}", flush=True)
         t_event = self._trigger(kind, node)
         ev: dict[str, Any] = {
@@ -382,21 +393,52 @@ def torchft_ratios(summary: dict[str, Any], peer: dict[str, Any]) -> dict[str, f
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    def add(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--launchers", type=lambda s: tuple(s.split(",")), default=None,
-                            help=f"from {', '.join(VARIANTS)} (default: all; smoke: {', '.join(DEFAULT_VARIANTS['smoke'])})")  # fmt: skip
-        parser.add_argument("--step-time", type=float, default=Timers.step_time_s, help="fixed step time, s")
-        parser.add_argument("--ckpt-every", type=int, default=10, help="periodic checkpoint interval, steps [10]")
-        parser.add_argument("--event-timeout", type=float, default=None, help="hard limit per event, s")
-        add_train_arguments(parser, global_batch=4, micro_batch=2)
-        parser.set_defaults(seq_len=128)
+def add_scenario_arguments(parser: argparse.ArgumentParser, *, default_launchers: str) -> None:
+    """The options of a launcher-variant scenario (also ``failures.py``'s)."""
+    parser.add_argument("--launchers", type=lambda s: tuple(s.split(",")), default=None,
+                        help=f"from {', '.join(VARIANTS)} (default: {default_launchers})")  # fmt: skip
+    parser.add_argument("--step-time", type=float, default=Timers.step_time_s, help="fixed step time, s")
+    parser.add_argument("--ckpt-every", type=int, default=10, help="periodic checkpoint interval, steps [10]")
+    parser.add_argument("--event-timeout", type=float, default=None, help="hard limit per event, s")
+    add_train_arguments(parser, global_batch=4, micro_batch=2)
+    parser.set_defaults(seq_len=128)
 
-    args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
-    args.launchers = args.launchers or DEFAULT_VARIANTS[args.mode]
-    for v in args.launchers:
+
+def chosen_launchers(args: argparse.Namespace, defaults: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """``--launchers`` or the mode's default, each a known variant (else one line and exit)."""
+    for v in args.launchers or ():
         if v not in VARIANTS:
             raise SystemExit(f"--launchers: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    return args.launchers or defaults[args.mode]
+
+
+def run_variants(
+    scenario_type: type[Scenario],
+    launchers: tuple[str, ...],
+    drive: Callable[[Scenario], dict[str, Any]],
+    *,
+    name: str,
+    out: Path,
+    **settings: Any,
+) -> list[dict[str, Any]]:
+    """One scenario per launcher variant, one after the other, in ``out/work/<name>/<variant>``."""
+    work_root = out / "work" / name
+    shutil.rmtree(work_root, ignore_errors=True)
+    runs = []
+    for variant in launchers:
+        run = drive(scenario_type(variant, work=work_root / variant, data_cache=out / "data-cache", **settings))
+        runs.append(run)
+        if run["failure"]:
+            print(f"{name}: {variant} failed: {run['failure'].splitlines()[0]}", flush=True)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    def add(parser: argparse.ArgumentParser) -> None:
+        add_scenario_arguments(parser, default_launchers=f"all; smoke: {', '.join(DEFAULT_VARIANTS['smoke'])}")
+
+    args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
+    args.launchers = chosen_launchers(args, DEFAULT_VARIANTS)
     timers = Timers(step_time_s=args.step_time)
     train = TrainArgs.from_namespace(args, steps=1_000_000, min_step_time=args.step_time, ckpt_every=args.ckpt_every)
     events = SCENARIO[args.mode]
@@ -420,18 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         baseline="torchrun --nnodes 1:2 (c10d), the same script and scenario in the same run, with and without "
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (yield = SIGTERM of the newest node; rejoin = it starts again)",
     )
-    work_root = args.out / "work" / NAME
-    shutil.rmtree(work_root, ignore_errors=True)
-    runs = []
-    for variant in args.launchers:
-        scenario = Scenario(
-            variant, train, timers, work=work_root / variant, data_cache=args.out / "data-cache",
-            event_timeout=event_timeout, settle_steps=SETTLE_STEPS[args.mode],
-        )  # fmt: skip
-        run = scenario.run(events)
-        runs.append(run)
-        if run["failure"]:
-            print(f"{NAME}: {variant} failed: {run['failure'].splitlines()[0]}", flush=True)
+    runs = run_variants(
+        Scenario, args.launchers, lambda scenario: scenario.run(events), name=NAME, out=args.out, train=train,
+        timers=timers, event_timeout=event_timeout, settle_steps=SETTLE_STEPS[args.mode],
+    )  # fmt: skip
     summary = summarize_events(runs)
     summary["hyperpodrun_phases"] = phase_breakdown(runs)
     summary["hyperpodrun_modes"] = {

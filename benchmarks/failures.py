@@ -1,0 +1,435 @@
+"""Failure recovery: downtime, steps redone and phases of a rank crash, a hang and a node loss, hyperpodrun in place / restarting against torchrun.
+
+The same training script as ``scale_events.py`` (the example trainer: tiny Llama,
+``ElasticTraining``, ``--min-step-time`` for a fixed step time, a periodic checkpoint every
+``--ckpt-every`` steps) on 2 simulated nodes x 1 rank (one launcher per node on this machine;
+B starts once A hosts the store), under each launcher variant in the same run:
+
+* ``hyperpodrun`` (``--restart-mode auto``): every rank uses ``ElasticTraining``, so the round
+  runs in process and a failure is repaired in place: the survivors catch the failed collective
+  (``elastic.recover``) and join the repaired group; a crashed or hung rank's node restarts only
+  that rank, parked, and it is hydrated from the survivors' memory: no checkpoint is read;
+* ``hyperpodrun-restart`` (``--restart-mode process``): every rank restarts and resumes from the
+  last DCP checkpoint;
+* ``torchrun --nnodes 1:2 --rdzv-backend c10d --max-restarts N`` with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``torchrun-noshare``; ``torchrun``: as shipped):
+  restarts every worker, which resumes from the last checkpoint.
+
+Failures (``--kinds``, drawn in turn), always of node B's rank or node (the node without global
+rank 0), at seeded random steps (the same steps for every variant, spread over the checkpoint
+interval), each once the job has recovered from the previous one and trained a few steps:
+
+    rank_crash  kill -9 of the rank
+    hang        SIGSTOP of the rank (hyperpodrun ``--hang-timeout 5``; torchrun has no hang
+                detection: skipped for it)
+    node_loss   kill -9 of the launcher's whole process tree; the job goes on at 1 node, then a
+                new node B starts and joins (``rejoin``, measured too)
+
+Per failure, from rank 0's per-step log (``--metrics``): downtime = end of the last step logged
+before the failure to the end of the first step logged after the recovery (one step included);
+steps lost = that last step minus the step training resumed from (work redone); lost time =
+downtime + steps lost x step time; time to detect = failure until the launcher noticed
+(hyperpodrun: its ``worker_failed`` / ``rank_hung`` / ``node_lost`` / ``scale_decided`` record;
+torchrun: its agent's "will restart worker group" line); hyperpodrun's phases (seconds from the
+failure) from its event log. The timers and launcher flags are ``scale_events.Timers``; the
+analysis reuses ``scale_analysis`` (medians and ratios per kind and variant).
+
+    python benchmarks/failures.py [--quick | --smoke] [--seed N] [--kinds rank_crash,hang,node_loss]
+        [--launchers hyperpodrun,hyperpodrun-restart,torchrun-noshare,torchrun]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+from common import (
+    BenchmarkResult,
+    BenchmarkTimeoutError,
+    TrainArgs,
+    format_table,
+    parse_args,
+    read_metrics,
+    require_train_script,
+)
+from failure_analysis import (
+    RESUMED_RECORDS,
+    failure_plan,
+    measure_failure,
+    phase_medians,
+    rejoin_summary,
+    repair_mode,
+    target_report,
+)
+from scale_analysis import (
+    OURS,
+    event_mode,
+    hyperpodrun_phases,
+    measure_event,
+    phase_breakdown,
+    plot,
+    summarize_events,
+)
+from scale_events import (
+    STARTUP_TIMEOUT_S,
+    Scenario,
+    ScenarioFailed,
+    Timers,
+    add_scenario_arguments,
+    chosen_launchers,
+    run_variants,
+)
+
+NAME = "failures"
+KINDS = ("rank_crash", "hang", "node_loss")  # drawn in turn; a node loss is followed by a new node joining
+#: What each kind does to the non-master node: its rank, or its launcher's whole process tree.
+KIND_ACTION = {"rank_crash": "kill -9 of its rank", "node_loss": "kill -9 of its launcher's tree",
+               "hang": "SIGSTOP of its rank"}  # fmt: skip
+#: torchrun has no hang detection: a stopped rank blocks its peers until the collective timeout.
+NOT_DETECTED = {"torchrun": ("hang",), "torchrun-noshare": ("hang",)}
+HANG_TIMEOUT_S = 5.0
+GROUP_RANK = re.compile(r"this node is group rank (\d+)")
+DEFAULT_VARIANTS = {
+    "smoke": ("hyperpodrun",),
+    "quick": ("hyperpodrun", "hyperpodrun-restart", "torchrun-noshare"),
+    "full": ("hyperpodrun", "hyperpodrun-restart", "torchrun-noshare"),
+}
+EVENTS_PER_KIND = {"smoke": 1, "quick": 4, "full": 10}
+EVENT_TIMEOUT_S = {"smoke": 60.0, "quick": 90.0, "full": 120.0}
+SETTLE_STEPS = {"smoke": 2, "quick": 3, "full": 4}
+#: Records of hyperpodrun's event log that mark the launcher noticing a failure.
+DETECT_RECORDS = ("worker_failed", "rank_hung", "node_lost", "scale_decided")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FailureTimers(Timers):
+    """``scale_events.Timers`` plus hyperpodrun's ``--hang-timeout`` (the launcher's floor is 60 s)."""
+
+    hang_timeout_s: float = HANG_TIMEOUT_S
+
+    def launcher_args(self, variant: str, endpoint: str, run_id: str, work: Path, node: str) -> list[str]:
+        args = super().launcher_args(variant, endpoint, run_id, work, node)
+        return args + ["--hang-timeout", f"{self.hang_timeout_s:g}"] if variant in OURS else args
+
+
+# --------------------------------------------------------------------------- one launcher's run
+
+
+class FailureScenario(Scenario):
+    """Two nodes of one launcher variant (B started once A hosts the store); at given steps the one
+    that does not hold rank 0 fails (its rank killed or stopped, or the whole node killed)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lost: set[str] = set()  # nodes killed on purpose (node loss), not a job death
+
+    def event_log(self) -> list[dict[str, Any]]:
+        """hyperpodrun's event log (every node's agent and rank append to the same file)."""
+        return read_metrics(self.work / "events.jsonl")  # the same tolerant JSON-lines reader
+
+    def _check_job(self) -> None:
+        for name, node in self.nodes.items():
+            if node.poll() is not None and name not in self.lost:
+                raise ScenarioFailed("exited", f"node {name} exited with {node.poll()}:\n{node.tail(15)}")
+
+    def rank_pids(self, name: str) -> dict[int, int]:
+        """``RANK`` it was started with (-1: none, a parked rank) -> pid of the ranks under node ``name``'s launcher."""
+        script = str(require_train_script())
+        try:
+            procs = psutil.Process(self.nodes[name].pid).children(recursive=True)
+            ranks = [p for p in procs if script in p.cmdline()]
+        except psutil.NoSuchProcess:
+            return {}
+        pids = {p.pid for p in ranks}
+        out = {}
+        for proc in ranks:
+            try:
+                if proc.ppid() not in pids:  # a rank, not one of its own children
+                    out[int(proc.environ().get("RANK", "-1"))] = proc.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+                continue
+        return out
+
+    def wait_step(self, step: int, *, world: int, what: str) -> None:
+        """Until rank 0's latest logged step is at least ``step`` at ``world``."""
+
+        def ready(_: object) -> bool:
+            self._check_job()
+            recs = self.records()
+            return bool(recs) and recs[-1]["step"] >= step and recs[-1]["world_size"] == world
+
+        self.bus.wait_for(ready, timeout=self.event_timeout, what=what)
+
+    def run_failures(self, plan: list[tuple[str, int]]) -> dict[str, Any]:
+        return self.drive(self._failures(plan))
+
+    def _failures(self, plan: list[tuple[str, int]]) -> Iterator[Callable[[int], dict[str, Any]]]:
+        self.start_node("A")  # B once A hosts the store: agents started together race to host it
+        self.bus.wait_for(lambda _: self._check_job() or _listening(self.endpoint), timeout=STARTUP_TIMEOUT_S,
+                          what=f"{self.variant}: node A's store at {self.endpoint}")  # fmt: skip
+        self.start_node("B")
+        self.wait_steps_at(2, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: steps at world 2")
+        for kind, step in plan:
+            if kind in NOT_DETECTED.get(self.variant, ()):
+                continue
+            self.wait_step(step, world=2, what=f"{self.variant}: step {step} at world 2")
+            yield functools.partial(self._failure, kind=kind, step=step)
+
+    def _resumed_after(self, t_event: float) -> float | None:
+        """When hyperpodrun's log says the job runs again after the failure at ``t_event`` (None: not yet)."""
+        if self.variant not in OURS:
+            return None
+        phases = hyperpodrun_phases(self.event_log(), t_event)
+        done = [phases[r] for r in RESUMED_RECORDS if r in phases]
+        return t_event + min(done) if done else None
+
+    def _rejoin(self, node: str) -> dict[str, Any]:
+        """Start a new ``node`` after its loss and measure the job's way back to 2 nodes (a join)."""
+        self.lost.discard(node)
+        t_start = self.start_node(node)
+        try:
+            self.wait_steps_at(2, self.settle_steps, timeout=self.event_timeout,
+                               what=f"{self.variant}: steps at world 2 after node {node} started again")  # fmt: skip
+        except BenchmarkTimeoutError as e:
+            return {"outcome": "hang", "error": f"{e}; last output:\n{self._tails()}"}
+        except ScenarioFailed as e:
+            return {"outcome": e.outcome, "error": str(e)}
+        measured = measure_event(self.records(), t_event=t_start, to_world=2) or {}
+        mode = "restart"
+        if self.variant in OURS:
+            log = self.event_log()
+            mode = event_mode(log, hyperpodrun_phases(log, t_start), t_start)
+        return {"outcome": "ok", "t_start": t_start, "mode": mode,
+                **{k: measured.get(k) for k in ("downtime_s", "steps_lost")}}  # fmt: skip
+
+    def master_node(self) -> str | None:
+        """The node whose launcher holds group rank 0 now (1 rank per node: global rank 0).
+
+        hyperpodrun says so on every round ("this node is group rank N"); a rank moved in place
+        keeps the ``RANK`` it was started with, so only torchrun's (always restarted) ranks are read.
+        """
+        if self.variant in OURS:
+            for line in reversed(self.bus.lines()):
+                found = GROUP_RANK.search(line.text)
+                if found and found.group(1) == "0" and line.source in self.nodes:
+                    return line.source
+            return None
+        return next((name for name in self.nodes if 0 in self.rank_pids(name)), None)
+
+    def active_rank_pid(self, name: str) -> int | None:
+        """The pid of node ``name``'s training rank: for hyperpodrun the one its agent last started or
+        put in a failed rank's place (its spare rank runs the same script and waits); torchrun's only one."""
+        if self.variant not in OURS:
+            pids = self.rank_pids(name)
+            return next(iter(pids.values())) if len(pids) == 1 else None
+        suffix, latest = f"-{self.nodes[name].pid}", None
+        for record in self.event_log():
+            if record["event"] in ("workers_started", "ranks_replaced") and str(record["node"]).endswith(suffix):
+                pids = record["pids"]
+                latest = list(pids.values() if isinstance(pids, dict) else pids)
+        return latest[0] if latest and len(latest) == 1 and psutil.pid_exists(latest[0]) else None
+
+    def _victim(self) -> tuple[str, int]:
+        """(node, pid) of the rank of the node that does not hold global rank 0 (2 nodes: global rank 1)."""
+        master = self.master_node()
+        for name in sorted(set(self.nodes) - {master}):
+            pid = self.active_rank_pid(name) if master is not None else None
+            if pid is not None:
+                return name, pid
+        raise ScenarioFailed("hang", f"no rank of a node without rank 0 (node {master}) found: "
+                             f"{ {name: self.rank_pids(name) for name in self.nodes} }")  # fmt: skip
+
+    def _failure(self, index: int, *, kind: str, step: int) -> dict[str, Any]:
+        node, pid = self._victim()
+        world = 1 if kind == "node_loss" else 2
+        print(f"{NAME}: {self.variant}: event {index + 1} {kind} at step {step}: {KIND_ACTION[kind]} "
+              f"(node {node}, rank 1, pid {pid})", flush=True)  # fmt: skip
+        t_event = time.time()
+        if kind == "node_loss":
+            self.lost.add(node)
+            self.nodes[node].kill_tree()
+        else:
+            os.kill(pid, signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
+        ev: dict[str, Any] = {"index": index, "kind": kind, "node": node, "rank": 1, "pid": pid, "at_step": step,
+                              "t_event": t_event, "from_world": 2, "to_world": world}  # fmt: skip
+        grace = self.timers.step_time_s
+
+        def recovered(_: object) -> dict[str, Any] | None:
+            self._check_job()
+            resumed = self._resumed_after(t_event)
+            if self.variant in OURS and resumed is None:
+                return None
+            m = measure_failure(self.records(), t_event=t_event, grace=grace, resumed_after=resumed)
+            if m is None:
+                return None
+            after = [r for r in self.records() if r["ts"] >= m["first_new_ts"] and r["world_size"] == world]
+            return m if len(after) >= self.settle_steps else None
+
+        try:
+            measured = self.bus.wait_for(recovered, timeout=self.event_timeout,
+                                         what=f"{self.variant}: {self.settle_steps} steps after the {kind} at step {step}")  # fmt: skip
+        except BenchmarkTimeoutError as e:
+            return {**ev, "outcome": "hang", "error": f"{e}; last output:\n{self._tails()}"}
+        except ScenarioFailed as e:
+            return {**ev, "outcome": e.outcome, "error": str(e)}
+        ev.update(outcome="ok", **measured, late_by_steps=measured["last_old_step"] - step)
+        ev["lost_time_s"] = ev["downtime_s"] + ev["steps_lost"] * self.timers.step_time_s
+        if kind == "node_loss":  # a new node B, so the next failure finds the job at 2 nodes again
+            rejoin = self._rejoin(node)
+            ev["rejoin"] = rejoin
+            if rejoin["outcome"] != "ok":
+                return {**ev, "outcome": rejoin["outcome"], "error": rejoin["error"]}
+        if self.variant in OURS:
+            log = self.event_log()
+            ev["phases_s"] = hyperpodrun_phases(log, t_event)
+            ev["mode"] = repair_mode(ev["phases_s"])
+            noticed = [ev["phases_s"][r] for r in DETECT_RECORDS if r in ev["phases_s"]]
+            ev["detect_s"] = min(noticed) if noticed else None
+        else:
+            ev["mode"] = "restart"
+            ev["detect_s"] = self.detect_time(t_event, measured["first_new_ts"])
+        return ev
+
+
+def _listening(endpoint: str) -> bool:
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def main(argv: list[str] | None = None) -> int:
+    def add(parser: argparse.ArgumentParser) -> None:
+        add_scenario_arguments(parser, default_launchers=f"{', '.join(DEFAULT_VARIANTS['quick'])}; "
+                                                         f"smoke: {', '.join(DEFAULT_VARIANTS['smoke'])}")  # fmt: skip
+        parser.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=KINDS, help=f"from {', '.join(KINDS)}")
+        parser.add_argument("--events", type=int, default=None, help="failures per kind (default by mode)")
+        parser.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S,
+                            help=f"hyperpodrun's --hang-timeout, s [{HANG_TIMEOUT_S:g}]")
+        parser.add_argument("--seed", type=int, default=0, help="seed of the failure steps [0]")
+        parser.add_argument("--at-checkpoints", choices=("yes", "no"), default=None,
+                            help="whether a failure may fall on a checkpoint step [yes; smoke: no]")
+
+    args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
+    args.launchers = chosen_launchers(args, DEFAULT_VARIANTS)
+    for k in args.kinds:
+        if k not in KINDS:
+            raise SystemExit(f"--kinds: unknown failure kind {k!r}; choose from {', '.join(KINDS)}")
+    timers = FailureTimers(step_time_s=args.step_time, hang_timeout_s=args.hang_timeout)
+    train = TrainArgs.from_namespace(args, steps=1_000_000, min_step_time=args.step_time, ckpt_every=args.ckpt_every)
+    count = args.events if args.events is not None else EVENTS_PER_KIND[args.mode]
+    if count < 1:
+        raise SystemExit(f"--events: must be >= 1, got {count}")
+    settle = SETTLE_STEPS[args.mode]
+    at_checkpoints = (args.at_checkpoints or ("no" if args.mode == "smoke" else "yes")) == "yes"
+    plan = failure_plan(args.kinds, count, seed=args.seed, first=settle, min_gap=settle + 1,
+                        ckpt_every=args.ckpt_every, at_checkpoints=at_checkpoints)  # fmt: skip
+    event_timeout = args.event_timeout or EVENT_TIMEOUT_S[args.mode]
+    result = BenchmarkResult(
+        name=NAME,
+        mode=args.mode,
+        params={
+            "plan": [f"{k} at step {s}" for k, s in plan],
+            "seed": args.seed,
+            "launchers": list(args.launchers),
+            "failures_at_checkpoint_steps": at_checkpoints,
+            "timers": dataclasses.asdict(timers),
+            "event_timeout_s": event_timeout,
+            "settle_steps": settle,
+            "train": train.as_params(),
+            "nodes": 2,
+            "nproc_per_node": 1,
+            "nnodes": "1:2",
+        },
+        baseline="torchrun --nnodes 1:2 (c10d, --max-restarts), the same script and failures in the same run: "
+        "every worker restarts and resumes from the last periodic checkpoint",
+    )
+    runs = run_variants(
+        FailureScenario, args.launchers, lambda scenario: scenario.run_failures(plan), name=NAME, out=args.out,
+        train=train, timers=timers, event_timeout=event_timeout, settle_steps=settle,
+    )  # fmt: skip
+    summary = summarize_events(runs)
+    summary["phases_from_failure_median_s"] = phase_medians(runs)
+    summary["rejoin_after_node_loss"] = rejoin_summary(runs)
+    summary["hyperpodrun_spans"] = phase_breakdown(runs)
+    summary["modes"] = {run["variant"]: [ev.get("mode") for ev in run["events"]] for run in runs}
+    summary["job_deaths"] = {run["variant"]: int(run["failure"] is not None) for run in runs}
+    baseline = next((v for v in ("torchrun-noshare", "torchrun") if v in args.launchers), None)
+    if "hyperpodrun" in args.launchers:
+        summary["targets"] = {
+            k: target_report(summary, kind=k, baseline=baseline or "torchrun-noshare", hang_timeout_s=timers.hang_timeout_s)
+            for k in args.kinds
+        }
+    result.samples["runs"] = runs
+    result.summary = summary
+    result.notes += [
+        "Downtime runs from the end of the last step rank 0 logged before the kill to the end of the first step "
+        "it logged after (one step time included); lost time adds the steps redone x the step time.",
+        "The restarting variants resume from the last periodic checkpoint: their steps lost depend on where in "
+        "the checkpoint interval the failure falls (seeded, the same steps for every variant).",
+        "All nodes share this machine's CPUs; process start-up (Python + torch import) is a large part of every "
+        "restart here and is slower when the machine is busy.",
+    ]
+    plot(result, runs, summary, result.plot_path(args.out))
+    path = result.write(args.out)
+    print_report(runs, summary)
+    print(f"wrote {path}")
+    return 0
+
+
+def print_report(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    rows = []
+    for run in runs:
+        for ev in run["events"]:
+            ph = ev.get("phases_s") or {}
+            rows.append((
+                run["variant"], ev["kind"], ev.get("last_old_step", ev["at_step"]), ev["outcome"], ev.get("mode", "-"), ev.get("downtime_s"),
+                ev.get("steps_lost"), ev.get("lost_time_s"), ev.get("detect_s"), ph.get("group_torn_down"),
+                ph.get("group_up"), ph.get("hydrated"), ph.get("first_step"),
+            ))  # fmt: skip
+    print(format_table(["launcher", "event", "step", "outcome", "mode", "downtime s", "steps lost", "lost time s",
+                        "detect s", "torn down", "group up", "hydrated", "first step"], rows))  # fmt: skip
+    for run in runs:
+        for ev in run["events"]:
+            if ev.get("rejoin", {}).get("outcome") == "ok":
+                r = ev["rejoin"]
+                print(f"{run['variant']}: node {ev['node']} started again after its loss at step {ev['last_old_step']}: "
+                      f"{r['mode']}, downtime {_fmt(r['downtime_s'])} s, steps lost {r['steps_lost']}")  # fmt: skip
+    for kind, by_variant in summary["by_kind"].items():
+        for variant, s in by_variant.items():
+            print(f"{kind} {variant}: {s['ok']}/{s['n']} ok, median downtime {_fmt(s['downtime_median_s'])} s, "
+                  f"steps lost {_fmt(s['steps_lost_median'])}, lost time {_fmt(s['lost_time_median_s'])} s, "
+                  f"detect {_fmt(s['detect_median_s'])} s")  # fmt: skip
+    for ratio in ("downtime_ratio", "lost_time_ratio"):
+        for ours, by_base in summary[ratio].items():
+            for base, ratios in by_base.items():
+                print(f"{ratio} {ours} / {base}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    for kind, report in (summary.get("targets") or {}).items():
+        print(f"issue 11 targets, {kind}: " + ", ".join(
+            f"{name} {_fmt(t['value'])} (<= {t['target']:g}: {'met' if t['met'] else 'not met' if t['met'] is False else '-'})"
+            for name, t in report.items()
+        ))  # fmt: skip
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
