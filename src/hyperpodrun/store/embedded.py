@@ -58,6 +58,9 @@ DEFAULT_PORT = 29400
 
 # --------------------------------------------------------------------------- client
 
+#: How long a client on the hosting agent's machine waits for the secret file it publishes after listen().
+LOCAL_SECRET_WAIT_S = 2.0
+
 
 class _EmbeddedLease(Lease):
     def __init__(self, client: EmbeddedStoreClient, lease_id: int, ttl: float) -> None:
@@ -165,7 +168,7 @@ class EmbeddedStoreClient(Store):
             )
         if not hello.get("auth"):
             return
-        secret = self._secret or (read_local_secret(self._host, self._port) if is_loopback(self._host) else None)
+        secret = self._secret or (self._local_secret() if is_loopback(self._host) else None)
         if secret is None:
             raise StoreAuthError(
                 f"the embedded store at {self.endpoint} requires the job's shared secret: "
@@ -177,6 +180,14 @@ class EmbeddedStoreClient(Store):
         send_frame(sock, {"op": "auth", "proof": proof(secret, "client", client_nonce, server_nonce)})
         if (answer := recv_frame(sock)) is None or answer.get("ok") is not True:
             raise StoreAuthError(f"the embedded store at {self.endpoint} refused this job's secret (wrong secret?)")
+
+    def _local_secret(self) -> bytes | None:
+        """The secret the hosting agent on this host published; it does so just after it starts to listen."""
+        deadline = time.monotonic() + LOCAL_SECRET_WAIT_S
+        while (secret := read_local_secret(self._host, self._port)) is None and time.monotonic() < deadline:
+            if self._closed.wait(0.02):
+                break
+        return secret
 
     def _connect_first(self) -> socket.socket:
         deadline = time.monotonic() + self.connect_timeout

@@ -6,6 +6,7 @@ See :mod:`hyperpodrun.store.embedded` for the backend as a whole and
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import selectors
@@ -153,9 +154,11 @@ class EmbeddedStoreServer:
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind(sockaddr)
-            if self._publish_secret and self._secret:  # before anyone can connect
-                self._published = publish_local_secret(self.host, listener.getsockname()[1], self._secret)
+            # SO_REUSEADDR lets two agents bind the same port until one listens: only the one whose
+            # listen() succeeded publishes its secret (clients on this host wait briefly for the file).
             listener.listen(128)
+            if self._publish_secret and self._secret:
+                self._published = publish_local_secret(self.host, listener.getsockname()[1], self._secret)
             listener.setblocking(False)
         except OSError as e:
             listener.close()
@@ -206,8 +209,11 @@ class EmbeddedStoreServer:
             raise StoreTimeoutError(f"stopping the embedded store threads {stuck}", timeout)
 
     def _unpublish(self) -> None:
+        """Remove the published secret, unless another agent's has replaced it since."""
         if self._published is not None:
-            self._published.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                if self._published.read_bytes() == self._secret:
+                    self._published.unlink()
             self._published = None
 
     def __enter__(self) -> EmbeddedStoreServer:
