@@ -138,6 +138,10 @@ def run_path(path: str, settings: SoakSettings, *, events: int, seed: int, kinds
             job.wait_step(at, timeout=settings.event_timeout_s)
             kind = deck.draw(state)
             ev = one_event(job, index, kind, state, rng, settings, expected)
+            if ev["outcome"] == "finished":  # training reached its last step before it recovered: not a death
+                out["failure"] = f"training ended during event {index + 1} ({kind}), at step {job.last_step()}"
+                print(f"{NAME}: {path}: {out['failure']}", flush=True)
+                break
             out["events"].append(ev)
             print(f"{NAME}: {path}: event {index + 1}/{events} {kind}: {ev['outcome']}, world {ev['to_world']}, "
                   f"recovery {ev.get('recovery_s') or 0:.1f}s, redone {len(ev['check']['steps_redone'])}"
@@ -194,7 +198,8 @@ def one_event(job: SoakJob, index: int, kind: str, state: JobState, rng: random.
         ev["outcome"] = "ok"
         ev["rounds"] = job.round() - round0
     except (BenchmarkTimeoutError, JobDied) as e:
-        ev.update(outcome="job_death", error=f"{e}\n{job.tails()}")
+        finished = job.last_step() >= settings.steps
+        ev.update(outcome="finished" if finished else "job_death", error=f"{e}\n{job.tails()}")
         target = state.world
     state.world, state.nodes = target, job.alive_count()
     state.capped = (state.capped or kind == "yield") and kind != "uncap"
