@@ -102,6 +102,10 @@ class StreamPump(threading.Thread):
         self._file = file
         self._console = console
 
+    def relabel(self, prefix: str) -> None:
+        """Prefix the console lines from now on with ``prefix`` (a spare that became a rank)."""
+        self._prefix = prefix.encode()
+
     def run(self) -> None:
         sink = open(self._file, "ab", buffering=0)
         try:

@@ -220,6 +220,8 @@ class WorkerGroup:
             raise ValueError("no running spare to promote")
         self._retire(old)
         spare.local_rank, spare.global_rank = local_rank, old.global_rank
+        for pump in spare.pumps:
+            pump.relabel(f"[rank{old.global_rank}]:")
         self._ranks[local_rank], self._spare = spare, None
         self._refresh_after_replace()
         return spare.proc.pid
