@@ -116,7 +116,6 @@ def assert_trained_like_one_process(job) -> list[int]:
         ("c10d", ("a", "b"), 1),  # the spare, torch already imported, takes the failed rank's place
         ("etcd", ("a", "b"), 0),  # a new process is started parked
         ("c10d", ("a",), 1),  # 2 ranks on one node, nothing else to help
-        ("c10d", ("a", "b", "c"), 1),  # rank 0 may wait on rank 2, which must let go of the broken group for it to notice
     ],
 )
 def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spares, request) -> None:
