@@ -309,8 +309,13 @@ class Agent:
             hung = self._repair.culprits(group, hung, progress, now=now, limit=limit)
         if not hung:
             return
+        for local_rank, pid in pids.items():  # faulthandler (registered by elastic_events) writes to the rank's log
+            for sig in (signal.SIGUSR1, signal.SIGCONT):  # SIGCONT: a SIGSTOPped rank dumps too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        self._wake.wait(1.0)  # grace for the dumps to reach the logs before the ranks are stopped
         r = hung[0]
-        idle = now - progress[r].time
+        idle = time.time() - progress[r].time
         rank = group.assignment.global_rank(r)
         why = (
             f"rank {rank} (local rank {r}, pid {pids.get(r)}) made no progress for {idle:.0f}s at step {progress[r].step} "
@@ -319,11 +324,6 @@ class Agent:
         self.events.emit(EventType.RANK_HUNG, rank=rank, local_ranks=list(hung), step=progress[r].step,
                          idle_s=round(idle, 3), hang_timeout=limit, log_file=str(group.log_file(r)))  # fmt: skip
         _say(why)
-        for local_rank, pid in pids.items():  # faulthandler (registered by elastic_events) writes to the rank's log
-            for sig in (signal.SIGUSR1, signal.SIGCONT):  # SIGCONT: a SIGSTOPped rank dumps too
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-        self._wake.wait(1.0)  # grace for the dumps to reach the logs before the ranks are stopped
         if self._repairs_in_place():  # the kill shows as a failed rank: repaired like a crash
             self._repair.kill_culprits(group, hung, why)
             return
