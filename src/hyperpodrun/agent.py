@@ -38,7 +38,7 @@ from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.repair import InPlaceRepair, spares_for
-from hyperpodrun.progress import StepRates, missed_target
+from hyperpodrun.progress import LateRanks, StepRates, missed_target
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
 from hyperpodrun.worker_env import base_env, parked_env, parked_round, worker_env
@@ -186,6 +186,7 @@ class Agent:
         next_poll = 0.0
         failure_logged = False
         rates = StepRates(self.config.nproc_per_node)
+        late: LateRanks | None = None  # ranks that were past the published target: they must act one step late
         while True:
             state = group.poll()
             if state == WorkerState.FAILED and pending is None and not failure_logged:
@@ -222,15 +223,16 @@ class Agent:
                 directive = self._poll_riding_out_outages(status, group)
                 if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):
                     if directive.kind in (DirectiveKind.SAVE_AND_EXIT, DirectiveKind.RECONFIGURE):
-                        missed = self._publish(directive)
-                        if not missed:
-                            pending, deadline = directive, now + rdzv.graceful_timeout
-                            continue
-                        directive = dataclasses.replace(
-                            directive, kind=DirectiveKind.STOP,
-                            reason=f"{directive.reason}; local rank(s) {missed} passed step {directive.target_step} before it was published",
-                        )  # fmt: skip
+                        late = LateRanks.after_publish(directive.event_id, self._publish(directive), now=now, slowest_step_s=rates.slowest)
+                        pending, deadline = directive, now + rdzv.graceful_timeout
+                        continue
                     return self._stop_now(group, directive), False
+                if late is not None and (stuck := late.stuck(progress, now)) is not None:
+                    late = None
+                    if stuck:  # some rank acted at the target in time: the late one waits in a collective for it
+                        self._control.clear()
+                        reason = f"{pending.reason}; local rank(s) {stuck} had passed step {pending.target_step} when it was published"
+                        return self._stop_now(group, dataclasses.replace(pending, kind=DirectiveKind.STOP, reason=reason)), False
             if pending is None and state == WorkerState.HEALTHY and self._hang is None and self._repair.hung_killed is None:
                 self._check_hang(group, rates)
                 self._repair.keep_spare(group, in_process=self._repairs_in_place)
@@ -280,22 +282,21 @@ class Agent:
     def _publish(self, directive: Directive) -> list[int]:
         """Put a cooperative event on the control channel; the local ranks that had already passed its step.
 
-        A rank checks the channel once per step, so one that was past the target when the
-        target was written never acts at it with the others: the event must stop instead.
-        The check after publishing closes the window between the agent's progress read and
-        the write. A repair has no agreed step: every rank acts on it at once.
+        A rank checks the channel once per step and acts at the first step at or past the
+        target, so one that was past it when it was written acts one step late: fine when
+        every rank of the job was (they act together), a deadlock when some acted in time
+        (``LateRanks`` watches for that). Reading progress after the write closes the window
+        between the agent's progress read and the write. A repair has no agreed step: every
+        rank acts on it at once.
         """
         self._write_event(directive)
         progress = self._control.progress()
         missed = [] if directive.repair else missed_target(progress, directive.event_id, directive.target_step)
-        if missed:
-            self._control.clear()
-        else:
-            self.events.emit(
-                EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value,
-                event_kind=_value(directive.event_kind), target_step=directive.target_step,
-                steps=[p.step for p in progress], reason=directive.reason,
-            )  # fmt: skip
+        self.events.emit(
+            EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value,
+            event_kind=_value(directive.event_kind), target_step=directive.target_step,
+            steps=[p.step for p in progress], reason=directive.reason, **({"late_ranks": missed} if missed else {}),
+        )  # fmt: skip
         return missed
 
     def _check_hang(self, group: WorkerGroup, rates: StepRates) -> None:

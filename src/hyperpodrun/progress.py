@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from elastic_events.control import RankProgress
 
@@ -39,3 +40,39 @@ class StepRates:
 def missed_target(progress: list[RankProgress], event_id: int, target_step: int) -> list[int]:
     """Local ranks that are at or past ``target_step`` without having acted on ``event_id``."""
     return [r for r, p in enumerate(progress) if p.step >= target_step and p.acked_event != event_id]
+
+
+#: How long a rank that was past an event's target step when it was written may take to act on it
+#: at its next step, in its slowest recent step times (and at least ``LATE_GRACE_MIN_S``).
+LATE_GRACE_STEPS = 4
+LATE_GRACE_MIN_S = 1.0
+
+
+@dataclass(frozen=True)
+class LateRanks:
+    """Local ranks that had passed an event's target step when the agent wrote it.
+
+    A rank acts at the first step at or past the target (``ControlReader.check``), so a late
+    rank acts one step after the others' target. That is safe when every rank of the job was
+    late (data parallelism keeps ranks in lockstep: they all act at the same later step), and a
+    deadlock when some rank acted at the target in time: the late rank is then blocked in the next
+    step's collective and never checks again. So a late rank that has not acted within a few of
+    its step times means the event must stop instead.
+    """
+
+    event_id: int
+    ranks: tuple[int, ...]
+    deadline: float  # monotonic
+
+    @classmethod
+    def after_publish(cls, event_id: int, ranks: list[int], *, now: float, slowest_step_s: float) -> LateRanks | None:
+        if not ranks:
+            return None
+        return cls(event_id, tuple(ranks), now + max(LATE_GRACE_MIN_S, LATE_GRACE_STEPS * slowest_step_s))
+
+    def stuck(self, progress: list[RankProgress], now: float) -> list[int] | None:
+        """The late ranks that never acted, once the grace is over; None while it lasts; [] when all acted."""
+        waiting = [r for r in self.ranks if progress[r].acked_event != self.event_id]
+        if waiting and now <= self.deadline:
+            return None
+        return waiting

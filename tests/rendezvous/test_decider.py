@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from hyperpodrun.progress import StepRates, missed_target
+from hyperpodrun.progress import LateRanks, StepRates, missed_target
 from hyperpodrun.config import RestartMode
 from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.rendezvous.api import LocalStatus
@@ -129,6 +129,50 @@ def test_a_rank_that_passed_the_target_before_it_was_published_is_detected(tmp_p
     assert ranks[0].check() is True  # rank 0 acts at step 11 ...
     assert missed_target(writer.progress(), 5, 11) == [1]  # ... which does not hide rank 1's miss
 
+
+
+@pytest.mark.parametrize(("mode", "kind"), [(EventMode.RECONFIGURE, "reconfigure"), (EventMode.RESTART, "save_and_exit")])
+def test_a_member_whose_ranks_outran_the_target_still_publishes_it(mode, kind) -> None:
+    """Found by CI: a CPU freed by the joiner's start-up tripled the step rate, the rank passed the target
+    before its agent learnt it, and the member turned the in-place join into a restart from scratch."""
+    from hyperpodrun.rendezvous.elastic import ElasticRendezvous
+
+    rdzv = ElasticRendezvous(None, context=ctx(), local_addr="10.0.0.1", join_timeout=1.0, node_id="a")  # type: ignore[arg-type]
+    targeted = EventRecord(**{**event(next_members=("a", "c"), target=40, mode=mode).__dict__, "master_addr": "10.0.0.1", "master_port": 41000})
+    status = LocalStatus(group_state=WorkerState.HEALTHY, steps=(52, 51), step_times=(0.001, 0.001))
+    directive = rdzv._follow_event(targeted, status)
+    assert (directive.kind.value, directive.target_step, directive.event_id) == (kind, 40, 5)  # the ranks act one step late
+
+
+def test_ranks_that_were_all_past_the_target_act_together_at_their_next_step(tmp_path) -> None:
+    writer = ControlWriter(tmp_path / "ctl", nproc=2)
+    ranks = [ControlReader(tmp_path / "ctl", r) for r in range(2)]
+    for _ in range(10):
+        for r in ranks:
+            r.check()
+    writer.publish(event_id=5, target_step=8, kind=ChannelKind.RECONFIGURE, round=4, world_size=2,
+                   group_rank=0, group_world_size=1, master_addr="10.0.0.1", master_port=41000)  # fmt: skip
+    late = LateRanks.after_publish(5, missed_target(writer.progress(), 5, 8), now=NOW, slowest_step_s=0.001)
+    assert late is not None and late.ranks == (0, 1) and late.stuck(writer.progress(), NOW) is None
+    assert [r.check() for r in ranks] == [True, True]  # both at step 11
+    assert late.stuck(writer.progress(), NOW + 0.01) == []  # resolved: the event goes on in place
+
+
+def test_a_late_rank_behind_one_that_acted_in_time_stops_the_event_after_a_grace(tmp_path) -> None:
+    """Rank 1 checked step 11 just before target 11 was written, rank 0 just after: rank 0 acts and
+    leaves the group, rank 1 waits in step 12's collective for it and never checks again."""
+    writer = ControlWriter(tmp_path / "ctl", nproc=2)
+    ranks = [ControlReader(tmp_path / "ctl", r) for r in range(2)]
+    for _ in range(10):
+        for r in ranks:
+            r.check()
+    ranks[1].check()
+    writer.publish(event_id=5, target_step=11, kind=ChannelKind.SAVE_AND_EXIT, round=4, world_size=4)
+    late = LateRanks.after_publish(5, missed_target(writer.progress(), 5, 11), now=NOW, slowest_step_s=0.5)
+    assert ranks[0].check() is True
+    assert late.stuck(writer.progress(), NOW + 1.9) is None  # four step times of 0.5 s: still waiting
+    assert late.stuck(writer.progress(), NOW + 2.1) == [1]  # the agent stops the event
+    assert LateRanks.after_publish(5, [], now=NOW, slowest_step_s=0.5) is None  # nobody late: nothing to watch
 
 def test_reconfigure_mode_only_when_every_member_declared_the_in_process_api() -> None:
     acks = {"a": ack(3, 0.1, reconfigurable=True), "b": ack(3, 0.1, reconfigurable=False)}

@@ -337,9 +337,9 @@ class ElasticRendezvous(RendezvousHandler):
         self._handled_event = ev.id
         if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:
             return self._reconfigure_directive(ev)  # at once: the ranks stopped at the failed collective
-        if any(s >= ev.target for s in status.steps):
-            # A rank is already at/past the target: it cannot act at the agreed step with the others.
-            return Directive(kind=DirectiveKind.STOP, **{**base, "reason": ev.reason + "; a rank passed the target step"})
+        # A local rank already past the target (the ranks outran the decider's margin) acts one step
+        # late, together with every other late rank of the job; the agent stops the event if one
+        # acted in time instead (``hyperpodrun.progress.LateRanks``).
         if ev.mode is EventMode.RECONFIGURE:
             return self._reconfigure_directive(ev)
         nxt = ev.next_members or ()
