@@ -10,6 +10,7 @@ torchrun) is the overhead a Trainer user pays; target >= 0.99.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -62,9 +63,16 @@ def worker_main(args: argparse.Namespace) -> int:
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2))
     callbacks = [StepTimes()] + ([ElasticCallback(global_batch=GLOBAL_BATCH)] if args.hf_elastic else [])
-    Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks).train()
+    trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
+    trainer.train()
     if training.process_index == 0:
         Path(args.hf_worker_out, "steps.json").write_text(json.dumps({"step_ends": ends}))
+    # The Trainer's DDP wrapper holds the gloo group: free it before the group, or torch 2.13 aborts
+    # now and then at interpreter exit (SIGABRT, "terminate called without an active exception").
+    del trainer
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -9,9 +9,7 @@ resets that rank's slot and writes the rank's number into the spare's slot: the 
 rank's ``LOCAL_RANK`` and runs the script as ``python`` would (``runpy``, ``__main__``), parked,
 so the script's own code sees the environment of that rank from its first line.
 
-    python -m hyperpodrun.spare CONTROL_FILE SLOT (--script PATH | --module NAME) [ARGS...]
-
-(Only the agent starts it; everything after the target belongs to the script.)
+Only the agent starts it (``USAGE``); everything after the target belongs to the script.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ from elastic_events.control import ControlReader, RankPhase
 __all__ = ["main", "spare_command"]
 
 POLL_S = 0.005
+USAGE = "python -m hyperpodrun.spare CONTROL_FILE SLOT (--script PATH | --module NAME) [ARGS...]"
 
 
 def spare_command(python: str, control_file: str, slot: int, *, script: str | None, module: str | None, args: Sequence[str]) -> list[str]:
@@ -38,7 +37,7 @@ def spare_command(python: str, control_file: str, slot: int, *, script: str | No
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 4 or argv[2] not in ("--script", "--module") or not argv[1].isdigit():
-        print(f"usage: {__doc__.strip().splitlines()[-3].strip()}", file=sys.stderr)
+        print(f"usage: {USAGE}", file=sys.stderr)
         return 2
     control_file, slot, kind, target, args = argv[0], int(argv[1]), argv[2], argv[3], argv[4:]
 

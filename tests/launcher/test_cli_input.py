@@ -72,3 +72,11 @@ def test_parse_rdzv_conf_and_std() -> None:
     assert parse_std("0:3,1:1", flag="--tee", nproc=3) == {0: Std.ALL, 1: Std.OUT, 2: Std.NONE}
     with pytest.raises(ConfigError, match="local rank 5 out of range"):
         parse_std("5:1", flag="--tee", nproc=2)
+
+
+@pytest.mark.parametrize("argv", [[], ["ctl", "x", "--script", "t.py"], ["ctl", "0", "--exec", "t.py"]])
+def test_the_spare_entry_point_refuses_malformed_arguments_before_importing_torch(argv, capsys) -> None:
+    from hyperpodrun.spare import USAGE, main
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"usage: {USAGE}"
