@@ -296,6 +296,8 @@ class FailureScenario(Scenario):
             ev["mode"] = repair_mode(ev["phases_s"])
             noticed = [ev["phases_s"][r] for r in DETECT_RECORDS if r in ev["phases_s"]]
             ev["detect_s"] = min(noticed) if noticed else None
+            if hung := [r for r in log if r["event"] == "rank_hung" and r["ts"] > t_event]:
+                ev["hang_idle_s"] = hung[0]["idle_s"]  # from the rank's last step, which precedes the SIGSTOP
         else:
             ev["mode"] = "restart"
             ev["detect_s"] = self.detect_time(t_event, measured["first_new_ts"])

@@ -37,7 +37,7 @@ from hyperpodrun.hang import HangPolicy, hung_ranks
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
-from hyperpodrun.repair import InPlaceRepair, spares_for
+from hyperpodrun.repair import InPlaceRepair, spares_for, stuck_in_broken_group
 from hyperpodrun.progress import LateRanks, StepRates, missed_target
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
@@ -187,9 +187,11 @@ class Agent:
         failure_logged = False
         rates = StepRates(self.config.nproc_per_node)
         late: LateRanks | None = None  # ranks that were past the published target: they must act one step late
+        published = 0.0  # when the pending event was put on the control channel
         while True:
             state = group.poll()
-            if state == WorkerState.FAILED and pending is None and not failure_logged:
+            rescued = pending is not None and pending.repair and self._repair.hung_killed is not None  # we killed a stuck rank
+            if state == WorkerState.FAILED and (pending is None or rescued) and not failure_logged:
                 if self._repairs_in_place():
                     state, self._hang = self._repair.replace_failed(group, hang=self._hang), None
                 else:
@@ -224,7 +226,7 @@ class Agent:
                 if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):
                     if directive.kind in (DirectiveKind.SAVE_AND_EXIT, DirectiveKind.RECONFIGURE):
                         late = LateRanks.after_publish(directive.event_id, self._publish(directive), now=now, slowest_step_s=rates.slowest)
-                        pending, deadline = directive, now + rdzv.graceful_timeout
+                        pending, published, deadline = directive, now, now + rdzv.graceful_timeout
                         continue
                     return self._stop_now(group, directive), False
                 if late is not None and (stuck := late.stuck(progress, now)) is not None:
@@ -233,6 +235,12 @@ class Agent:
                         self._control.clear()
                         reason = f"{pending.reason}; local rank(s) {stuck} had passed step {pending.target_step} when it was published"
                         return self._stop_now(group, dataclasses.replace(pending, kind=DirectiveKind.STOP, reason=reason)), False
+                if pending is not None and pending.repair and state == WorkerState.HEALTHY and self._repair.hung_killed is None:
+                    stuck = stuck_in_broken_group(progress, next_round=pending.next_round, waited=now - published, slowest_step_s=rates.slowest)
+                    if stuck:
+                        why = f"local rank(s) {stuck} still blocked in the broken group {now - published:.1f}s after the repair was published"
+                        _say(f"{why}; killing them, to be replaced in the same repair")
+                        self._repair.kill_culprits(group, stuck, why)
             if pending is None and state == WorkerState.HEALTHY and self._hang is None and self._repair.hung_killed is None:
                 self._check_hang(group, rates)
                 self._repair.keep_spare(group, in_process=self._repairs_in_place)
@@ -310,13 +318,8 @@ class Agent:
             hung = self._repair.culprits(group, hung, progress, now=now, limit=limit)
         if not hung:
             return
-        for local_rank, pid in pids.items():  # faulthandler (registered by elastic_events) writes to the rank's log
-            for sig in (signal.SIGUSR1, signal.SIGCONT):  # SIGCONT: a SIGSTOPped rank dumps too
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-        self._wake.wait(1.0)  # grace for the dumps to reach the logs before the ranks are stopped
         r = hung[0]
-        idle = time.time() - progress[r].time
+        idle = now - progress[r].time
         rank = group.assignment.global_rank(r)
         why = (
             f"rank {rank} (local rank {r}, pid {pids.get(r)}) made no progress for {idle:.0f}s at step {progress[r].step} "
@@ -325,6 +328,11 @@ class Agent:
         self.events.emit(EventType.RANK_HUNG, rank=rank, local_ranks=list(hung), step=progress[r].step,
                          idle_s=round(idle, 3), hang_timeout=limit, log_file=str(group.log_file(r)))  # fmt: skip
         _say(why)
+        for local_rank, pid in pids.items():  # faulthandler (registered by elastic_events) writes to the rank's log
+            for sig in (signal.SIGUSR1, signal.SIGCONT):  # SIGCONT: a SIGSTOPped rank dumps too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        self._wake.wait(1.0)  # grace for the dumps to reach the logs before the ranks are stopped
         if self._repairs_in_place():  # the kill shows as a failed rank: repaired like a crash
             self._repair.kill_culprits(group, hung, why)
             return

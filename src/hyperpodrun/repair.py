@@ -28,12 +28,31 @@ from hyperpodrun.logs import RankLogs
 from hyperpodrun.spare import spare_command
 from hyperpodrun.supervisor import WorkerGroup, WorkerState
 
-__all__ = ["InPlaceRepair", "spares_for"]
+__all__ = ["InPlaceRepair", "spares_for", "stuck_in_broken_group"]
 
 #: A parked rank's log files and environment: (directory, local rank) -> (logs, env).
 RankSetup = Callable[[Path, int], tuple[RankLogs, dict[str, str]]]
 
 SPARE_CHECK_S = 1.0  # how often the agent looks whether a spare is due
+
+#: How long after a repair is published a rank may stay blocked in the broken group before it is
+#: killed and replaced: in its slowest recent step times, and at least ``STUCK_GRACE_MIN_S``.
+STUCK_GRACE_STEPS = 4
+STUCK_GRACE_MIN_S = 3.0
+
+
+def stuck_in_broken_group(progress: Sequence[RankProgress], *, next_round: int, waited: float, slowest_step_s: float) -> list[int]:
+    """Local ranks still training in the broken round ``waited`` seconds after its repair was published.
+
+    A survivor learns that a peer died when a collective fails; one blocked on a live peer learns
+    it only when that peer frees its end of the old group, and with three or more nodes a survivor
+    now and then never does (gloo has no abort that closes its sockets). A rank that is between
+    collectives acts on the repair at its next step, so one still ``RUNNING`` in the old round after
+    a few step times is blocked: its node replaces it, and it is hydrated with the other newcomers.
+    """
+    if waited <= max(STUCK_GRACE_MIN_S, STUCK_GRACE_STEPS * slowest_step_s):
+        return []
+    return [r for r, p in enumerate(progress) if p.phase == RankPhase.RUNNING and p.round != next_round]
 
 
 def spares_for(config: LaunchConfig) -> int:

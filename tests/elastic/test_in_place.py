@@ -116,11 +116,16 @@ def assert_trained_like_one_process(job) -> list[int]:
         ("c10d", ("a", "b"), 1),  # the spare, torch already imported, takes the failed rank's place
         ("etcd", ("a", "b"), 0),  # a new process is started parked
         ("c10d", ("a",), 1),  # 2 ranks on one node, nothing else to help
+        ("c10d", ("a", "b", "c"), 1),  # a survivor may wait on a live peer: it must let go of the broken group, or be replaced
     ],
 )
 def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spares, request) -> None:
-    """kill -9 of one rank: its node replaces it (its spare, or a new process), parked; the survivor keeps
-    its process and state, the replacement is hydrated from it, and no committed step is lost or trained twice."""
+    """kill -9 of one rank: its node replaces it (its spare, or a new process), parked; the survivors keep
+    their processes and state, the replacement is hydrated from them, and no committed step is lost or trained twice.
+
+    With three nodes a survivor now and then never sees the failure (blocked on a live peer in the broken
+    group's collective); its agent kills and replaces it within the same repair, a few seconds after the
+    repair was published. Only that case may replace a survivor, and only once."""
     endpoint = request.getfixturevalue("etcd_endpoint") if backend_name == "etcd" else None
     per_node = ("--nproc-per-node", str(max(1, 2 // len(nodes))), "--spare-ranks", str(spares))
     job = make_job(backend=backend_name, endpoint=endpoint, script=INPLACE, nnodes=str(len(nodes)), flags=("--max-restarts", "3", *per_node))
@@ -133,17 +138,23 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     codes = job.finish()
     assert codes == dict.fromkeys(nodes, 0), [job.stderr(n) for n in nodes]
 
+    rescued = [r for e in job.events("ranks_replaced") if "still blocked in the broken group" in e["reason"] for r in e["ranks"]]
+    assert len(rescued) <= (1 if len(nodes) >= 3 else 0) and 1 not in rescued, rescued
     records = worlds(job)
-    assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records  # never restarted
-    assert [r["how"] for r in records if r["pid"] == survivor] == ["fresh", "recovered"], records
+    for rank in {r["rank"] for r in records} - {1, *rescued}:  # the survivors: never restarted
+        assert [r["how"] for r in records if r["rank"] == rank] == ["fresh", "recovered"], records
+    if 0 not in rescued:
+        assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records
     replacement = [r for r in records if r["how"] == "peers"]
-    assert len(replacement) == 1 and replacement[0]["pid"] != victim and replacement[0]["world"] == max(2, len(nodes)), records
+    assert sorted(r["rank"] for r in replacement) == sorted([1, *rescued]), records
+    assert victim not in {r["pid"] for r in replacement} and {r["world"] for r in replacement} == {max(2, len(nodes))}, records
     victim_node = next(e["node"] for e in job.events("worker_failed"))
     spares_there = [e["pid"] for e in job.events("spare_ready") if e["node"] == victim_node]
-    assert (replacement[0]["pid"] in spares_there) == bool(spares), (replacement, spares_there)  # the spare took its place
+    took_over = next(r["pid"] for r in replacement if r["rank"] == 1)
+    assert (took_over in spares_there) == bool(spares), (replacement, spares_there)  # the spare took its place
     failed = job.events("worker_failed")
-    assert len(failed) == 1 and failed[0]["repaired_in_place"] and failed[0]["signal"] == "SIGKILL", failed
-    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
+    assert len(failed) == 1 + len(rescued) and all(e["repaired_in_place"] and e["signal"] == "SIGKILL" for e in failed), failed
+    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]  # one repair
     assert not [e for e in job.events("workers_stopped") if e["event_id"]], "no rank was stopped before the job's end"
     in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
     assert {e["reason"] for e in in_place} == {"failure"} and len(in_place) == len(nodes), in_place  # every node, repaired

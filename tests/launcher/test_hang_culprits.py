@@ -18,3 +18,21 @@ from hyperpodrun.hang import culprits
 )
 def test_culprits_spare_ranks_that_only_wait_for_a_peer(states: dict[int, str], idle: dict[int, float], expected: tuple[int, ...]) -> None:
     assert culprits((0, 1), idle=idle, states=states, limit=2.0) == expected
+
+
+def test_a_rank_still_in_the_broken_round_after_the_grace_is_replaced() -> None:
+    """With three nodes a survivor now and then stayed blocked in the broken group's collective (it never
+    saw its peers leave) until the repair timed out after 60 s and the job fell back to a restart."""
+    from elastic_events.control import RankPhase, RankProgress
+
+    from hyperpodrun.repair import STUCK_GRACE_MIN_S, stuck_in_broken_group
+
+    progress = [
+        RankProgress(step=40, time=0.0, acked_event=0, phase=RankPhase.RUNNING, round=3),  # blocked in round 3's collective
+        RankProgress(step=40, time=0.0, acked_event=0, phase=RankPhase.RECOVERING, round=3),  # saw the failure
+        RankProgress(step=40, time=0.0, acked_event=7, phase=RankPhase.READY, round=4),  # in the repaired round
+        RankProgress(step=0, time=0.0, acked_event=0, phase=RankPhase.PARKED, round=0),  # the dead rank's replacement
+    ]
+    assert stuck_in_broken_group(progress, next_round=4, waited=STUCK_GRACE_MIN_S - 0.1, slowest_step_s=0.01) == []
+    assert stuck_in_broken_group(progress, next_round=4, waited=STUCK_GRACE_MIN_S + 0.1, slowest_step_s=0.01) == [0]
+    assert stuck_in_broken_group(progress, next_round=4, waited=STUCK_GRACE_MIN_S + 0.1, slowest_step_s=1.0) == []  # 4 slow steps
