@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -106,6 +107,29 @@ def _listen_socket(addr: str, port: int) -> socket.socket:
     return sock
 
 
+#: How often a rank that arrived before new rank 0 tries to reach the round's store.
+LISTENER_POLL_S = 0.01
+
+
+def wait_for_listener(addr: str, port: int, *, timeout_s: float) -> None:
+    """Return once something accepts connections on ``addr:port``.
+
+    c10d's store client retries a refused connection with a doubling backoff, so a rank that
+    arrives seconds before rank 0 hosts the store (a parked joiner, admitted while the survivors
+    train on to the agreed step) connected about as many seconds late again: 1.3 - 1.4 s of a
+    join's group init in the scale_events benchmark. A plain connect every 10 ms costs nothing.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise GroupError(f"nothing listens on {addr}:{port} for the new round's store after {timeout_s:.0f}s: {exc}") from None
+            time.sleep(LISTENER_POLL_S)
+
+
 def init_round_group(spec: RoundSpec, *, device: torch.device, backend: str, timeout_s: float) -> dist.Store:
     """Join ``spec``'s process group (the default group); returns the store, to keep alive with it.
 
@@ -122,6 +146,7 @@ def init_round_group(spec: RoundSpec, *, device: torch.device, backend: str, tim
                 wait_for_workers=False, master_listen_fd=sock.detach(),
             )  # fmt: skip
         else:
+            wait_for_listener(spec.master_addr, spec.master_port, timeout_s=timeout_s)
             store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
         prefixed = dist.PrefixStore(f"hyperpodrun/round-{spec.round}/", store)
         dist.init_process_group(
