@@ -37,7 +37,7 @@ from hyperpodrun.hang import HangPolicy, hung_ranks
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.reaper import Reaper
-from hyperpodrun.repair import InPlaceRepair, spares_for, stuck_in_broken_group
+from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
 from hyperpodrun.progress import LateRanks, StepRates, missed_target
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
@@ -209,7 +209,6 @@ class Agent:
                 self._rejoin(group)
             now = time.monotonic()
             if now >= next_poll or state != WorkerState.HEALTHY:
-                next_poll = now + rdzv.tick
                 progress = self._control.progress()
                 steps, step_times = rates.update(progress)
                 if self.on_progress is not None:  # metrics
@@ -222,6 +221,7 @@ class Agent:
                     repairing=self._repair.repairing is not None,
                     peer_failed=any(p.phase == RankPhase.RECOVERING for p in progress),
                 )  # fmt: skip
+                next_poll = now + poll_interval(repairing=status.repairing, peer_failed=status.peer_failed, pending=pending is not None, tick=rdzv.tick)
                 directive = self._poll_riding_out_outages(status, group)
                 if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):
                     if directive.kind in (DirectiveKind.SAVE_AND_EXIT, DirectiveKind.RECONFIGURE):
@@ -255,7 +255,7 @@ class Agent:
                 return self._ranks_left(group, pending, WorkerState.FAILED, timed_out=False), False
             if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
                 return self._ranks_left(group, pending, state, timed_out=state == WorkerState.HEALTHY), False
-            self._wake.wait(self.config.monitor_interval)
+            self._wake.wait(min(self.config.monitor_interval, max(0.0, next_poll - time.monotonic())))
 
     def _rejoin(self, group: WorkerGroup) -> None:
         """The membership lease expired (the store was unreachable for a lease ttl): register again as the

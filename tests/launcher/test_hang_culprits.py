@@ -36,3 +36,20 @@ def test_a_rank_still_in_the_broken_round_after_the_grace_is_replaced() -> None:
     assert stuck_in_broken_group(progress, next_round=4, waited=STUCK_GRACE_MIN_S - 0.1, slowest_step_s=0.01) == []
     assert stuck_in_broken_group(progress, next_round=4, waited=STUCK_GRACE_MIN_S + 0.1, slowest_step_s=0.01) == [0]
     assert stuck_in_broken_group(progress, next_round=4, waited=STUCK_GRACE_MIN_S + 0.1, slowest_step_s=1.0) == []  # 4 slow steps
+
+
+@pytest.mark.parametrize(
+    ("repairing", "peer_failed", "pending", "fast"),
+    [
+        (True, False, False, True),  # a local rank was replaced: the repair event is being made
+        (False, True, False, True),  # local ranks wait in recover() for it
+        (True, True, True, False),  # published to the ranks: the rest is bookkeeping
+        (False, False, False, False),  # nothing in flight: the usual tick
+    ],
+)
+def test_an_agent_reads_the_store_fast_only_while_a_failure_waits_for_its_repair(repairing, peer_failed, pending, fast) -> None:
+    """The crash repairs of the failures benchmark spent 0.4 s, two ticks, between the decision and the survivors' signal."""
+    from hyperpodrun.repair import URGENT_POLL_S, poll_interval
+
+    interval = poll_interval(repairing=repairing, peer_failed=peer_failed, pending=pending, tick=0.2)
+    assert interval == (URGENT_POLL_S if fast else 0.2)
