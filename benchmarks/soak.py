@@ -149,7 +149,8 @@ def run_path(path: str, settings: SoakSettings, *, events: int, seed: int, kinds
             if ev["outcome"] != "ok":
                 out["job_deaths"].append({"event": index, "kind": kind, "error": ev["error"]})
                 job.restart_after_death(state)
-        job.wait_step(settings.steps, timeout=settings.steps * settings.step_time_s * 4 + settings.event_timeout_s)
+        if job.last_step() < settings.steps:  # (training may have ended during the last event: the launchers are gone)
+            job.wait_step(settings.steps, timeout=settings.steps * settings.step_time_s * 4 + settings.event_timeout_s)
         out["time_to_steps_s"] = job.time_to_step(settings.steps)
     except (BenchmarkTimeoutError, JobDied) as e:
         out["failure"] = str(e)
