@@ -25,7 +25,7 @@ a fixed number of steps; goodput = time to reach them in a run of the same 3 nod
 events / time with events. That run without events is also the fixed-size reference for the
 final parameters (``--save-final``).
 
-    python benchmarks/soak.py [--quick | --smoke] [--seed N] [--events N] [--paths in-process,process]
+    python benchmarks/soak.py [--quick | --smoke] [--seed N] [--events N] [--gap-steps LO,HI] [--paths in-process,process]
 """
 
 from __future__ import annotations
@@ -327,6 +327,16 @@ def plot(result: BenchmarkResult, runs: dict[str, Any], reference: dict[str, Any
     plt.close(fig)
 
 
+def _gap_steps(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--gap-steps: expected LO,HI (two whole numbers of steps), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"--gap-steps: expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--seed", type=int, default=0, help="seeds the events, their steps and targets [0]")
@@ -335,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--kinds", default=None, help=f"event kinds to draw from [{','.join(ledger.KINDS)}]")
         parser.add_argument("--step-time", type=float, default=0.3, help="fixed step time, s [0.3]")
         parser.add_argument("--ckpt-every", type=int, default=5, help="periodic checkpoint interval, steps [5]")
+        parser.add_argument("--gap-steps", default=None, metavar="LO,HI",
+                            help="steps between an event's recovery and the next event (smoke 2,4; quick 6,14; full 20,40)")  # fmt: skip
         parser.add_argument("--include-skipped", action="store_true",
                             help=f"draw the kinds left out for known bugs too ({', '.join(SKIPPED_KINDS)})")  # fmt: skip
 
@@ -350,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--kinds: unknown kind {k!r}; choose from {', '.join(ledger.KINDS)}")
     skipped = {} if args.include_skipped else SKIPPED_KINDS
     kinds = tuple(k for k in kinds if k not in skipped)
-    gap = GAP_STEPS[args.mode]
+    gap = GAP_STEPS[args.mode] if args.gap_steps is None else _gap_steps(args.gap_steps)
     # Steps for the startup, every event (its gap, the steps trained until the agreed step or the
     # detection, the settle steps at the new size: ~9 in the quick run) and a short tail; an event
     # that would fall into the tail is not injected (the run says so).

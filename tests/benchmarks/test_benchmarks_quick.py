@@ -438,6 +438,16 @@ def _batches(step: int) -> list[int]:
     return [2 * step - 1, 2 * step]  # a global batch of 2: step 1 -> [1, 2], step 2 -> [3, 4], ...
 
 
+@pytest.mark.parametrize(("text", "expected"), [("45,65", (45, 65)), ("3,3", (3, 3)), ("9,4", None), ("0,4", None), ("x", None)])
+def test_soak_gap_steps_option(bench: Any, text: str, expected: tuple[int, int] | None) -> None:
+    soak = bench("soak")
+    if expected is None:
+        with pytest.raises(SystemExit, match="--gap-steps"):
+            soak._gap_steps(text)
+    else:
+        assert soak._gap_steps(text) == expected
+
+
 def test_soak_ledger_splits_attempts_and_allows_only_uncommitted_redo(bench: Any) -> None:
     ledger = bench("soak_ledger")
     log = [
