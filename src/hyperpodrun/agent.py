@@ -239,7 +239,8 @@ class Agent:
                     stuck = stuck_in_broken_group(progress, next_round=pending.next_round, waited=now - published, slowest_step_s=rates.slowest)
                     if stuck:
                         why = f"local rank(s) {stuck} still blocked in the broken group {now - published:.1f}s after the repair was published"
-                        _say(f"{why}; killing them, to be replaced in the same repair")
+                        _say(f"{why}; their Python stacks go to their logs, then they are killed and replaced in the same repair")
+                        self._dump_stacks([group.pids[r] for r in stuck])
                         self._repair.kill_culprits(group, stuck, why)
             if pending is None and state == WorkerState.HEALTHY and self._hang is None and self._repair.hung_killed is None:
                 self._check_hang(group, rates)
@@ -328,16 +329,21 @@ class Agent:
         self.events.emit(EventType.RANK_HUNG, rank=rank, local_ranks=list(hung), step=progress[r].step,
                          idle_s=round(idle, 3), hang_timeout=limit, log_file=str(group.log_file(r)))  # fmt: skip
         _say(why)
-        for local_rank, pid in pids.items():  # faulthandler (registered by elastic_events) writes to the rank's log
-            for sig in (signal.SIGUSR1, signal.SIGCONT):  # SIGCONT: a SIGSTOPped rank dumps too
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-        self._wake.wait(1.0)  # grace for the dumps to reach the logs before the ranks are stopped
+        self._dump_stacks(list(pids.values()))
         if self._repairs_in_place():  # the kill shows as a failed rank: repaired like a crash
             self._repair.kill_culprits(group, hung, why)
             return
         self._hang = why
         group.stop(grace=self.config.shutdown_timeout)
+
+    def _dump_stacks(self, pids: list[int]) -> None:
+        """Have ranks write their Python stacks to their logs (faulthandler, registered by elastic_events, on
+        SIGUSR1; SIGCONT so that a SIGSTOPped rank dumps too), with a second's grace for the dumps to land."""
+        for pid in pids:
+            for sig in (signal.SIGUSR1, signal.SIGCONT):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        self._wake.wait(1.0)
 
     def _repairs_in_place(self) -> bool:
         """Whether a failed rank is replaced in place (the round runs in-process) rather than the job restarted."""

@@ -56,18 +56,22 @@ def poll_interval(*, repairing: bool, peer_failed: bool, pending: bool, tick: fl
     return URGENT_POLL_S if (repairing or peer_failed) and not pending else tick
 
 
+#: A rank training: since its start (RUNNING), or since it last moved rounds in place (READY).
+_TRAINING = (RankPhase.RUNNING, RankPhase.READY)
+
+
 def stuck_in_broken_group(progress: Sequence[RankProgress], *, next_round: int, waited: float, slowest_step_s: float) -> list[int]:
     """Local ranks still training in the broken round ``waited`` seconds after its repair was published.
 
     A survivor learns that a peer died when a collective fails; one blocked on a live peer learns
     it only when that peer frees its end of the old group, and with three or more nodes a survivor
     now and then never does (gloo has no abort that closes its sockets). A rank that is between
-    collectives acts on the repair at its next step, so one still ``RUNNING`` in the old round after
+    collectives acts on the repair at its next step, so one still training in the old round after
     a few step times is blocked: its node replaces it, and it is hydrated with the other newcomers.
     """
     if waited <= max(STUCK_GRACE_MIN_S, STUCK_GRACE_STEPS * slowest_step_s):
         return []
-    return [r for r, p in enumerate(progress) if p.phase == RankPhase.RUNNING and p.round != next_round]
+    return [r for r, p in enumerate(progress) if p.phase in _TRAINING and p.round != next_round]
 
 
 def spares_for(config: LaunchConfig) -> int:
