@@ -36,7 +36,6 @@ and ``close``). Call ``wait`` before exiting on purpose, e.g. at a scale event.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import os
 import secrets
@@ -45,7 +44,6 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -69,6 +67,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic_events import eventlog, names
+from elastic_events.checkpoint_comm import Comm, GroupComm, quiet_single_process
 from elastic_events.checkpoint_layout import (
     _METADATA,
     MARKER_NAME,
@@ -124,7 +123,6 @@ logger = logging.getLogger(__name__)
 
 _GLOBAL_KEY = "global"
 _FULL_BELOW = 1 << 20  # bytes
-_SINGLE_PROCESS_NOTICE = "torch.distributed is disabled, unavailable or uninitialized"
 _RngOutcome = Literal["restored", "reseeded"]
 
 
@@ -188,62 +186,6 @@ class LoadedState:
         return self.world_size != self.info.world_size
 
 
-# -------------------------------------------------------------------- collectives
-
-
-class _Comm:
-    """Agreement between ranks on small Python objects; one process needs none."""
-
-    rank, world_size = 0, 1
-    dcp_kwargs: dict[str, Any] = {"no_dist": True}
-
-    def broadcast(self, obj: Any, *, what: str) -> Any:
-        return obj
-
-    def all_gather(self, obj: Any, *, what: str) -> list[Any]:
-        return [obj]
-
-
-class _GroupComm(_Comm):
-    """Objects exchanged over a (gloo) process group whose timeout bounds every wait."""
-
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
-        self.group, self.timeout_s = group, timeout_s
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.dcp_kwargs = {"process_group": group}
-
-    @contextlib.contextmanager
-    def _guard(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
-            raise CheckpointError(
-                f"rank {self.rank}: waiting for all {self.world_size} ranks to {what} failed or timed out "
-                f"(limit {self.timeout_s:.0f}s): {exc}"
-            ) from exc
-
-    def broadcast(self, obj: Any, *, what: str) -> Any:
-        box = [obj]
-        with self._guard(what):
-            dist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
-
-    def all_gather(self, obj: Any, *, what: str) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        with self._guard(what):
-            dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-
-@contextlib.contextmanager
-def _quiet_single_process(comm: _Comm) -> Iterator[None]:
-    """Hide DCP's notice that it runs in one process: that is what we asked for."""
-    with warnings.catch_warnings():
-        if not isinstance(comm, _GroupComm):
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE)
-        yield
-
-
 # ------------------------------------------------------------------- checkpointer
 
 
@@ -304,7 +246,7 @@ class Checkpointer:
     def __init__(self, config: CheckpointConfig, *, process_group: dist.ProcessGroup | None = None) -> None:
         self.config = config
         self._group = process_group
-        self._comm: _Comm | None = None
+        self._comm: Comm | None = None
         self._comm_world: Any = None
         self._pending: _PendingSave | None = None
         prepare_directory(config.dir)
@@ -352,7 +294,7 @@ class Checkpointer:
         pending = _PendingSave(info=info, tmp=tmp)
         writer = FileSystemWriter(tmp, sync_files=self.config.sync_files, thread_count=self.config.io_threads)
         try:
-            with _quiet_single_process(comm):
+            with quiet_single_process(comm):
                 if self.config.async_save:
                     result = dcp.async_save(state, storage_writer=writer, **comm.dcp_kwargs)
                     pending.future = getattr(result, "upload_completion", result)
@@ -479,22 +421,22 @@ class Checkpointer:
 
     # --------------------------------------------------------------- internals
 
-    def _get_comm(self) -> _Comm:
+    def _get_comm(self) -> Comm:
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.group.WORLD if distributed else None
         stale = self._comm_world is not world  # the default group was rebuilt (in-process reconfiguration)
-        if self._comm is None or stale or (distributed and not isinstance(self._comm, _GroupComm)):
+        if self._comm is None or stale or (distributed and not isinstance(self._comm, GroupComm)):
             self._comm_world = world
             if distributed:
                 timeout = timedelta(seconds=self.config.timeout_s)
                 group = self._group or dist.new_group(backend="gloo", timeout=timeout)
-                self._comm = _GroupComm(group, self.config.timeout_s)
+                self._comm = GroupComm(group, self.config.timeout_s)
             else:
-                self._comm = _Comm()
+                self._comm = Comm()
         return self._comm
 
     @staticmethod
-    def _state_to_save(step: int, comm: _Comm, targets: _Targets, extra: dict[str, Any] | None) -> dict[str, Any]:
+    def _state_to_save(step: int, comm: Comm, targets: _Targets, extra: dict[str, Any] | None) -> dict[str, Any]:
         state = targets.tensor_state()
         rng = capture_rng_state()
         state[f"rng_rank_{comm.rank}"] = _to_bytes(rng_to_plain(rng))
@@ -531,7 +473,7 @@ class Checkpointer:
         finally:
             pending.committed.set()
 
-    def _confirm(self, pending: _PendingSave, comm: _Comm) -> None:
+    def _confirm(self, pending: _PendingSave, comm: Comm) -> None:
         """Every rank checks that it sees the saved files; all ranks raise the same error."""
         final = pending.info.path
         seen = (pending.tmp / _METADATA).is_file() or (final / _METADATA).is_file()  # before or after the rename
@@ -543,7 +485,7 @@ class Checkpointer:
             detail = f"{', '.join(blind)} cannot see {_METADATA} that rank 0 ({reports[0][0]}) wrote"
             raise SharedStorageError(final, detail)
 
-    def _check_visible(self, comm: _Comm, names: list[str]) -> None:
+    def _check_visible(self, comm: Comm, names: list[str]) -> None:
         """Every rank must see the checkpoints rank 0 sees (and see none if rank 0 sees none)."""
         missing = [name for name in names if not (self.config.dir / name).is_dir()]
         report = (socket.gethostname(), missing, len(_scan(self.config.dir)[0]))
@@ -575,19 +517,19 @@ class Checkpointer:
                 )
 
     @staticmethod
-    def _read(info: CheckpointInfo, comm: _Comm, targets: _Targets) -> dict[str, Any]:
+    def _read(info: CheckpointInfo, comm: Comm, targets: _Targets) -> dict[str, Any]:
         """DCP-load into ``targets``' state dicts (in place where they alias live tensors)."""
         state = targets.tensor_state()
         state[_GLOBAL_KEY] = b""
         if info.world_size == comm.world_size:
             state[f"rng_rank_{comm.rank}"] = b""
-        with _quiet_single_process(comm):
+        with quiet_single_process(comm):
             dcp.load(state, storage_reader=FileSystemReader(info.path), **comm.dcp_kwargs)
         state[_GLOBAL_KEY] = _from_bytes(state[_GLOBAL_KEY])
         return state
 
     @staticmethod
-    def _apply(info: CheckpointInfo, comm: _Comm, targets: _Targets, state: dict[str, Any]) -> _RngOutcome:
+    def _apply(info: CheckpointInfo, comm: Comm, targets: _Targets, state: dict[str, Any]) -> _RngOutcome:
         """Hand loaded state to its owners; their refusal (e.g. another dataset) is not corruption."""
         saved = state[_GLOBAL_KEY]
         try:
@@ -603,7 +545,7 @@ class Checkpointer:
         return "reseeded"
 
     @staticmethod
-    def _warn_all(comm: _Comm, skipped: list[tuple[Path, str]]) -> None:
+    def _warn_all(comm: Comm, skipped: list[tuple[Path, str]]) -> None:
         """Rank 0 reports what a load that went on skipped (a failed load's error names it all)."""
         if comm.rank == 0:
             for path, reason in skipped:
