@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from elastic_events import eventlog, names
+from elastic_events import abort, eventlog, names
 from elastic_events.checkpoint_comm import Comm, GroupComm, quiet_single_process
 from elastic_events.checkpoint_layout import (
     _METADATA,
@@ -429,7 +429,11 @@ class Checkpointer:
             self._comm_world = world
             if distributed:
                 timeout = timedelta(seconds=self.config.timeout_s)
-                group = self._group or dist.new_group(backend="gloo", timeout=timeout)
+                if self._group is not None:
+                    group = self._group
+                else:
+                    with abort.tracking():  # the round's too: shut down with it when a repair ends the round
+                        group = dist.new_group(backend="gloo", timeout=timeout)
                 self._comm = GroupComm(group, self.config.timeout_s)
             else:
                 self._comm = Comm()

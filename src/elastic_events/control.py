@@ -28,7 +28,7 @@ Layout (little-endian, fixed offsets)::
      24  u32  capabilities      (bit 0 CAP_RECONFIGURE: the script uses the in-process API)
      28  u32  phase             (RankPhase)
      32  u64  round the rank is in
-     40  i64  step of the last in-memory snapshot (-1 none)
+     40  i64  step of this rank's hand-off (-1 none, -2 being written; see elastic_events.handoff)
      48  f64  unix time of the last phase change
      56  u32  spare slots only: the local rank this spare replaces, plus one (0: none yet)
      60  ..   reserved
@@ -80,7 +80,10 @@ _PHASE = struct.Struct("<I")
 _PHASE_OFFSET = 28
 _ROUND = struct.Struct("<Q")
 _ROUND_OFFSET = 32
+_SNAPSHOT = struct.Struct("<q")
 _SNAPSHOT_OFFSET = 40
+NO_SNAPSHOT = -1
+SNAPSHOT_WRITING = -2
 _PHASE_TIME = struct.Struct("<d")
 _PHASE_TIME_OFFSET = 48
 _ASSIGN = struct.Struct("<I")
@@ -354,6 +357,10 @@ class ControlReader:
             _store(self._mm, self._slot + _ROUND_OFFSET, _ROUND, round)
         _store(self._mm, self._slot + _PHASE_TIME_OFFSET, _PHASE_TIME, time.time())
         _store(self._mm, self._slot + _PHASE_OFFSET, _PHASE, phase)
+
+    def set_snapshot_step(self, step: int) -> None:
+        """Record the step of the state this rank holds outside the process (``SNAPSHOT_WRITING``: being written)."""
+        _store(self._mm, self._slot + _SNAPSHOT_OFFSET, _SNAPSHOT, step)
 
     def assignment(self) -> int | None:
         """A spare's slot: the local rank it was told to become (None: not yet)."""

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from elastic_events.errors import HydrationError, StateMismatchError
 
-__all__ = ["HydrationError", "HydrationPlan", "RankReport", "StateMismatchError", "plan_hydration"]
+__all__ = ["HydrationError", "HydrationPlan", "RankReport", "StateMismatchError", "plan_from_handoff", "plan_hydration"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +50,7 @@ class RankReport:
     checksum: str | None  # digest of the parameter values (replicated survivors only)
     sharded: bool | None  # None: not known yet (a newcomer)
     control_step: int = 0  # its count of elastic_event_detected() calls (a repair aligns everyone's on the source's)
+    handoff_step: int = -1  # a newcomer: the step of its predecessor's hand-off for this round (elastic_events.handoff)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,7 @@ class HydrationPlan:
     survivors: tuple[int, ...]
     sharded: bool
     step: int
+    handoff: bool = False  # the source sends the state its predecessor handed off, not a live one
 
 
 def plan_hydration(reports: Sequence[RankReport], *, recovering: bool = False) -> HydrationPlan:
@@ -113,6 +115,16 @@ def plan_hydration(reports: Sequence[RankReport], *, recovering: bool = False) -
         sharded=sharded,
         step=steps[0] if steps else -1,
     )
+
+
+def plan_from_handoff(plan: HydrationPlan, reports: Sequence[RankReport]) -> HydrationPlan:
+    """No rank survived with the state: the newest hand-off of a replaced rank is the state, if there is one."""
+    holders = [r for r in reports if r.handoff_step >= 0]
+    if plan.source is not None or plan.survivors or not holders:
+        return plan
+    best = max(holders, key=lambda r: (r.handoff_step, -r.rank))
+    others = tuple(r.rank for r in sorted(reports, key=lambda r: r.rank) if r.rank != best.rank)
+    return HydrationPlan(source=best.rank, newcomers=others, survivors=(), sharded=False, step=best.handoff_step, handoff=True)
 
 
 # --------------------------------------------------------------------------- digests

@@ -39,42 +39,20 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import elastic_events
-from elastic_events import eventlog, names
-from elastic_events.errors import ElasticTrainingError, HydrationError, RecoveryError
+from elastic_events import abort, eventlog, names
 from elastic_events.control import CAP_RECONFIGURE, AdmissionTimeoutError, ControlReader, Event, EventKind, RankPhase
-from elastic_events.group import (
-    RoundSpec,
-    backend_for,
-    default_device,
-    init_env_group,
-    init_round_group,
-    is_peer_failure,
-    teardown_group,
-)
+from elastic_events.errors import ElasticTrainingError, RecoveryError
+from elastic_events.group import backend_for, default_device, init_env_group, is_peer_failure, teardown_group
+from elastic_events.hydration import gather_full_state, structure_digest, value_checksum
 from elastic_events.inprocess_config import ElasticConfig, default_wrap
+from elastic_events.inprocess_rounds import RoundJoining, is_sharded, Kept, on_meta
 from elastic_events.names import PARKED_ENV, ROUND_ENV
-from elastic_events.hydration import (
-    FullState,
-    RankReport,
-    allocate_tensors,
-    gather_full_state,
-    model_tensors,
-    nonpersistent_buffers,
-    plan_hydration,
-    split_tensors,
-    structure_digest,
-    value_checksum,
-)
-from elastic_events.rng import derive_rank_seed, seed_all
-from elastic_events.transfer import broadcast_tensors
 
 
 ModelFn = Callable[[], torch.nn.Module]
@@ -83,29 +61,7 @@ OptimizerFn = Callable[[torch.nn.Module], torch.optim.Optimizer]
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
 
 
-@dataclass(kw_only=True)
-class _Kept:
-    """What a survivor takes from its old round into the new one (besides its live objects)."""
-
-    step: int
-    sharded: bool
-    structure: str
-    checksum: str | None
-    full: FullState | None = None  # a sharded model's full state, on the new round's rank 0
-    small: dict[str, Any] | None = None
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _on_meta(module: torch.nn.Module) -> bool:
-    return any(t.is_meta for _, t in model_tensors(module))
-
-
-class ElasticTraining:
+class ElasticTraining(RoundJoining):
     """A rank's training state and process group, kept alive through scale events.
 
     Args:
@@ -156,6 +112,8 @@ class ElasticTraining:
         self._store: Any = None
         self._control_step = 0  # a newcomer's step count on the control channel, from its source
         self._reader: ControlReader | None = None
+        self._repair_watch: abort.RepairWatch | None = None
+        self._optimizer_steps = [0, 0]  # optimizer steps begun, ended (hooks of the optimizer)
         self._started = False
 
     # ------------------------------------------------------------------ the world
@@ -191,7 +149,10 @@ class ElasticTraining:
             return self._start_parked()
         if "RANK" in os.environ and "WORLD_SIZE" not in os.environ:
             raise ElasticTrainingError("RANK is set but WORLD_SIZE is not: launch with torchrun or hyperpodrun")
-        init_env_group(device=self.device, backend=self.backend, timeout_s=self.config.timeout_s)
+        abort.begin_round(self.round)
+        with abort.tracking():
+            init_env_group(device=self.device, backend=self.backend, timeout_s=self.config.timeout_s)
+        self._watch_repairs()
         self._build(self._model_fn())
         if self.checkpointer is not None and self.checkpointer.latest() is not None:
             self._load_checkpoint()
@@ -255,7 +216,7 @@ class ElasticTraining:
         """
         if self._reader is None or not self.distributed or not is_peer_failure(exc):
             raise exc
-        if _is_sharded(self.module):
+        if is_sharded(self.module):
             raise RecoveryError(
                 f"rank {self.rank}: a collective failed at step {self.step + 1} and a sharded (FSDP2) model cannot be "
                 "recovered in place (the failed rank's shards exist nowhere else)"
@@ -268,13 +229,15 @@ class ElasticTraining:
         self._reader.fired = None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
-        kept = _Kept(step=self.step, sharded=False, structure=structure_digest(self.module), checksum=value_checksum(self.module))
+        kept = Kept(step=self.step, sharded=False, structure=structure_digest(self.module), checksum=value_checksum(self.module))
         # A gloo group closes its sockets only once nothing references it, and a peer blocked on this rank
         # learns of the failure only then: the failed step's frames (holding the DDP wrapper) must go too.
         traceback.clear_frames(exc.__traceback__)
         self._drop_wrapper()  # the DDP wrapper belongs to the broken group
         if self.checkpointer is not None:
             self.checkpointer.release_group(abandon=True)
+        if self.backend == "gloo":  # its sockets outlive the group while anything holds it: end peers' waits now
+            abort.shutdown_round(self.round)
         teardown_group(broken=True)
         self._store = None
         torn_down = time.monotonic() - t0
@@ -317,10 +280,10 @@ class ElasticTraining:
         self._join(event, kept=kept, fresh_module=None, torn_down_s=time.monotonic() - t0)
         return True
 
-    def _release(self, event: Event) -> _Kept:
+    def _release(self, event: Event) -> Kept:
         """Leave the old round: note what this rank keeps, drop what referred to the old group, tear it down."""
-        sharded = self.distributed and _is_sharded(self.model)
-        kept = _Kept(
+        sharded = self.distributed and is_sharded(self.model)
+        kept = Kept(
             step=self.step,
             sharded=sharded,
             structure=structure_digest(self.module),
@@ -347,157 +310,6 @@ class ElasticTraining:
         self._store = None
         return kept
 
-    # ----------------------------------------------------------------- a round
-    def _join(
-        self,
-        event: Event,
-        *,
-        kept: _Kept | None,
-        fresh_module: torch.nn.Module | None,
-        torn_down_s: float = 0.0,
-    ) -> None:
-        """Form the event's group, bring every rank to the same state, mark READY."""
-        spec = RoundSpec.from_event(event, local_rank=self.local_rank, local_world_size=self.local_world_size)
-        os.environ.update(spec.environment())
-        t0 = time.monotonic()
-        eventlog.emit(names.GROUP_TORN_DOWN, event_id=event.event_id, step=self.step, seconds=torn_down_s)
-        self._store = init_round_group(spec, device=self.device, backend=self.backend, timeout_s=self.config.timeout_s)
-        self.round = event.round
-        eventlog.emit(names.GROUP_UP, event_id=event.event_id, seconds=time.monotonic() - t0)
-        t1 = time.monotonic()
-        survivor = kept is not None
-        report = RankReport(
-            rank=spec.rank,
-            survivor=survivor,
-            source_ready=survivor and (not kept.sharded or kept.full is not None),
-            step=kept.step if survivor else -1,
-            structure=kept.structure if survivor else structure_digest(fresh_module),
-            checksum=kept.checksum if survivor else None,
-            sharded=kept.sharded if survivor else None,
-            control_step=self._reader.step if self._reader is not None else 0,
-        )
-        reports: list[Any] = [None] * spec.world_size
-        try:
-            dist.all_gather_object(reports, report)
-            plan = plan_hydration(reports, recovering=event.repair)
-            received = spec.rank in plan.newcomers  # a newcomer, or a survivor a step behind the others
-            if plan.source is None:
-                self._rebuild_from_storage(fresh_module)
-            elif plan.sharded:
-                self._reshard(plan.source, kept, fresh_module)
-            else:
-                self._replicate(plan.source, plan.newcomers, fresh_module if fresh_module is not None else self.module)
-                if not received:
-                    self.model = self._rewrap()  # DDP over the new group (receivers wrapped in _replicate)
-        except ElasticTrainingError:
-            raise
-        except RuntimeError as exc:  # gloo/NCCL report dead peers and timeouts as RuntimeError
-            raise HydrationError(
-                f"rank {spec.rank}: bringing round {spec.round}'s {spec.world_size} ranks to one state failed "
-                f"or timed out (limit {self.config.timeout_s:.0f}s): {exc}"
-            ) from exc
-        self._set_world()
-        seed_all(derive_rank_seed(self._base_seed, self.step, self.rank))
-        if self._reader is not None and event.repair and plan.source is not None:
-            # a rank that failed after committing a step may not have counted it: agree on the source's count
-            self._reader.set_step(next(r.control_step for r in reports if r.rank == plan.source))
-        elif self._reader is not None and received:
-            self._reader.set_step(self._control_step)
-        self._phase(RankPhase.READY)
-        elastic_events._new_round("recovered" if event.repair else "reconfigure" if survivor else "admitted")
-        eventlog.emit(
-            names.HYDRATED, event_id=event.event_id, step=self.step, seconds=time.monotonic() - t1,
-            newcomers=len(plan.newcomers), from_rank=plan.source, sharded=plan.sharded,
-        )  # fmt: skip
-
-    def _small_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "extra": self.extra,
-            "base_seed": self._base_seed,
-            "control_step": self._reader.step if self._reader is not None else 0,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-        }
-
-    def _load_small_state(self, state: dict[str, Any]) -> None:
-        self.resumed_from = "peers"
-        self.step, self.extra, self._base_seed = state["step"], state["extra"], state["base_seed"]
-        self._control_step = state["control_step"]
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.sampler is not None and state["sampler"] is not None:
-            self.sampler.load_state_dict(state["sampler"])
-
-    def _replicate(self, source: int, newcomers: tuple[int, ...], fresh_module: torch.nn.Module | None) -> None:
-        """Replicated model: the source streams everything to the newcomers; survivors re-wrap."""
-        if not newcomers:
-            return
-        members = sorted((source, *newcomers))
-        timeout = timedelta(seconds=self.config.timeout_s)
-        group = None if len(members) == self.world_size else dist.new_group(members, timeout=timeout)
-        if self.rank not in members:
-            return
-        sending = self.rank == source
-        if not sending:
-            self.module = fresh_module
-            if _on_meta(self.module):
-                self.module.to_empty(device=self.device)
-        skeleton, optim_tensors = None, []
-        if sending and self.optimizer is not None:
-            skeleton, optim_tensors = split_tensors(self.optimizer.state_dict())
-        box = [(skeleton, self._small_state()) if sending else None]
-        dist.broadcast_object_list(box, src=source, group=group)
-        skeleton, small = box[0]
-        optim_state = None
-        if not sending and skeleton is not None:
-            optim_state, optim_tensors = allocate_tensors(skeleton, self.device)
-        tensors = [t for _, t in model_tensors(self.module)]
-        broadcast_tensors(
-            [*tensors, *optim_tensors], src=source, group=group, device=self._comm_device(),
-            bucket_bytes=self.config.bucket_bytes,
-        )  # fmt: skip
-        if not sending:
-            self.model = self._rewrap()
-            self._build_optimizer()
-            if optim_state is not None:
-                self.optimizer.load_state_dict(optim_state)
-            self._load_small_state(small)
-
-    def _reshard(self, source: int, kept: _Kept | None, fresh_module: torch.nn.Module | None) -> None:
-        """Sharded model: everyone rebuilds on the new mesh and takes its shards of the full state."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        if source != 0:
-            raise ElasticTrainingError(f"the full state of the sharded model is on rank {source}, not on rank 0")
-        full = kept.full if kept is not None else None
-        box = [kept.small if full is not None else None]
-        self.module = fresh_module if fresh_module is not None else self._model_fn()
-        self.model = self._wrap(self.module)
-        self._check_materialised()
-        self._build_optimizer()
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(self.model, full.model if full else {}, options=options)
-        if self.optimizer is not None:
-            set_optimizer_state_dict(self.model, self.optimizer, full.optimizer if full else {}, options=options)
-        if kept is not None:
-            kept.full = full = None
-        buffers = nonpersistent_buffers(self.model)
-        broadcast_tensors(buffers, src=0, device=self._comm_device(), bucket_bytes=self.config.bucket_bytes)
-        dist.broadcast_object_list(box, src=0)
-        self._load_small_state(box[0])
-
-    def _rebuild_from_storage(self, fresh_module: torch.nn.Module | None) -> None:
-        """No rank holds a complete state: every rank builds its model and loads the newest checkpoint."""
-        self._build(fresh_module if fresh_module is not None else self._model_fn())
-        self._control_step = 0
-        if self.checkpointer is not None and self.checkpointer.latest() is not None:
-            self._load_checkpoint()
-
     def close(self) -> None:
         """Leave the process group at the end of training (also run at interpreter exit).
 
@@ -506,6 +318,9 @@ class ElasticTraining:
         about one exit in six ("terminate called without an active exception", SIGABRT) after
         training succeeded. Dropping the wrapper first lets the group go here.
         """
+        if self._repair_watch is not None:
+            self._repair_watch.stop()
+            self._repair_watch = None
         if self.distributed:
             if self.module is not None:
                 self.model = self.module
@@ -544,14 +359,26 @@ class ElasticTraining:
 
     def _build_optimizer(self) -> None:
         self.optimizer = self._optimizer_fn(self.model) if self._optimizer_fn is not None else None
+        if self.optimizer is not None:  # counted, so that a hand-off is never taken mid-step
+            steps = self._optimizer_steps
+            self.optimizer.register_step_pre_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+            self.optimizer.register_step_post_hook(lambda *_: steps.__setitem__(1, steps[1] + 1))
         if self._scheduler_fn is not None and self.optimizer is not None:
             self.scheduler = self._scheduler_fn(self.optimizer)
 
     def _check_materialised(self) -> None:
-        if _on_meta(self.model):
+        if on_meta(self.model):
             raise ElasticTrainingError(
                 "the model is still on the meta device after wrap(): materialise it there (to_empty + init)"
             )
+
+    def _optimizer_busy(self) -> bool:
+        return self._optimizer_steps[0] != self._optimizer_steps[1]
+
+    def _watch_repairs(self) -> None:
+        """Under a launcher, with gloo: end this rank's collectives of a round the launcher repairs (:mod:`.abort`)."""
+        if self._repair_watch is None and self._reader is not None and self.backend == "gloo" and self.distributed:
+            self._repair_watch = abort.RepairWatch(self._reader, on_blocked=self._hand_off).start()
 
     def _set_world(self) -> None:
         if self.sampler is not None and hasattr(self.sampler, "set_world"):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from elastic_events.control import ControlWriter, RankPhase, RankProgress
+from elastic_events.control import SNAPSHOT_WRITING, ControlWriter, RankPhase, RankProgress
 from hyperpodrun.config import LaunchConfig
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.hang import culprits
@@ -39,6 +39,9 @@ SPARE_CHECK_S = 1.0  # how often the agent looks whether a spare is due
 #: killed and replaced: in its slowest recent step times, and at least ``STUCK_GRACE_MIN_S``.
 STUCK_GRACE_STEPS = 4
 STUCK_GRACE_MIN_S = 3.0
+
+#: How long a blocked rank may take to write its hand-off before it is replaced without it.
+HANDOFF_WRITE_S = 60.0
 
 #: How often an agent reads the store while a failure is reported and its repair not yet published.
 URGENT_POLL_S = 0.03
@@ -63,15 +66,24 @@ _TRAINING = (RankPhase.RUNNING, RankPhase.READY)
 def stuck_in_broken_group(progress: Sequence[RankProgress], *, next_round: int, waited: float, slowest_step_s: float) -> list[int]:
     """Local ranks still training in the broken round ``waited`` seconds after its repair was published.
 
-    A survivor learns that a peer died when a collective fails; one blocked on a live peer learns
-    it only when that peer frees its end of the old group, and with three or more nodes a survivor
-    now and then never does (gloo has no abort that closes its sockets). A rank that is between
-    collectives acts on the repair at its next step, so one still training in the old round after
-    a few step times is blocked: its node replaces it, and it is hydrated with the other newcomers.
+    A survivor learns that a peer died when a collective fails. Each rank's repair watch
+    (``elastic_events.abort``) shuts the broken round's connections down when the repair is
+    published, which ends a collective blocked on a live peer; under load a survivor blocked in
+    DDP's backward still now and then never returns. One still training in the old round after a
+    few step times is blocked for good: its node replaces it, and it is hydrated with the other
+    newcomers. Its watch hands its state off first (``elastic_events.handoff``): a rank that has
+    handed it off is replaced at once, one writing it is waited for (up to ``HANDOFF_WRITE_S``).
     """
-    if waited <= max(STUCK_GRACE_MIN_S, STUCK_GRACE_STEPS * slowest_step_s):
-        return []
-    return [r for r, p in enumerate(progress) if p.phase in _TRAINING and p.round != next_round]
+    grace = max(STUCK_GRACE_MIN_S, STUCK_GRACE_STEPS * slowest_step_s)
+    stuck = []
+    for r, p in enumerate(progress):
+        if p.phase not in _TRAINING or p.round == next_round:
+            continue
+        if p.snapshot_step >= 0 or (p.snapshot_step == SNAPSHOT_WRITING and waited > grace + HANDOFF_WRITE_S):
+            stuck.append(r)
+        elif p.snapshot_step != SNAPSHOT_WRITING and waited > grace:
+            stuck.append(r)
+    return stuck
 
 
 def spares_for(config: LaunchConfig) -> int:

@@ -40,6 +40,22 @@ def test_a_rank_still_in_the_broken_round_after_the_grace_is_replaced() -> None:
     assert stuck_in_broken_group(progress, next_round=4, waited=STUCK_GRACE_MIN_S + 0.1, slowest_step_s=1.0) == []  # 4 slow steps
 
 
+def test_a_blocked_rank_that_hands_its_state_off_is_replaced_at_once_and_one_writing_it_is_waited_for() -> None:
+    from elastic_events.control import SNAPSHOT_WRITING, RankPhase, RankProgress
+
+    from hyperpodrun.repair import HANDOFF_WRITE_S, STUCK_GRACE_MIN_S, stuck_in_broken_group
+
+    progress = [
+        RankProgress(step=40, time=0.0, acked_event=0, phase=RankPhase.RUNNING, round=3, snapshot_step=40),  # handed off
+        RankProgress(step=40, time=0.0, acked_event=0, phase=RankPhase.RUNNING, round=3, snapshot_step=SNAPSHOT_WRITING),
+        RankProgress(step=40, time=0.0, acked_event=0, phase=RankPhase.RECOVERING, round=3, snapshot_step=40),  # recovering after all
+    ]
+    assert stuck_in_broken_group(progress, next_round=4, waited=0.6, slowest_step_s=0.01) == [0]
+    assert stuck_in_broken_group(progress, next_round=4, waited=STUCK_GRACE_MIN_S + 1, slowest_step_s=0.01) == [0]
+    late = STUCK_GRACE_MIN_S + HANDOFF_WRITE_S + 0.1
+    assert stuck_in_broken_group(progress, next_round=4, waited=late, slowest_step_s=0.01) == [0, 1]
+
+
 @pytest.mark.parametrize(
     ("repairing", "peer_failed", "pending", "fast"),
     [

@@ -5,7 +5,8 @@ parameters depend only on how many steps were trained. Rank 0 appends {"step", "
 RUN_DIR/progress.jsonl every step; every rank appends {"pid", "rank", "world", "round", "step",
 "how"} to RUN_DIR/worlds.jsonl when it starts and after every reconfiguration, and its final
 parameters to RUN_DIR/final.jsonl. Training ends at the first step after RUN_DIR/stop exists
-(agreed through an all-reduce). No sleeps: steps are as fast as gloo allows. A step whose
+(agreed through an all-reduce); while RUN_DIR/block exists, the first rank 0 blocks for good at the start
+of its next step (appending {"pid", "step"} to RUN_DIR/blocked.jsonl). No sleeps: steps are as fast as gloo allows. A step whose
 collective fails (a peer was killed) is recovered in place: "how" is "recovered" for a survivor.
 """
 
@@ -44,6 +45,9 @@ def note(how: str) -> None:
 note(elastic.resumed_from)
 while True:
     try:  # every collective of the step comes before the optimizer step: a step that fails changes nothing
+        if elastic.rank == 0 and elastic.resumed_from == "fresh" and (run / "block").exists():
+            log("blocked.jsonl", {"pid": os.getpid(), "step": elastic.step})
+            os.read(os.pipe()[0], 1)  # a main thread that never returns, like a collective gloo never ends
         stop = torch.tensor([float((run / "stop").exists())])
         dist.all_reduce(stop)
         if stop.item() > 0:

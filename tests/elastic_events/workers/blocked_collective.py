@@ -1,0 +1,66 @@
+"""One of two gloo ranks for the repair-watch test: rank 1 blocks in a collective that rank 0 never joins.
+
+argv: RUN_DIR RANK CONTROL_FILE. Rank 0 stays alive and holds its end of the group (a peer that
+left the broken group) until rank 1 has a result. Rank 1 writes RUN_DIR/result.json: how long
+its all_reduce waited and what it raised. Both run a RepairWatch on the control channel, so a
+repair event the test publishes must end rank 1's wait long before the group's 60 s timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elastic_events import abort
+from elastic_events.control import ControlReader
+from elastic_events.group import is_peer_failure
+
+GROUP_TIMEOUT = timedelta(seconds=60)
+
+
+def main() -> int:
+    run, rank, control = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    port_file = run / "port"
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, GROUP_TIMEOUT, wait_for_workers=False)
+        (run / "port.tmp").write_text(str(store.port))
+        os.replace(run / "port.tmp", port_file)
+    else:
+        deadline = time.monotonic() + 60
+        while not port_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        store = dist.TCPStore("127.0.0.1", int(port_file.read_text()), 2, False, GROUP_TIMEOUT)
+    abort.begin_round(1)
+    with abort.tracking():
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=GROUP_TIMEOUT)
+    watch = abort.RepairWatch(ControlReader(control, rank)).start()
+    (run / f"ready-{rank}").touch()
+    result = run / "result.json"
+    if rank == 0:
+        deadline = time.monotonic() + 90
+        while not result.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1))
+            outcome = {"raised": False}
+        except RuntimeError as exc:
+            outcome = {"raised": True, "peer_failure": is_peer_failure(exc), "error": str(exc)[:300]}
+        outcome["seconds"] = time.monotonic() - t0
+        (run / "result.tmp").write_text(json.dumps(outcome))
+        os.replace(run / "result.tmp", result)
+    watch.stop()
+    sys.stdout.flush()
+    os._exit(0)  # the group is broken on purpose: skip gloo's teardown at exit
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
