@@ -11,6 +11,7 @@ from elastic_events.hydration import (
     StateMismatchError,
     TensorSpec,
     allocate_tensors,
+    plan_from_handoff,
     plan_hydration,
     split_tensors,
     structure_digest,
@@ -41,6 +42,21 @@ def test_sharded_state_comes_from_the_rank_holding_the_full_state() -> None:
 def test_without_survivors_there_is_no_source() -> None:
     plan = plan_hydration([newcomer(0), newcomer(1)])
     assert (plan.source, plan.survivors, plan.step) == (None, (), -1)
+
+
+def test_without_survivors_the_newest_hand_off_is_the_source() -> None:
+    reports = [newcomer(0), RankReport(rank=1, survivor=False, source_ready=False, step=-1, structure="s", checksum=None,
+                                       sharded=None, handoff_step=40), newcomer(2)]  # fmt: skip
+    plan = plan_from_handoff(plan_hydration(reports, recovering=True), reports)
+    assert (plan.source, plan.newcomers, plan.handoff, plan.step) == (1, (0, 2), True, 40)
+    assert plan_from_handoff(plan_hydration([newcomer(0), newcomer(1)]), [newcomer(0), newcomer(1)]).source is None
+
+
+def test_a_survivor_is_always_preferred_to_a_hand_off() -> None:
+    handed = RankReport(rank=1, survivor=False, source_ready=False, step=-1, structure="s", checksum=None, sharded=None, handoff_step=50)
+    reports = [survivor(0, step=51), handed]
+    plan = plan_from_handoff(plan_hydration(reports, recovering=True), reports)
+    assert (plan.source, plan.handoff, plan.newcomers) == (0, False, (1,))
 
 
 @pytest.mark.parametrize(
