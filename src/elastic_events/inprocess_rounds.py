@@ -162,9 +162,13 @@ class RoundJoining:
 
     def _hand_off(self, event: Event) -> None:
         """RepairWatch thread, main thread blocked in the broken round: write the state for this rank's replacement."""
-        if self.module is None or self._reader is None or is_sharded(self.module) or self._optimizer_busy():
+        reader = self._reader
+        if self.module is None or reader is None or is_sharded(self.module) or self._optimizer_busy():
             return
-        begun, reader = self._optimizer_steps[0], self._reader
+        slot = reader.progress()
+        if slot.phase not in (RankPhase.RUNNING, RankPhase.READY) or slot.round != self.round:
+            return  # between rounds (tearing down, forming, hydrating): the state is not one step's
+        begun = self._optimizer_steps[0]
         reader.set_snapshot_step(SNAPSHOT_WRITING)
         try:
             state = {

@@ -42,6 +42,12 @@ def missed_target(progress: list[RankProgress], event_id: int, target_step: int)
     return [r for r, p in enumerate(progress) if p.step >= target_step and p.acked_event != event_id]
 
 
+def grace_s(slowest_step_s: float, *, steps: float, floor_s: float) -> float:
+    """``steps`` of the slowest rank's step times, and never less than ``floor_s``: how long a rank may
+    take to do what it does once per step (act on an event, notice a failed collective)."""
+    return max(floor_s, steps * slowest_step_s)
+
+
 #: How long a rank that was past an event's target step when it was written may take to act on it
 #: at its next step, in its slowest recent step times (and at least ``LATE_GRACE_MIN_S``).
 LATE_GRACE_STEPS = 4
@@ -68,7 +74,7 @@ class LateRanks:
     def after_publish(cls, event_id: int, ranks: list[int], *, now: float, slowest_step_s: float) -> LateRanks | None:
         if not ranks:
             return None
-        return cls(event_id, tuple(ranks), now + max(LATE_GRACE_MIN_S, LATE_GRACE_STEPS * slowest_step_s))
+        return cls(event_id, tuple(ranks), now + grace_s(slowest_step_s, steps=LATE_GRACE_STEPS, floor_s=LATE_GRACE_MIN_S))
 
     def stuck(self, progress: list[RankProgress], now: float) -> list[int] | None:
         """The late ranks that never acted, once the grace is over; None while it lasts; [] when all acted."""

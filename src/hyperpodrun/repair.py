@@ -25,6 +25,7 @@ from hyperpodrun.config import LaunchConfig
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.hang import culprits
 from hyperpodrun.logs import RankLogs
+from hyperpodrun.progress import grace_s
 from hyperpodrun.spare import spare_command
 from hyperpodrun.supervisor import WorkerGroup, WorkerState
 
@@ -74,7 +75,7 @@ def stuck_in_broken_group(progress: Sequence[RankProgress], *, next_round: int, 
     newcomers. Its watch hands its state off first (``elastic_events.handoff``): a rank that has
     handed it off is replaced at once, one writing it is waited for (up to ``HANDOFF_WRITE_S``).
     """
-    grace = max(STUCK_GRACE_MIN_S, STUCK_GRACE_STEPS * slowest_step_s)
+    grace = grace_s(slowest_step_s, steps=STUCK_GRACE_STEPS, floor_s=STUCK_GRACE_MIN_S)
     stuck = []
     for r, p in enumerate(progress):
         if p.phase not in _TRAINING or p.round == next_round:
