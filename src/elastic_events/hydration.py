@@ -63,8 +63,13 @@ class HydrationPlan:
     handoff: bool = False  # the source sends the state its predecessor handed off, not a live one
 
 
-def plan_hydration(reports: Sequence[RankReport], *, recovering: bool = False) -> HydrationPlan:
+def plan_hydration(reports: Sequence[RankReport], *, recovering: bool = False, local_world_size: int = 1) -> HydrationPlan:
     """Who sends the state to whom; raises :class:`StateMismatchError` when the state disagrees.
+
+    A replicated state is sent by a survivor on the newcomers' node when they are all on one
+    (rank // ``local_world_size``): a crashed rank is hydrated by a sibling over the node's own
+    links, needing no other node. Otherwise, and for a sharded model (whose full state is on
+    rank 0), by the lowest ready rank.
 
     ``recovering``: the round repairs a failure. A peer died mid-step, so a survivor may have
     committed one step more than another (its collectives completed before the peer's death
@@ -108,13 +113,26 @@ def plan_hydration(reports: Sequence[RankReport], *, recovering: bool = False) -
             detail = ", ".join(f"rank {r.rank}: {r.checksum}" for r in survivors)
             raise StateMismatchError(f"survivors' model replicas differ at step {steps[0]} ({detail})")
     sources = [r.rank for r in reports if r.source_ready]
+    source = None
+    if sources:
+        source = sources[0] if sharded else _nearest(sources, newcomers, local_world_size)
     return HydrationPlan(
-        source=sources[0] if sources else None,
+        source=source,
         newcomers=newcomers,
         survivors=tuple(r.rank for r in survivors),
         sharded=sharded,
         step=steps[0] if steps else -1,
     )
+
+
+def _nearest(sources: list[int], newcomers: tuple[int, ...], local_world_size: int) -> int:
+    nodes = {rank // local_world_size for rank in newcomers}
+    if len(nodes) == 1:
+        node = nodes.pop()
+        for source in sources:
+            if source // local_world_size == node:
+                return source
+    return sources[0]
 
 
 def plan_from_handoff(plan: HydrationPlan, reports: Sequence[RankReport]) -> HydrationPlan:

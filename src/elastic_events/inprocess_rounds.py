@@ -108,7 +108,7 @@ class RoundJoining:
         reports: list[Any] = [None] * spec.world_size
         try:
             dist.all_gather_object(reports, report)
-            plan = plan_from_handoff(plan_hydration(reports, recovering=event.repair), reports)
+            plan = plan_from_handoff(plan_hydration(reports, recovering=event.repair, local_world_size=self.local_world_size), reports)
             received = spec.rank in plan.newcomers
             if plan.handoff and plan.source == spec.rank:
                 self._load_handoff(handoff, fresh_module)  # a newcomer, or a survivor a step behind the others

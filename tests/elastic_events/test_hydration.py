@@ -44,6 +44,25 @@ def test_without_survivors_there_is_no_source() -> None:
     assert (plan.source, plan.survivors, plan.step) == (None, (), -1)
 
 
+@pytest.mark.parametrize(
+    ("newcomers", "source"),
+    [
+        ((5,), 4),  # a crashed rank on node 1 (ranks 4..7): a sibling sends, no other node is needed
+        ((1,), 0),  # on node 0: rank 0 is its sibling anyway
+        ((5, 9), 0),  # newcomers on two nodes: one broadcast from the lowest ready rank
+    ],
+)
+def test_a_newcomer_is_hydrated_by_a_survivor_on_its_own_node(newcomers, source) -> None:
+    reports = [newcomer(r) if r in newcomers else survivor(r) for r in range(12)]
+    plan = plan_hydration(reports, recovering=True, local_world_size=4)
+    assert (plan.source, plan.newcomers) == (source, newcomers)
+
+
+def test_a_sharded_state_is_always_sent_by_rank_0() -> None:
+    reports = [survivor(0, sharded=True), survivor(1, sharded=True, ready=False), survivor(2, sharded=True, ready=False), newcomer(3)]
+    assert plan_hydration(reports, local_world_size=2).source == 0
+
+
 def test_without_survivors_the_newest_hand_off_is_the_source() -> None:
     reports = [newcomer(0), RankReport(rank=1, survivor=False, source_ready=False, step=-1, structure="s", checksum=None,
                                        sharded=None, handoff_step=40), newcomer(2)]  # fmt: skip
