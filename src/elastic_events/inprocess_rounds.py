@@ -25,7 +25,7 @@ from elastic_events import abort, eventlog, names
 from elastic_events.control import NO_SNAPSHOT, SNAPSHOT_WRITING, Event, RankPhase
 from elastic_events.errors import ElasticTrainingError, HydrationError
 from elastic_events.group import RoundSpec, init_round_group
-from elastic_events.handoff import Handoff, discard_handoff, find_handoff, load_handoff, write_handoff
+from elastic_events.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
 from elastic_events.hydration import (
     FullState,
     RankReport,
@@ -94,6 +94,13 @@ class RoundJoining:
             discard_handoff(self.local_rank)  # recovered by itself: what its watch wrote is stale
             self._reader.set_snapshot_step(NO_SNAPSHOT)
         handoff = find_handoff(self.local_rank, round=event.round) if event.repair and not survivor else None
+        handed: dict[str, Any] | None = None
+        if handoff is not None:
+            try:  # before the plan: a hand-off that cannot be read is not offered
+                handed = load_handoff(handoff)
+            except Exception as exc:  # noqa: BLE001 - storage is the fallback; say why
+                print(f"rank {spec.rank}: cannot read its predecessor's hand-off {handoff.path}: {exc}", file=sys.stderr, flush=True)
+                handoff = None
         report = RankReport(
             rank=spec.rank,
             survivor=survivor,
@@ -109,9 +116,9 @@ class RoundJoining:
         try:
             dist.all_gather_object(reports, report)
             plan = plan_from_handoff(plan_hydration(reports, recovering=event.repair, local_world_size=self.local_world_size), reports)
-            received = spec.rank in plan.newcomers
+            received = spec.rank in plan.newcomers  # a newcomer, or a survivor a step behind the others
             if plan.handoff and plan.source == spec.rank:
-                self._load_handoff(handoff, fresh_module)  # a newcomer, or a survivor a step behind the others
+                self._load_handoff(handed, fresh_module)
             if plan.source is None:
                 self._rebuild_from_storage(fresh_module)
             elif plan.sharded:
@@ -192,9 +199,8 @@ class RoundJoining:
             f"{self.round} (blocked); handed its state at step {self.step} to its replacement", file=sys.stderr, flush=True,
         )  # fmt: skip
 
-    def _load_handoff(self, handoff: Handoff, fresh_module: torch.nn.Module) -> None:
+    def _load_handoff(self, state: dict[str, Any], fresh_module: torch.nn.Module) -> None:
         """The source of a round no rank survived: take the state its predecessor handed off."""
-        state = load_handoff(handoff)
         self.module = fresh_module
         if on_meta(self.module):
             self.module.to_empty(device=self.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from elastic_events.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
@@ -32,3 +33,14 @@ def test_outside_a_launcher_there_is_nowhere_to_hand_off(monkeypatch) -> None:
     monkeypatch.delenv(CONTROL_FILE_ENV, raising=False)
     assert write_handoff(0, round=1, step=1, control_step=1, state={}) is None
     assert find_handoff(0, round=1) is None
+
+
+def test_a_hand_off_that_cannot_be_read_raises_on_load(tmp_path, monkeypatch) -> None:
+    """The joining rank reads it before the round's plan and offers none when this raises."""
+    monkeypatch.setenv(CONTROL_FILE_ENV, str(tmp_path / "control.bin"))
+    write_handoff(0, round=2, step=3, control_step=3, state={"model": {}})
+    (tmp_path / "handoff-0.pt").write_bytes(b"not a torch file")
+    found = find_handoff(0, round=2)
+    assert found is not None
+    with pytest.raises(Exception):  # noqa: B017 - torch raises its own unpickling / zip errors
+        load_handoff(found)
