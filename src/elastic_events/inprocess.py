@@ -51,7 +51,7 @@ from elastic_events.errors import ElasticTrainingError, RecoveryError
 from elastic_events.group import backend_for, default_device, init_env_group, is_peer_failure, teardown_group
 from elastic_events.hydration import gather_full_state, structure_digest, value_checksum
 from elastic_events.inprocess_config import ElasticConfig, default_wrap
-from elastic_events.inprocess_rounds import RoundJoining, is_sharded, Kept, on_meta
+from elastic_events.inprocess_rounds import Kept, RoundJoining, is_sharded, on_meta
 from elastic_events.names import PARKED_ENV, ROUND_ENV
 
 
