@@ -69,8 +69,8 @@ def stuck_in_broken_group(progress: Sequence[RankProgress], *, next_round: int, 
 
     A survivor learns that a peer died when a collective fails. Each rank's repair watch
     (``elastic_events.abort``) shuts the broken round's connections down when the repair is
-    published, which ends a collective blocked on a live peer; under load a survivor blocked in
-    DDP's backward still now and then never returns. One still training in the old round after a
+    published, which ends a collective blocked on a live peer; now and then a survivor blocked in
+    DDP's backward still never returns (cause not found). One still training in the old round after a
     few step times is blocked for good: its node replaces it, and it is hydrated with the other
     newcomers. Its watch hands its state off first (``elastic_events.handoff``): a rank that has
     handed it off is replaced at once, one writing it is waited for (up to ``HANDOFF_WRITE_S``).
