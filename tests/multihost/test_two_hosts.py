@@ -65,7 +65,9 @@ def test_job_forms_across_two_hosts_and_survives_a_graceful_leave(hosts, job: El
     job.start_node("b", wrap=b.wrap)
 
     both = wait_until(lambda: _round_at(job, 2), timeout=90, what="a round training at world size 2")
-    replicas = [json.loads((job.run_dir / f"params-{both['round']}-{r}.json").read_text()) for r in (0, 1)]
+    files = [job.run_dir / f"params-{both['round']}-{r}.json" for r in (0, 1)]
+    wait_until(lambda: all(f.exists() for f in files), timeout=30, what="both ranks' parameters (rank 0 logs progress first)")
+    replicas = [json.loads(f.read_text()) for f in files]
     assert [r["world"] for r in replicas] == [2, 2]
     assert replicas[0]["step"] == replicas[1]["step"]
     assert replicas[0]["params"] == replicas[1]["params"], "DDP replicas diverged across the two hosts"
