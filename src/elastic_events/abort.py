@@ -12,7 +12,7 @@ socket fails), so every wait on them ends at once with a connection error and
 every peer's end of them sees it too.
 
 * :func:`begin_round` names the round being formed; :func:`tracking` wraps the forming of
-  each of its groups (gloo connects its full mesh there): the sockets the process gained
+  each of its groups (:func:`forming` does both for the round's default group) (gloo connects its full mesh there): the sockets the process gained
   meanwhile are the round's (``/proc/self/fd``, Linux). A socket another thread of the
   process opens in that window is counted with them.
 * :func:`shutdown_round` shuts them down, once, and only while the round is the current
@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 
 from elastic_events.control import ControlReader, Event, EventKind
 
-__all__ = ["RepairWatch", "begin_round", "shutdown_round", "socket_inodes", "tracking"]
+__all__ = ["RepairWatch", "begin_round", "forming", "shutdown_round", "socket_inodes", "tracking"]
 
 #: How often the watch looks at the control channel: the delay between a repair's publication
 #: and the end of a blocked collective.
@@ -72,6 +72,14 @@ def begin_round(round: int) -> None:
 
 
 @contextlib.contextmanager
+def forming(round: int) -> Iterator[None]:
+    """Form ``round``'s process group in the block: :func:`begin_round`, then :func:`tracking`."""
+    begin_round(round)
+    with tracking():
+        yield
+
+
+@contextlib.contextmanager
 def tracking() -> Iterator[None]:
     """Count the sockets the process gains in the block (a group being formed) as the current round's."""
     current, before = _round, set(socket_inodes().values())
@@ -96,21 +104,19 @@ def shutdown_round(round: int) -> int:
             if inode not in inodes:
                 continue
             try:
-                dup = os.dup(fd)
-            except OSError:  # closed meanwhile
+                sock = socket.socket(fileno=os.dup(fd))  # our own descriptor of it: closing it leaves gloo's open
+            except OSError:  # closed meanwhile, or the number now names something else
                 continue
-            try:
-                if os.fstat(dup).st_ino != inode:  # the number was reused by another file meanwhile
-                    continue
-                with socket.socket(fileno=os.dup(dup)) as sock:
+            with sock:
+                try:
+                    if os.fstat(sock.fileno()).st_ino != inode:  # the number was reused meanwhile
+                        continue
                     if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                         continue  # a listener: gloo's accept loop terminates the process on its error
                     sock.shutdown(socket.SHUT_RDWR)
-                done += 1
-            except OSError:  # not a socket of ours any more, or already shut down
-                continue
-            finally:
-                os.close(dup)
+                except OSError:  # already shut down
+                    continue
+            done += 1
         return done
 
 
@@ -164,12 +170,13 @@ class RepairWatch:
 
     def poll_once(self, now: float) -> int:
         """One look at the channel at monotonic time ``now``; returns how many sockets it shut down."""
-        self._note_step(now)
+        slot = self._reader.progress()
+        self._note_step(slot.step, now)
         event = self._reader.event()
         current = _round
         if (
             event is None or event.kind is not EventKind.RECONFIGURE or not event.repair or current is None
-            or event.round <= current or self._reader.progress().acked_event == event.event_id
+            or event.round <= current or slot.acked_event == event.event_id
         ):  # fmt: skip
             self._repair = None
             return 0
@@ -187,8 +194,7 @@ class RepairWatch:
             self._on_blocked(event)
         return shut
 
-    def _note_step(self, now: float) -> None:
-        step = self._reader.progress().step
+    def _note_step(self, step: int, now: float) -> None:
         if self._seen is not None and step > self._seen[0] and self._repair is None:
             per_step = (now - self._seen[1]) / (step - self._seen[0])
             self._step_s = per_step if self._step_s is None else 0.8 * self._step_s + 0.2 * per_step

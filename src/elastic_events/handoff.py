@@ -41,7 +41,6 @@ __all__ = ["Handoff", "discard_handoff", "find_handoff", "load_handoff", "write_
 @dataclass(frozen=True, kw_only=True)
 class Handoff:
     step: int
-    round: int  # the round of the repair it was written for
     control_step: int
     path: Path  # the state (``.pt``)
 
@@ -80,7 +79,7 @@ def find_handoff(local_rank: int, *, round: int) -> Handoff | None:
         return None
     if meta.get("round") != round or not state_path.is_file():
         return None
-    return Handoff(step=int(meta["step"]), round=round, control_step=int(meta["control_step"]), path=state_path)
+    return Handoff(step=int(meta["step"]), control_step=int(meta["control_step"]), path=state_path)
 
 
 def load_handoff(handoff: Handoff) -> dict[str, Any]:

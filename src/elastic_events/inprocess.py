@@ -149,8 +149,7 @@ class ElasticTraining(RoundJoining):
             return self._start_parked()
         if "RANK" in os.environ and "WORLD_SIZE" not in os.environ:
             raise ElasticTrainingError("RANK is set but WORLD_SIZE is not: launch with torchrun or hyperpodrun")
-        abort.begin_round(self.round)
-        with abort.tracking():
+        with abort.forming(self.round):
             init_env_group(device=self.device, backend=self.backend, timeout_s=self.config.timeout_s)
         self._watch_repairs()
         self._build(self._model_fn())

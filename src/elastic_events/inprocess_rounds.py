@@ -82,8 +82,7 @@ class RoundJoining:
         os.environ.update(spec.environment())
         t0 = time.monotonic()
         eventlog.emit(names.GROUP_TORN_DOWN, event_id=event.event_id, step=self.step, seconds=torn_down_s)
-        abort.begin_round(event.round)
-        with abort.tracking():
+        with abort.forming(event.round):
             self._store = init_round_group(spec, device=self.device, backend=self.backend, timeout_s=self.config.timeout_s)
         self.round = event.round
         self._watch_repairs()

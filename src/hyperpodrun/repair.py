@@ -76,15 +76,12 @@ def stuck_in_broken_group(progress: Sequence[RankProgress], *, next_round: int, 
     handed it off is replaced at once, one writing it is waited for (up to ``HANDOFF_WRITE_S``).
     """
     grace = grace_s(slowest_step_s, steps=STUCK_GRACE_STEPS, floor_s=STUCK_GRACE_MIN_S)
-    stuck = []
-    for r, p in enumerate(progress):
-        if p.phase not in _TRAINING or p.round == next_round:
-            continue
-        if p.snapshot_step >= 0 or (p.snapshot_step == SNAPSHOT_WRITING and waited > grace + HANDOFF_WRITE_S):
-            stuck.append(r)
-        elif p.snapshot_step != SNAPSHOT_WRITING and waited > grace:
-            stuck.append(r)
-    return stuck
+    writing = grace + HANDOFF_WRITE_S
+    return [
+        r for r, p in enumerate(progress)
+        if p.phase in _TRAINING and p.round != next_round
+        and (p.snapshot_step >= 0 or waited > (writing if p.snapshot_step == SNAPSHOT_WRITING else grace))
+    ]  # fmt: skip
 
 
 def spares_for(config: LaunchConfig) -> int:
