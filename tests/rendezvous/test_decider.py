@@ -77,6 +77,27 @@ def test_target_waits_for_unknown_step_rates_instead_of_guessing() -> None:
     assert write.key == Keys.EVENT and decoded(write)["target"] == 9 + 2 + 20
 
 
+def test_a_target_is_budgeted_from_the_newest_acks_when_the_decider_watched_them_arrive() -> None:
+    """Found by CI: a join waited seconds for the joiner to park, then took the target from node a's first ack
+    plus all the time since the decision, at the step rate of the joiner's busy start-up; once the joiner was
+    parked, a's rank ran several times faster and passed the target before its agent wrote it. Members now
+    re-ack while an event waits; an ack the decider saw arrive is at most a tick old, whatever the event's age."""
+    parked = {"a": node("a"), "b": node("b", parked=True)}
+    old = event(next_members=("a", "b"), decided_at=NOW - 8.0)
+    first = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=running("a"), event=old, acks={"a": ack(100, 0.01, reconfigurable=True)})
+    waiting = plan(first, DeciderMemory(), NOW - 5.0, ctx())  # b is not parked yet: wait, and note a's ack
+    assert waiting.writes == () and waiting.memory.acks_seen == {"a": (5, 0, NOW - 5.0)}
+    fresh = JobSnapshot(nodes=parked, round=running("a"), event=old, acks={"a": ack(900, 0.002, reconfigurable=True, seq=9)})
+    (write,) = plan(fresh, waiting.memory, NOW, ctx()).writes
+    # 1 s of propagation plus a tick, at the fastest 2 ms per step: 600 steps past 900, not 8 s worth (4,500)
+    assert decoded(write)["target"] == 900 + 2 + 600
+    stale = JobSnapshot(nodes=parked, round=running("a"), event=old, acks={"a": ack(100, 0.01, reconfigurable=True)})
+    (write,) = plan(stale, waiting.memory, NOW, ctx()).writes  # the same ack, seen 5 s ago: budget its age
+    assert decoded(write)["target"] == 100 + 2 + 620
+    (write,) = plan(fresh, DeciderMemory(), NOW, ctx()).writes  # a decider that never watched: the event's age
+    assert decoded(write)["target"] == 900 + 2 + 4500
+
+
 def test_an_event_whose_members_all_lapsed_stops_instead_of_targeting() -> None:
     """Found under load: every member's lease had lapsed, the standby deciding crashed on no acks."""
     snap = JobSnapshot(nodes={"c": node("c")}, round=running("a"), event=event(next_members=("a", "c")))
@@ -142,6 +163,27 @@ def test_a_member_whose_ranks_outran_the_target_still_publishes_it(mode, kind) -
     status = LocalStatus(group_state=WorkerState.HEALTHY, steps=(52, 51), step_times=(0.001, 0.001))
     directive = rdzv._follow_event(targeted, status)
     assert (directive.kind.value, directive.target_step, directive.event_id) == (kind, 40, 5)  # the ranks act one step late
+
+
+def test_a_member_re_acks_with_its_fresh_step_while_the_event_waits_to_be_targeted() -> None:
+    from hyperpodrun.rendezvous.elastic import ElasticRendezvous
+
+    class Puts:
+        def __init__(self) -> None:
+            self.acks: list[AckRecord] = []
+
+        def put(self, key: str, value: bytes, **_) -> int:
+            self.acks.append(decode(AckRecord, key, value))
+            return len(self.acks)
+
+    store, now = Puts(), [NOW]
+    rdzv = ElasticRendezvous(store, context=ctx(), local_addr="127.0.0.1", join_timeout=1.0, node_id="a", clock=lambda: now[0])  # type: ignore[arg-type]
+    waiting = event(next_members=("a", "c"))
+    for t, step in [(0.0, 10), (0.3, 40), (0.6, 70), (1.3, 140)]:  # polled every tick; propagation 1 s: re-ack every 0.5 s
+        now[0] = NOW + t
+        rdzv._follow_event(waiting, LocalStatus(group_state=WorkerState.HEALTHY, steps=(step,), step_times=(0.01,)))
+    assert [(a.seq, a.step) for a in store.acks] == [(0, 10), (1, 70), (2, 140)]
+    assert len({a.port for a in store.acks}) == 1  # the port it offers for the next round stays the same
 
 
 def test_ranks_that_were_all_past_the_target_act_together_at_their_next_step(tmp_path) -> None:

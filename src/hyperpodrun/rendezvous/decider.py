@@ -120,6 +120,8 @@ class DeciderMemory:
     # Members left out of a repair for not answering, with their node record then: while the record is
     # unchanged (a dead agent's lease outlives it) the node is not alive to the policy (no standby).
     left_out: Mapping[str, NodeRecord] = field(default_factory=dict)
+    # The acks of the pending event as first seen: node -> (event id, ack seq, time first seen).
+    acks_seen: Mapping[str, tuple[int, int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,7 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
         return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=ev.reason + "; no member is alive"), mem)
     acks = {m: snap.acks[m] for m in live if m in snap.acks}
     missing = [m for m in live if m not in acks]
+    mem, age = _watch_acks(ev, acks, mem, now, ctx)
     if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:
         return _target_repair(snap, ev, acks, missing, elapsed, ctx, mem)
     if missing:
@@ -329,8 +332,8 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
         if elapsed <= rate_wait:  # defer (bounded) until every member knows its step rate
             return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for the ranks' step rate")
         times.append(rate_wait)  # no second step seen within the bound: steps are at least that slow
-    # Ranks kept stepping since they acked (every ack came after decided_at): budget for it.
-    target = choose_target_step([a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, elapsed))
+    # Ranks kept stepping since they acked: budget for the oldest ack's age (at most the event's).
+    target = choose_target_step([a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, min(age, elapsed)))
     mode = ev.mode
     master_addr, master_port = "", 0
     if ev.next_members:
@@ -354,6 +357,27 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
                 event="scale_targeted", fields={"event_id": ev.id, "kind": ev.kind.value, "mode": mode.value, "target_step": target})  # fmt: skip
     updated = _update(snap, evolve(ev, target=target, mode=mode, master_addr=master_addr, master_port=master_port), mem)
     return Plan(writes=updated.writes, notes=(note,), memory=mem)
+
+
+def _watch_acks(ev: EventRecord, acks: Mapping[str, AckRecord], mem: DeciderMemory, now: float, ctx: DeciderContext) -> tuple[DeciderMemory, float]:
+    """Note when each ack was first seen; the age of the oldest one (members re-ack while an event waits).
+
+    An ack this decider has watched since an earlier ack of the same event is at most a tick older
+    than when it was first seen; one it never watched (the first, or a decider that took over) may be
+    as old as the event itself."""
+    seen = {m: v for m, v in mem.acks_seen.items() if v[0] == ev.id}
+    ages = []
+    for m, a in acks.items():
+        prev = seen.get(m)
+        if prev is None:
+            seen[m] = (ev.id, a.seq, now)
+            ages.append(now - ev.decided_at)
+        elif prev[1] != a.seq:
+            seen[m] = (ev.id, a.seq, now)
+            ages.append(ctx.tick)
+        else:
+            ages.append(now - prev[2] + ctx.tick)
+    return dataclasses.replace(mem, acks_seen=seen), max(ages, default=now - ev.decided_at)
 
 
 def _target_repair(

@@ -94,6 +94,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._handled_event = 0
         self._acked: AckRecord | None = None
         self._acked_event = 0
+        self._acked_at = 0.0  # clock() of the last ack
         self._stopped_reported = 0
         self._leaving = False
         self._reconfigurable = False  # this node's ranks declared the in-process API
@@ -386,15 +387,21 @@ class ElasticRendezvous(RendezvousHandler):
         return Directive(kind=DirectiveKind.STOP, event_id=0, reason=f"round {my_round} ended: {why}")
 
     def _ack(self, ev: EventRecord, status: LocalStatus) -> None:
-        """Ack once; again when the step rate, unknown at the first ack, has become known (the decider waits for it)."""
+        """Ack; again when the step rate, unknown at the first ack, has become known (the decider waits for it),
+        and every half propagation budget while the event waits to be targeted (e.g. for a joiner to park): a
+        target computed from an old step and the rate of a busier moment is one the ranks outrun."""
         step_time = min((t for t in status.step_times if t > 0), default=0.0)
-        if self._acked_event == ev.id and not (self._acked is not None and self._acked.step_time == 0 and step_time > 0):
-            return
+        now = self.clock()
+        if self._acked_event == ev.id and self._acked is not None:
+            rate_known = self._acked.step_time == 0 and step_time > 0
+            if not rate_known and now - self._acked_at < self.ctx.propagation / 2:
+                return
+        seq = self._acked.seq + 1 if self._acked_event == ev.id and self._acked is not None else 0
         ack = AckRecord(
             step=max(status.steps, default=0), step_time=step_time, cooperative=status.cooperative,
-            reconfigurable=status.reconfigurable, port=free_port(self._local_addr),
+            reconfigurable=status.reconfigurable, port=self._acked.port if seq else free_port(self._local_addr), seq=seq,
         )  # fmt: skip
-        self._acked, self._acked_event = ack, ev.id
+        self._acked, self._acked_event, self._acked_at = ack, ev.id, now
         self.store.put(Keys.acks(ev.id) + self._node_id, encode(ack))
 
     # -- decider -------------------------------------------------------------------------

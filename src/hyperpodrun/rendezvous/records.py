@@ -184,6 +184,7 @@ class AckRecord:
     cooperative: bool  # every local rank calls elastic_event_detected()
     reconfigurable: bool = False  # every local rank declared the in-process API
     port: int = 0  # a port free on this node now (the next round's master port if it hosts rank 0)
+    seq: int = 0  # the member re-acks (fresh step and rate) while the event waits to be targeted
 
 
 @dataclass(frozen=True, kw_only=True)
