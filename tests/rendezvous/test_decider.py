@@ -393,6 +393,17 @@ def test_a_peer_failure_report_repairs_at_once_and_leaves_out_a_member_that_does
     assert decoded(published)["members"] == ["a", "c"] and decoded(published)["restarts"] == 0
 
 
+def test_a_member_whose_lease_expires_while_the_repair_waits_for_acks_is_left_out() -> None:
+    """Found with a sharded model's lost-node test: b's lease expired 1.4 s after its kill, while the repair
+    waited for acks; b was no longer live, so not "missing", and the repair was targeted with b in its next
+    round, which then stopped every rank ("vanished during the in-place reconfiguration") and restarted."""
+    ev = event(kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE, next_members=("a", "b"), decided_at=NOW - 0.4)
+    snap = JobSnapshot(nodes={"a": node("a")}, round=in_process("a", "b"), event=ev, acks={"a": ack(0, 0.0)})
+    (targeted,) = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    assert decoded(targeted)["next_members"] == ["a"] and decoded(targeted)["target"] == 0
+    assert "left out ['b']: gone" in decoded(targeted)["reason"]
+
+
 def test_a_repair_made_from_the_survivors_reports_is_named_after_the_crash_reported_since() -> None:
     """Found by the crash test: a survivor's failed collective reached the decider before the crashed rank's
     node reported, and the event was logged as a lost node."""

@@ -395,8 +395,10 @@ def _target_repair(
         ev = evolve(ev, kind=EventKind.RANK_FAILURE, failure=crashed[0].message, reason=f"rank failure, repaired in place: {crashed[0].message}")
         if snap.round is not None and snap.round.restarts >= ctx.max_restarts:
             return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{ev.reason}; --max-restarts {ctx.max_restarts} used up"), mem)
-    nxt = tuple(m for m in ev.next_members or () if m not in missing)
+    vanished = [m for m in ev.next_members or () if m not in snap.nodes]  # its lease expired meanwhile
+    nxt = tuple(m for m in ev.next_members or () if m not in missing and m not in vanished)
     reason = ev.reason + (f"; left out {missing}: no answer within {ctx.propagation:g}s" if missing else "")
+    reason += f"; left out {vanished}: gone" if vanished else ""
     if len(nxt) not in ctx.policy.allowed_sizes():
         return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{reason}; {len(nxt)} node(s) is not an allowed size"), mem)
     head = nxt[0]
