@@ -27,6 +27,7 @@ Checkpointless path (ranks keep running; see :class:`ElasticTraining` and
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from elastic_events import eventlog, names
@@ -97,6 +98,7 @@ class _FirstStep:
 
 _reader: ControlReader | _FirstStep | None = None
 _probed = False
+_step_hook: Callable[[], None] | None = None  # ElasticTraining's snapshot of the step just ended
 
 
 def _probe() -> ControlReader | _FirstStep | None:
@@ -150,14 +152,24 @@ def elastic_event_detected() -> bool:
     Call it once per training step on every rank. It costs two memory operations
     on a node-local shared-memory page (well under a microsecond of work; see
     ``benchmarks/step_overhead.py``) and never a collective. Outside hyperpodrun
-    it always returns False.
+    it always returns False. With a sharded model under :class:`ElasticTraining` it also
+    starts the in-memory snapshot of the step that just ended (:mod:`elastic_events.snapshot`:
+    the bytes are sent in the background; call it after the step's bookkeeping).
     """
+    if _step_hook is not None:
+        _step_hook()
     reader = _reader
     if reader is None:
         if _probed or _probe() is None:
             return False
         reader = _reader
     return reader.check()
+
+
+def _set_step_hook(hook: Callable[[], None] | None) -> None:
+    """What ``elastic_event_detected()`` runs first: the in-process API's snapshot of the step that just ended."""
+    global _step_hook
+    _step_hook = hook
 
 
 def current_event() -> Event | None:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 
 from elastic_events.control import ControlReader, Event, EventKind
 
-__all__ = ["RepairWatch", "begin_round", "forming", "shutdown_round", "socket_inodes", "tracking"]
+__all__ = ["RepairWatch", "begin_round", "forming", "shutdown_round", "shutdown_sockets", "socket_inodes", "tracking"]
 
 #: How often the watch looks at the control channel: the delay between a repair's publication
 #: and the end of a blocked collective.
@@ -80,13 +80,16 @@ def forming(round: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def tracking() -> Iterator[None]:
-    """Count the sockets the process gains in the block (a group being formed) as the current round's."""
+def tracking(into: set[int] | None = None) -> Iterator[None]:
+    """Count the sockets the process gains in the block (a group being formed) as the current round's,
+    and add them to ``into`` too (a group that is shut down on its own, see :mod:`elastic_events.snapshot`)."""
     current, before = _round, set(socket_inodes().values())
     try:
         yield
     finally:
         gained = set(socket_inodes().values()) - before
+        if into is not None:
+            into.update(gained)
         with _lock:
             if current is not None and _round == current:
                 _tracked.update(gained)
@@ -99,25 +102,30 @@ def shutdown_round(round: int) -> int:
             return 0
         inodes = set(_tracked)
         _tracked.clear()
-        done = 0
-        for fd, inode in socket_inodes().items():
-            if inode not in inodes:
-                continue
+        return shutdown_sockets(inodes)
+
+
+def shutdown_sockets(inodes: set[int]) -> int:
+    """Shut down the connected sockets among ``inodes`` (never a listener); returns how many."""
+    done = 0
+    for fd, inode in socket_inodes().items():
+        if inode not in inodes:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))  # our own descriptor of it: closing it leaves gloo's open
+        except OSError:  # closed meanwhile, or the number now names something else
+            continue
+        with sock:
             try:
-                sock = socket.socket(fileno=os.dup(fd))  # our own descriptor of it: closing it leaves gloo's open
-            except OSError:  # closed meanwhile, or the number now names something else
-                continue
-            with sock:
-                try:
-                    if os.fstat(sock.fileno()).st_ino != inode:  # the number was reused meanwhile
-                        continue
-                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                        continue  # a listener: gloo's accept loop terminates the process on its error
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:  # already shut down
+                if os.fstat(sock.fileno()).st_ino != inode:  # the number was reused meanwhile
                     continue
-            done += 1
-        return done
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue  # a listener: gloo's accept loop terminates the process on its error
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already shut down
+                continue
+        done += 1
+    return done
 
 
 class RepairWatch:

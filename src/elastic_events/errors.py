@@ -21,3 +21,8 @@ class StateMismatchError(HydrationError):
 
 class RecoveryError(ElasticTrainingError):
     """A rank whose collective failed was not carried into a repaired group (no repair came, or it failed)."""
+
+
+class PeerFailureError(RuntimeError):
+    """A peer died or hung while this rank waited on it outside a collective (e.g. for a snapshot):
+    :meth:`~elastic_events.inprocess.ElasticTraining.recover` treats it like a failed collective."""

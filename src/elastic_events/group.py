@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_events.control import Event
-from elastic_events.errors import ElasticTrainingError, GroupError
+from elastic_events.errors import ElasticTrainingError, GroupError, PeerFailureError
 from elastic_events.names import ROUND_ENV
 
 
@@ -202,6 +202,6 @@ def is_peer_failure(exc: BaseException) -> bool:
     """
     if isinstance(exc, ElasticTrainingError):  # ours: the in-process API already reported it
         return False
-    if isinstance(exc, dist.DistError):
+    if isinstance(exc, (dist.DistError, PeerFailureError)):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _PEER_FAILURE_MARKERS)

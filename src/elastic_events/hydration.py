@@ -51,6 +51,7 @@ class RankReport:
     sharded: bool | None  # None: not known yet (a newcomer)
     control_step: int = 0  # its count of elastic_event_detected() calls (a repair aligns everyone's on the source's)
     handoff_step: int = -1  # a newcomer: the step of its predecessor's hand-off for this round (elastic_events.handoff)
+    snapshot: Any = None  # a sharded survivor of a failure: what it holds of the broken round (snapshot.SnapshotReport)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,15 +76,15 @@ def plan_hydration(reports: Sequence[RankReport], *, recovering: bool = False, l
     committed one step more than another (its collectives completed before the peer's death
     reached the others): the survivors at the furthest step are the state, the others are
     brought to it like newcomers. A sharded model cannot be recovered this way (its shards
-    on the dead rank exist nowhere else).
+    on the dead rank exist nowhere else): its snapshots are (:func:`elastic_events.snapshot.plan_restore`).
     """
     reports = sorted(reports, key=lambda r: r.rank)
     if recovering:
         furthest = max((r.step for r in reports if r.survivor), default=-1)
         if any(r.survivor and r.sharded for r in reports):
             raise HydrationError(
-                "in-place recovery needs a replicated model: a sharded (FSDP2) model's shards on the failed rank "
-                "exist nowhere else (the job restarts from its checkpoint)"
+                "a sharded (FSDP2) model's shards on the failed rank exist nowhere else and no in-memory snapshot "
+                "of them was reported (the job restarts from its checkpoint)"
             )
         reports = [
             r if not r.survivor or r.step == furthest

@@ -39,6 +39,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -51,8 +52,9 @@ from elastic_events.errors import ElasticTrainingError, RecoveryError
 from elastic_events.group import backend_for, default_device, init_env_group, is_peer_failure, teardown_group
 from elastic_events.hydration import gather_full_state, structure_digest, value_checksum
 from elastic_events.inprocess_config import ElasticConfig, default_wrap
-from elastic_events.inprocess_rounds import Kept, RoundJoining, is_sharded, on_meta
+from elastic_events.inprocess_rounds import Kept, RoundJoining, is_sharded, on_meta, prewarm
 from elastic_events.names import PARKED_ENV, ROUND_ENV
+from elastic_events.snapshot import Captured, Piece, Replicator, SnapshotError, SnapshotReport, capture, optimizer_state_count
 
 
 ModelFn = Callable[[], torch.nn.Module]
@@ -114,6 +116,10 @@ class ElasticTraining(RoundJoining):
         self._reader: ControlReader | None = None
         self._repair_watch: abort.RepairWatch | None = None
         self._optimizer_steps = [0, 0]  # optimizer steps begun, ended (hooks of the optimizer)
+        self._snapshot_every = self.config.snapshot_interval
+        self._replicator: Replicator | None = None  # a sharded model's snapshots of this round (elastic_events.snapshot)
+        self._captured: Captured | None = None  # its local state's live tensors
+        self._side: tuple[Any, Any, set[int]] | None = None  # this round's gloo groups for snapshots, their sockets
         self._started = False
 
     # ------------------------------------------------------------------ the world
@@ -156,6 +162,7 @@ class ElasticTraining(RoundJoining):
         if self.checkpointer is not None and self.checkpointer.latest() is not None:
             self._load_checkpoint()
         self._set_world()
+        self._start_snapshots()
         self._phase(RankPhase.RUNNING)
         return self
 
@@ -165,6 +172,7 @@ class ElasticTraining(RoundJoining):
                 f"{PARKED_ENV}=1 needs the control channel (HYPERPODRUN_CONTROL_FILE): only hyperpodrun parks ranks"
             )
         module = self._model_fn()  # built while parked: admission pays group init and hydration only
+        prewarm()
         event = self._reader.wait_for_admission(timeout_s=self.config.admission_timeout_s, poll_s=self.config.poll_s)
         try:
             self._join(event, kept=None, fresh_module=module)
@@ -206,7 +214,10 @@ class ElasticTraining(RoundJoining):
         to repair the group, it is raised again unchanged. Otherwise the rank drops the broken
         group and waits for the launcher's repair (a ``RECONFIGURE`` into a new round: the failed
         rank replaced, or its node left out); the survivors at the furthest committed step are the
-        state, every other rank is brought to it from them. Call it with every collective of a
+        state, every other rank is brought to it from them. A sharded (FSDP2) model is put back
+        together from the survivors' shards and the in-memory snapshots their peers hold of the
+        failed ranks' shards, at the newest step all of them have (:mod:`elastic_events.snapshot`:
+        at most ``snapshot_every`` steps back). Call it with every collective of a
         step before the optimizer step and ``step += 1`` right after it, so a step that failed
         changed nothing. Returns True to train on (rebuild the loader iterator, as after
         :meth:`reconfigure`), False when this node is not part of the repaired job (exit 0).
@@ -215,10 +226,11 @@ class ElasticTraining(RoundJoining):
         """
         if self._reader is None or not self.distributed or not is_peer_failure(exc):
             raise exc
-        if is_sharded(self.module):
+        sharded = is_sharded(self.module)
+        if sharded and self._replicator is None:
             raise RecoveryError(
-                f"rank {self.rank}: a collective failed at step {self.step + 1} and a sharded (FSDP2) model cannot be "
-                "recovered in place (the failed rank's shards exist nowhere else)"
+                f"rank {self.rank}: a collective failed at step {self.step + 1} and this sharded (FSDP2) model keeps "
+                "no in-memory snapshots (snapshot_every=0 or --snapshot-every 0): the failed rank's shards exist nowhere else"
             ) from exc
         rank, t0 = self.rank, time.monotonic()
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
@@ -228,7 +240,16 @@ class ElasticTraining(RoundJoining):
         self._reader.fired = None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
-        kept = Kept(step=self.step, sharded=False, structure=structure_digest(self.module), checksum=value_checksum(self.module))
+        if sharded:  # its live shards, and the copies of its neighbour's it holds, go into the repaired round
+            replicator = self._stop_snapshots(broken=True)
+            kept = Kept(
+                step=self.step, sharded=True, structure=structure_digest(self.module), checksum=None,
+                captured=self._captured, replicator=replicator,
+                snapshot=SnapshotReport(round=self.round, world_size=self.world_size, rank=rank, live_step=self.step,
+                                        replicas=replicator.holdings()),
+            )  # fmt: skip
+        else:
+            kept = Kept(step=self.step, sharded=False, structure=structure_digest(self.module), checksum=value_checksum(self.module))
         # A gloo group closes its sockets only once nothing references it, and a peer blocked on this rank
         # learns of the failure only then: the failed step's frames (holding the DDP wrapper) must go too.
         traceback.clear_frames(exc.__traceback__)
@@ -238,7 +259,7 @@ class ElasticTraining(RoundJoining):
         if self.backend == "gloo":  # its sockets outlive the group while anything holds it: end peers' waits now
             abort.shutdown_round(self.round)
         teardown_group(broken=True)
-        self._store = None
+        self._store, self._side = None, None
         torn_down = time.monotonic() - t0
         try:
             event = self._reader.wait_for_reconfigure(
@@ -282,6 +303,7 @@ class ElasticTraining(RoundJoining):
     def _release(self, event: Event) -> Kept:
         """Leave the old round: note what this rank keeps, drop what referred to the old group, tear it down."""
         sharded = self.distributed and is_sharded(self.model)
+        self._stop_snapshots(broken=False)  # every rank is alive: its last snapshot is delivered first
         kept = Kept(
             step=self.step,
             sharded=sharded,
@@ -306,7 +328,7 @@ class ElasticTraining(RoundJoining):
         if self.checkpointer is not None:
             self.checkpointer.release_group()
         teardown_group()
-        self._store = None
+        self._store, self._side = None, None
         return kept
 
     def close(self) -> None:
@@ -320,12 +342,13 @@ class ElasticTraining(RoundJoining):
         if self._repair_watch is not None:
             self._repair_watch.stop()
             self._repair_watch = None
+        self._stop_snapshots(broken=False)
         if self.distributed:
             if self.module is not None:
                 self.model = self.module
             gc.collect()
             teardown_group()
-        self._store = None
+        self._store, self._side = None, None
 
     # ---------------------------------------------------------------- building
     def _build(self, module: torch.nn.Module) -> None:
@@ -359,6 +382,8 @@ class ElasticTraining(RoundJoining):
     def _build_optimizer(self) -> None:
         self.optimizer = self._optimizer_fn(self.model) if self._optimizer_fn is not None else None
         if self.optimizer is not None:  # counted, so that a hand-off is never taken mid-step
+            self.optimizer.register_step_pre_hook(lambda *_: self._wait_snapshot())
+            self.optimizer.register_step_post_hook(lambda *_: self._recapture())
             steps = self._optimizer_steps
             self.optimizer.register_step_pre_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
             self.optimizer.register_step_post_hook(lambda *_: steps.__setitem__(1, steps[1] + 1))
@@ -378,6 +403,89 @@ class ElasticTraining(RoundJoining):
         """Under a launcher, with gloo: end this rank's collectives of a round the launcher repairs (:mod:`.abort`)."""
         if self._repair_watch is None and self._reader is not None and self.backend == "gloo" and self.distributed:
             self._repair_watch = abort.RepairWatch(self._reader, on_blocked=self._hand_off).start()
+
+    # --------------------------------------------------------------- snapshots
+    def _start_snapshots(self) -> None:
+        """A sharded model under a launcher: snapshots of every rank's shards, each kept by a peer (:mod:`.snapshot`).
+
+        Collective (two gloo groups of the round's ranks): every rank decides the same way. The
+        round's first state is snapshotted at once, so a failure in its first step is covered too."""
+        if (self._snapshot_every == 0 or self._reader is None or not self.distributed or self.world_size < 2
+                or self.module is None or not is_sharded(self.module)):  # fmt: skip
+            return
+        try:
+            self._captured = capture(self.model, self.optimizer)
+        except SnapshotError as exc:
+            print(f"rank {self.rank}: no in-memory snapshots: {exc}", file=sys.stderr, flush=True)
+            return
+        group, acks, sockets = self._side_group()
+        self._replicator = Replicator(
+            group=group, acks=acks, sockets=sockets, round=self.round, rank=self.rank, world_size=self.world_size,
+            local_world_size=self.local_world_size, bucket_bytes=self.config.bucket_bytes, timeout_s=self.config.timeout_s,
+        )  # fmt: skip
+        elastic_events._set_step_hook(self._snapshot)
+        self._snapshot(every=1)
+
+    def _side_group(self) -> tuple[Any, Any, set[int]]:
+        """This round's two gloo groups for snapshots (made once per round: bytes, and acknowledgements);
+        their sockets are the round's too (:mod:`.abort`)."""
+        if self._side is None:
+            sockets: set[int] = set()
+            timeout = timedelta(seconds=max(self.config.timeout_s, 86_400))  # idle between snapshots: only failures end waits
+            with abort.tracking(sockets):
+                group = dist.new_group(backend="gloo", timeout=timeout)
+                acks = dist.new_group(backend="gloo", timeout=timeout)
+            self._side = (group, acks, sockets)
+        return self._side
+
+    def _snapshot(self, every: int | None = None) -> None:
+        """``elastic_event_detected()``, after step :attr:`step`: snapshot this step in the background."""
+        replicator = self._replicator
+        if replicator is None or replicator.failed is not None or self.step % (every or self._snapshot_every):
+            return
+        c = self._captured
+        replicator.snapshot(Piece(
+            owner=self.rank, round=self.round, world_size=self.world_size, step=self.step, layout=c.layout,
+            small=self._small_state(), param_groups=c.param_groups(self.optimizer), tensors=c.tensors,
+        ))  # fmt: skip
+
+    def _recapture(self) -> None:
+        """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here)."""
+        if self._replicator is not None and self._captured.count != optimizer_state_count(self.optimizer):
+            self._captured = capture(self.model, self.optimizer)
+
+    def _wait_snapshot(self) -> None:
+        """The optimizer's pre-step hook: no step is committed before every copy of the last snapshot exists
+        (and the live tensors being sent must not change yet). A peer's failure raises ``PeerFailureError``."""
+        if self._replicator is not None:
+            self._replicator.wait(broken=self._repair_pending)
+
+    def _repair_pending(self) -> str | None:
+        """Why this rank's round is broken, if its launcher published a repair of it."""
+        event = self._reader.event() if self._reader is not None else None
+        if event is not None and event.kind is EventKind.RECONFIGURE and event.repair and event.round > self.round:
+            return f"the launcher repairs round {self.round} (event {event.event_id}): a peer failed"
+        return None
+
+    def _stop_snapshots(self, *, broken: bool) -> Replicator | None:
+        """End this round's replication (``broken``: at once, keeping what is held) and return it."""
+        replicator, self._replicator = self._replicator, None
+        elastic_events._set_step_hook(None)
+        if replicator is None:
+            return None
+        if broken:
+            replicator.abort()
+        elif not replicator.close(timeout_s=self.config.timeout_s):
+            print(f"rank {self.rank}: snapshot threads of round {replicator.round} did not end within "
+                  f"{self.config.timeout_s:.0f}s; their group was shut down", file=sys.stderr, flush=True)  # fmt: skip
+        return replicator
+
+    def snapshot_stats(self) -> dict[str, int]:
+        """Bytes of this rank's local state, bytes of snapshots it holds (its neighbour's two and its own),
+        snapshots completed this round."""
+        c, r = self._captured, self._replicator
+        return {"state_bytes": c.layout.state_bytes if c is not None else 0, "held_bytes": r.held_bytes() if r is not None else 0,
+                "snapshots": r.completed if r is not None else 0}  # fmt: skip
 
     def _set_world(self) -> None:
         if self.sampler is not None and hasattr(self.sampler, "set_world"):

@@ -3,10 +3,13 @@ moves state, and the default wrapper of a replicated model."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from elastic_events.names import SNAPSHOT_EVERY_ENV
 
 __all__ = ["ElasticConfig", "default_wrap"]
 
@@ -22,6 +25,9 @@ class ElasticConfig:
     bucket_mb: float = 64.0  # largest broadcast of the state transfer
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
     backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+    # A sharded model's in-memory snapshot (elastic_events.snapshot) every N steps; 0: none.
+    # None: the launcher's --snapshot-every (HYPERPODRUN_SNAPSHOT_EVERY), else every step.
+    snapshot_every: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "admission_timeout_s", "recover_timeout_s", "poll_s", "bucket_mb"):
@@ -30,6 +36,23 @@ class ElasticConfig:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
+        every = self.snapshot_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+            raise ValueError(f"snapshot_every must be an integer >= 0 (0: no snapshots), got {every!r}")
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Steps between snapshots (0: none): the field, else the launcher's setting, else 1."""
+        if self.snapshot_every is not None:
+            return self.snapshot_every
+        raw = os.environ.get(SNAPSHOT_EVERY_ENV, "1")
+        try:
+            every = int(raw)
+        except ValueError:
+            raise ValueError(f"{SNAPSHOT_EVERY_ENV}={raw!r}: expected an integer >= 0") from None
+        if every < 0:
+            raise ValueError(f"{SNAPSHOT_EVERY_ENV}={raw!r}: expected an integer >= 0")
+        return every
 
     @property
     def bucket_bytes(self) -> int:

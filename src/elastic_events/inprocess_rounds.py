@@ -6,13 +6,18 @@ are the state; replicated models are streamed from one of them to the newcomers
 (:meth:`RoundJoining._replicate`), sharded ones gathered and re-sharded onto the new mesh
 (:meth:`RoundJoining._reshard`). When no rank survived with the state, a replaced rank's
 hand-off (:mod:`elastic_events.handoff`) is the state, and only without one the checkpoint.
+A sharded model repaired after a failure is put back together on the new rank 0 from the
+survivors' live shards and the copies their peers hold (:mod:`elastic_events.snapshot`,
+:meth:`RoundJoining._restore_from_snapshots`), then re-sharded the same way.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,6 +33,7 @@ from elastic_events.group import RoundSpec, init_round_group
 from elastic_events.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
 from elastic_events.hydration import (
     FullState,
+    HydrationPlan,
     RankReport,
     allocate_tensors,
     model_tensors,
@@ -38,9 +44,21 @@ from elastic_events.hydration import (
     structure_digest,
 )
 from elastic_events.rng import derive_rank_seed, seed_all
+from elastic_events.snapshot import (
+    Captured,
+    Piece,
+    Replicator,
+    RestorePlan,
+    SnapshotReport,
+    assemble,
+    plan_restore,
+    recv_body,
+    recv_header,
+    send_piece,
+)
 from elastic_events.transfer import broadcast_tensors
 
-__all__ = ["Kept", "RoundJoining", "is_sharded", "on_meta"]
+__all__ = ["Kept", "RoundJoining", "is_sharded", "on_meta", "prewarm"]
 
 
 @dataclass(kw_only=True)
@@ -53,6 +71,21 @@ class Kept:
     checksum: str | None
     full: FullState | None = None  # a sharded model's full state, on the new round's rank 0
     small: dict[str, Any] | None = None
+    # a sharded survivor of a failure: its live shards, the snapshots it holds, what it reports of them
+    captured: Captured | None = None
+    replicator: Replicator | None = None
+    snapshot: SnapshotReport | None = None
+
+
+def prewarm() -> None:
+    """Import what a rank's first step after admission would import: a parked rank or a spare pays it
+    while it waits, not while the survivors wait for it (``torch._dynamo``, which the first optimizer
+    step, DDP's first forward and FSDP2's first ``fully_shard`` import: 1-2 s on a CPU; FSDP2 and DCP's
+    state dicts: about 1 s more)."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -110,22 +143,21 @@ class RoundJoining:
             sharded=kept.sharded if survivor else None,
             control_step=handoff.control_step if handoff else self._reader.step if self._reader is not None else 0,
             handoff_step=handoff.step if handoff else -1,
+            snapshot=kept.snapshot if survivor else None,
         )
         reports: list[Any] = [None] * spec.world_size
         try:
             dist.all_gather_object(reports, report)
-            plan = plan_from_handoff(plan_hydration(reports, recovering=event.repair, local_world_size=self.local_world_size), reports)
-            received = spec.rank in plan.newcomers  # a newcomer, or a survivor a step behind the others
-            if plan.handoff and plan.source == spec.rank:
-                self._load_handoff(handed, fresh_module)
-            if plan.source is None:
-                self._rebuild_from_storage(fresh_module)
-            elif plan.sharded:
-                self._reshard(plan.source, kept, fresh_module)
+            if event.repair and any(r.snapshot is not None for r in reports):  # a sharded model after a failure
+                plan, received = self._restore_from_snapshots(reports, kept, fresh_module), True
+                control_step = max(r.control_step for r in reports)  # never back: events target these counts
             else:
-                self._replicate(plan.source, plan.newcomers, fresh_module if fresh_module is not None else self.module)
-                if not received:
-                    self.model = self._rewrap()  # DDP over the new group (receivers wrapped in _replicate)
+                plan = plan_from_handoff(plan_hydration(reports, recovering=event.repair, local_world_size=self.local_world_size), reports)
+                received = spec.rank in plan.newcomers  # a newcomer, or a survivor a step behind the others
+                self._hydrate(plan, kept, handed, fresh_module, received)
+                # a rank that failed after committing a step may not have counted it: agree on the source's count
+                control_step = (next(r.control_step for r in reports if r.rank == plan.source)
+                                if event.repair and plan.source is not None else self._control_step)  # fmt: skip
         except ElasticTrainingError:
             raise
         except RuntimeError as exc:  # gloo/NCCL report dead peers and timeouts as RuntimeError
@@ -135,17 +167,93 @@ class RoundJoining:
             ) from exc
         self._set_world()
         seed_all(derive_rank_seed(self._base_seed, self.step, self.rank))
-        if self._reader is not None and event.repair and plan.source is not None:
-            # a rank that failed after committing a step may not have counted it: agree on the source's count
-            self._reader.set_step(next(r.control_step for r in reports if r.rank == plan.source))
-        elif self._reader is not None and received:
-            self._reader.set_step(self._control_step)
+        if self._reader is not None and ((event.repair and plan.source is not None) or received):
+            self._reader.set_step(control_step)
+        self._start_snapshots()
         self._phase(RankPhase.READY)
         elastic_events._new_round("recovered" if event.repair else "reconfigure" if survivor else "admitted")
         eventlog.emit(
             names.HYDRATED, event_id=event.event_id, step=self.step, seconds=time.monotonic() - t1,
             newcomers=len(plan.newcomers), from_rank=plan.source, sharded=plan.sharded,
         )  # fmt: skip
+
+    def _hydrate(self, plan: HydrationPlan, kept: Kept | None, handed: dict[str, Any] | None,
+                 fresh_module: torch.nn.Module | None, received: bool) -> None:  # fmt: skip
+        """Bring this rank to ``plan``'s state: from a hand-off, storage, a full sharded state or a replica."""
+        if plan.handoff and plan.source == self.rank:
+            self._load_handoff(handed, fresh_module)
+        if plan.source is None:
+            self._rebuild_from_storage(fresh_module)
+        elif plan.sharded:
+            self._reshard(plan.source, kept, fresh_module)
+        else:
+            self._replicate(plan.source, plan.newcomers, fresh_module if fresh_module is not None else self.module)
+            if not received:
+                self.model = self._rewrap()  # DDP over the new group (receivers wrapped in _replicate)
+
+    def _restore_from_snapshots(self, reports: list[RankReport], kept: Kept | None, fresh_module: torch.nn.Module | None) -> HydrationPlan:
+        """A sharded model after a failure: the newest step every shard survived at, assembled on rank 0 and re-sharded."""
+        t0 = time.monotonic()
+        restore = plan_restore({r.rank: r.snapshot for r in reports if r.snapshot is not None})
+        everyone = tuple(range(self.world_size))
+        if restore is None:
+            held = {r.rank: (r.snapshot.live_step, r.snapshot.replicas) for r in reports if r.snapshot is not None}
+            why = f"no step at which every shard of the broken round survived (live step, copies held: {held})"
+            if self.rank == 0:
+                print(f"rank 0: {why}: loading the newest checkpoint", file=sys.stderr, flush=True)
+            eventlog.emit(names.SNAPSHOT_UNAVAILABLE, reason=why)
+            self._drop_state(kept)
+            self._rebuild_from_storage(fresh_module)
+            return HydrationPlan(source=None, newcomers=everyone, survivors=(), sharded=True, step=-1)
+        group = self._side_group()[0]
+        pieces = self._pieces_to_rank0(restore, kept, group)
+        full = small = None
+        if self.rank == 0:
+            model_sd, optim_sd, first = assemble(pieces)
+            full, small = FullState(model=model_sd, optimizer=optim_sd), first.small
+        else:
+            for _ in pieces:  # the sends
+                pass
+        self._drop_state(kept)
+        self._reshard(0, Kept(step=restore.step, sharded=True, structure="", checksum=None, full=full, small=small), fresh_module)
+        self.resumed_from = "snapshot"
+        live = sum(1 for _, from_live in restore.sources if from_live)
+        eventlog.emit(
+            names.SNAPSHOT_RESTORED, step=restore.step, redone=restore.furthest - restore.step, from_live=live,
+            from_copies=len(restore.sources) - live, broken_round=restore.round, seconds=time.monotonic() - t0,
+        )  # fmt: skip
+        return HydrationPlan(source=0, newcomers=everyone, survivors=(), sharded=True, step=restore.step)
+
+    def _pieces_to_rank0(self, restore: RestorePlan, kept: Kept | None, group: Any) -> Iterator[Piece]:
+        """Every shard of the broken round at ``restore.step``, in its rank order: rank 0 yields each piece
+        (its own or received), a rank that sends one yields nothing for it. One piece in memory at a time."""
+        for owner, (source, live) in enumerate(restore.sources):
+            if self.rank == source:
+                piece = self._live_piece(kept) if live else kept.replicator.held_piece(owner, restore.step)
+                if self.rank == 0:
+                    yield piece
+                else:
+                    send_piece(piece, dst=0, group=group, bucket_bytes=self.config.bucket_bytes)
+            elif self.rank == 0:
+                piece = recv_header(src=source, group=group)
+                if piece is None or (piece.owner, piece.step) != (owner, restore.step):
+                    got = None if piece is None else (piece.owner, piece.step)
+                    raise HydrationError(f"rank {source} sent {got} instead of rank {owner}'s shard at step {restore.step}")
+                flat = torch.empty(piece.layout.nbytes, dtype=torch.uint8)
+                yield recv_body(piece, flat, src=source, group=group, bucket_bytes=self.config.bucket_bytes)
+
+    def _live_piece(self, kept: Kept) -> Piece:
+        snap, c = kept.snapshot, kept.captured
+        return Piece(owner=snap.rank, round=snap.round, world_size=snap.world_size, step=kept.step, layout=c.layout,
+                     small=self._small_state(), param_groups=c.param_groups(self.optimizer), tensors=c.tensors)  # fmt: skip
+
+    def _drop_state(self, kept: Kept | None) -> None:
+        """A survivor's old sharded objects and the copies it held: not needed once the state is on rank 0."""
+        if kept is not None:
+            kept.captured = kept.replicator = None
+        self._captured = None
+        self.module = self.model = self.optimizer = self.scheduler = None
+        gc.collect()  # FSDP2's hooks hold the old sharded model in cycles
 
     def _small_state(self) -> dict[str, Any]:
         return {

@@ -13,6 +13,7 @@ ROUND_ENV = "HYPERPODRUN_ROUND"  # the rendezvous round the rank starts in
 NODE_ID_ENV = "HYPERPODRUN_NODE_ID"
 EVENT_LOG_ENV = "HYPERPODRUN_EVENT_LOG"  # where trainer records go (JSON lines, shared with the agent)
 PARKED_ENV = "HYPERPODRUN_PARKED"  # "1": a pre-warmed joiner, no rank until admitted
+SNAPSHOT_EVERY_ENV = "HYPERPODRUN_SNAPSHOT_EVERY"  # --snapshot-every: a sharded model's in-memory snapshots
 ENV_PREFIX = "HYPERPODRUN_"
 
 # Records the ranks append to the event log (the agent's own are hyperpodrun.events.EventType).
@@ -23,3 +24,5 @@ GROUP_TORN_DOWN = "group_torn_down"
 GROUP_UP = "group_up"
 HYDRATED = "hydrated"
 PEER_FAILED = "peer_failed"  # a collective failed: the rank waits for its group to be repaired
+SNAPSHOT_RESTORED = "snapshot_restored"  # a sharded model's state put back together from snapshots after a failure
+SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"  # no step at which every shard survived: the checkpoint instead

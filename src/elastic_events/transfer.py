@@ -11,12 +11,15 @@ sides compute the same :func:`plan_buckets` from the byte sizes alone:
   small tensors.
 
 So a transfer needs at most one bucket of extra memory on either side, and the
-receivers' state is bitwise the sender's.
+receivers' state is bitwise the sender's. :func:`send_tensors` / :func:`recv_tensors`
+move the same way between two ranks (the replicas of :mod:`elastic_events.snapshot`);
+a sender whose tensors are on an accelerator stages each bucket through pinned host
+memory on a stream of its own, so the bytes travel over a gloo group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +92,49 @@ class TransferStats:
     staging_bytes: int
 
 
+Post = Callable[[torch.Tensor], "dist.Work | None"]
+
+
+def _move(views: list[torch.Tensor], plan: list[Bucket], staging: torch.Tensor | None, *, sending: bool, post: Post) -> None:
+    """Run ``plan``: ``post`` moves one buffer (a broadcast, a send or a receive) and returns its work.
+
+    In-place slices are queued back to back (no staging to reuse: the backend pipelines
+    them); packed buckets go one at a time through ``staging``. A sender's views may be on
+    an accelerator only if every bucket is staged (``staging`` on the host, see
+    :func:`send_tensors`)."""
+    pending = []
+    for bucket in plan:
+        if bucket.direct and (staging is None or views[bucket.pieces[0].index].device == staging.device):
+            piece = bucket.pieces[0]
+            pending.append(post(views[piece.index][piece.start : piece.start + piece.length]))
+            continue
+        buf = staging[: bucket.nbytes]
+        if sending:
+            for p in bucket.pieces:
+                buf[p.offset : p.offset + p.length].copy_(views[p.index][p.start : p.start + p.length])
+        work = post(buf)
+        if work is not None:
+            work.wait()
+        if not sending:
+            for p in bucket.pieces:
+                views[p.index][p.start : p.start + p.length].copy_(buf[p.offset : p.offset + p.length])
+    for work in pending:
+        if work is not None:
+            work.wait()
+
+
+def _staging(views: list[torch.Tensor], plan: list[Bucket], device: torch.device, *, every: bool) -> torch.Tensor | None:
+    size = max((b.nbytes for b in plan if every or not b.direct), default=0)
+    if not size:
+        return None
+    return torch.empty(size, dtype=torch.uint8, device=device, pin_memory=every and torch.cuda.is_available())
+
+
+def _stats(views: list[torch.Tensor], plan: list[Bucket], staging: torch.Tensor | None) -> TransferStats:
+    return TransferStats(nbytes=sum(v.numel() for v in views), broadcasts=len(plan),
+                         staging_bytes=staging.numel() if staging is not None else 0)  # fmt: skip
+
+
 @torch.no_grad()
 def broadcast_tensors(
     tensors: Sequence[torch.Tensor],
@@ -110,27 +156,48 @@ def broadcast_tensors(
             for t in tensors]  # fmt: skip
     views = [_bytes(t) for t in work]
     plan = plan_buckets([v.numel() for v in views], bucket_bytes)
-    staging_size = max((b.nbytes for b in plan if not b.direct), default=0)
-    staging = torch.empty(staging_size, dtype=torch.uint8, device=device) if staging_size else None
-    pending = []  # in-place slices are queued back to back (no staging to reuse): the backend pipelines them
-    for bucket in plan:
-        if bucket.direct:
-            piece = bucket.pieces[0]
-            chunk = views[piece.index][piece.start : piece.start + piece.length]
-            pending.append(dist.broadcast(chunk, src=src, group=group, async_op=True))
-            continue
-        buf = staging[: bucket.nbytes]
-        if sending:
-            for p in bucket.pieces:
-                buf[p.offset : p.offset + p.length].copy_(views[p.index])
-        dist.broadcast(buf, src=src, group=group)
-        if not sending:
-            for p in bucket.pieces:
-                views[p.index].copy_(buf[p.offset : p.offset + p.length])
-    for request in pending:
-        request.wait()
+    staging = _staging(views, plan, device, every=False)
+    _move(views, plan, staging, sending=sending,
+          post=lambda buf: dist.broadcast(buf, src=src, group=group, async_op=True))  # fmt: skip
     if not sending:
         for original, copy in zip(tensors, work):
             if copy is not original and copy.data_ptr() != original.data_ptr():
                 original.detach().copy_(copy)
-    return TransferStats(nbytes=sum(v.numel() for v in views), broadcasts=len(plan), staging_bytes=staging_size)
+    return _stats(views, plan, staging)
+
+
+@torch.no_grad()
+def send_tensors(
+    tensors: Sequence[torch.Tensor],
+    *,
+    dst: int,
+    group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> TransferStats:
+    """Send contiguous ``tensors`` to global rank ``dst`` (over a gloo group), which calls :func:`recv_tensors`.
+
+    Host tensors go in place or packed, as in :func:`broadcast_tensors`; if any tensor is
+    on an accelerator, every bucket is copied through one pinned host bucket (the caller
+    runs this on a stream that is ordered after the writes it must see).
+    """
+    views = [_bytes(t.detach()) for t in tensors]
+    plan = plan_buckets([v.numel() for v in views], bucket_bytes)
+    staging = _staging(views, plan, torch.device("cpu"), every=any(v.device.type != "cpu" for v in views))
+    _move(views, plan, staging, sending=True, post=lambda buf: dist.isend(buf, dst=dst, group=group))
+    return _stats(views, plan, staging)
+
+
+@torch.no_grad()
+def recv_tensors(
+    tensors: Sequence[torch.Tensor],
+    *,
+    src: int,
+    group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> TransferStats:
+    """Receive into contiguous host ``tensors`` what global rank ``src`` sends with :func:`send_tensors`."""
+    views = [_bytes(t) for t in tensors]
+    plan = plan_buckets([v.numel() for v in views], bucket_bytes)
+    staging = _staging(views, plan, torch.device("cpu"), every=False)
+    _move(views, plan, staging, sending=False, post=lambda buf: dist.irecv(buf, src=src, group=group))
+    return _stats(views, plan, staging)

@@ -248,6 +248,7 @@ class LaunchConfig:
     restart_mode: RestartMode = RestartMode.AUTO
     hang_timeout: float | None = None  # seconds without progress; None: 10x the slowest step, at least 60; 0: off
     spare_ranks: int = 1  # pre-started replacements per node for a job repaired in place (0 or 1)
+    snapshot_every: int = 1  # a sharded model's in-memory snapshots, every N steps (0: off); elastic_events.snapshot
     metrics_port: int = 0  # Prometheus endpoint of this agent; 0: off
     metrics_addr: str = "127.0.0.1"
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
@@ -293,6 +294,8 @@ class LaunchConfig:
             raise ConfigError(f"--hang-timeout: must be >= 0 seconds (0: off), got {self.hang_timeout}")
         if self.spare_ranks not in (0, 1):
             raise ConfigError(f"--spare-ranks: must be 0 or 1 (one spare replaces the first failed rank), got {self.spare_ranks}")
+        if self.snapshot_every < 0:
+            raise ConfigError(f"--snapshot-every: must be >= 0 steps (0: no in-memory snapshots), got {self.snapshot_every}")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port: must be in 0..65535 (0: off), got {self.metrics_port}")
         if self.shutdown_timeout < 0:

@@ -1,8 +1,8 @@
 """A spare rank: an interpreter started ahead of a failure, waiting to replace a failed rank.
 
 A rank repaired in place is restarted parked and hydrated from its peers; what the survivors
-wait for is its process start: the interpreter, ``import torch``, ``elastic_events``. A spare
-pays that in advance. The agent starts one per node (``--spare-ranks``) once the job runs
+wait for is its process start: the interpreter, ``import torch``, ``elastic_events``, and what the
+first step imports (:func:`~elastic_events.inprocess_rounds.prewarm`). A spare pays that in advance. The agent starts one per node (``--spare-ranks``) once the job runs
 in-process; it imports torch and waits on its own slot of the control channel without touching
 any accelerator, running no line of the training script. When a local rank fails, the agent
 resets that rank's slot and writes the rank's number into the spare's slot: the spare takes the
@@ -43,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch  # noqa: F401 - the cost a spare exists to pay in advance
     import torch.distributed  # noqa: F401
-    import elastic_events  # noqa: F401
+    from elastic_events.inprocess_rounds import prewarm
+
+    prewarm()  # and what the first step after admission would import
 
     reader = ControlReader(control_file, slot)
     reader.set_phase(RankPhase.PARKED)

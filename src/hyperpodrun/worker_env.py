@@ -75,4 +75,5 @@ def base_env(config: LaunchConfig) -> dict[str, str]:
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: avoid oversubscribing the node's cores
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in config.signals_to_handle)
+    env[names.SNAPSHOT_EVERY_ENV] = str(config.snapshot_every)
     return env

@@ -18,6 +18,7 @@ import torch
 from support.cluster import wait_until
 
 INPLACE = Path(__file__).resolve().parent / "scripts" / "inplace_counter.py"
+HYDRATED = ("peers", "handoff", "snapshot")  # how a newcomer got the state: from survivors, a hand-off, snapshots
 
 
 def worlds(job) -> list[dict]:
@@ -29,7 +30,7 @@ def reference_params(at_steps: set[int]) -> dict[int, list[list[float]]]:
     """What one process has trained after each of ``at_steps`` steps of the same data (DDP averages the same gradient)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     out = {}
     for step in range(max(at_steps)):
         g = torch.Generator().manual_seed(step)
@@ -83,6 +84,11 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, backend_
             assert got == pytest.approx(want, abs=1e-5)
 
 
+def script_args(model: str, run_dir: Path) -> tuple[str, ...]:
+    """The counter script's arguments: its run dir (make_job's is the test's tmp_path), and ``fsdp`` to shard."""
+    return (str(run_dir),) if model == "ddp" else (str(run_dir), model)
+
+
 def pid_of_rank(job, rank: int) -> int:
     return [r for r in worlds(job) if r["rank"] == rank][-1]["pid"]
 
@@ -92,15 +98,32 @@ def hit_rank_1(job, sig: int) -> tuple[int, int]:
     job.wait_steps(5)
     survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
     os.kill(victim, sig)
-    wait_until(lambda: [r for r in worlds(job) if r["how"] == "peers"], timeout=60, what="the replacement rank to be hydrated")
+    wait_until(lambda: [r for r in worlds(job) if r["how"] in HYDRATED], timeout=60, what="the replacement rank to be hydrated")
     job.wait_steps(5)
     return survivor, victim
 
 
+def committed_steps(job) -> list[int]:
+    """Rank 0's steps, each once, in order; a step is trained again only after a sharded model rolled back to
+    its newest snapshot (``snapshot_restored``, at most one step with a snapshot every step), never otherwise."""
+    rollbacks = [e for e in job.events("snapshot_restored") if e["redone"]]
+    assert all(e["redone"] <= 1 for e in job.events("snapshot_restored")), job.events("snapshot_restored")
+    steps: list[int] = []
+    for step in (p["step"] for p in job.progress()):
+        if steps and step <= steps[-1]:
+            assert rollbacks, f"step {step} trained again after step {steps[-1]} without a snapshot restore"
+            restored = rollbacks.pop(0)
+            assert step == restored["step"] + 1 and steps[-1] == restored["step"] + restored["redone"], (step, restored)
+            del steps[restored["step"]:]
+        steps.append(step)
+    assert steps == list(range(1, len(steps) + 1)), steps  # nothing committed was lost
+    assert not rollbacks, rollbacks
+    return steps
+
+
 def assert_trained_like_one_process(job) -> list[int]:
     """Every committed step once, in order, and every rank's final parameters those of an unbroken run; the steps."""
-    steps = [p["step"] for p in job.progress()]
-    assert steps == list(range(1, len(steps) + 1)), steps  # nothing committed was lost or redone
+    steps = committed_steps(job)
     final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
     assert final and {f["step"] for f in final} == {steps[-1]}, final
     reference = reference_params({steps[-1]})[steps[-1]]
@@ -111,24 +134,33 @@ def assert_trained_like_one_process(job) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("backend_name", "nodes", "spares"),
+    ("backend_name", "nodes", "spares", "model"),
     [
-        ("c10d", ("a", "b"), 1),  # the spare, torch already imported, takes the failed rank's place
-        ("etcd", ("a", "b"), 0),  # a new process is started parked
-        ("c10d", ("a",), 1),  # 2 ranks on one node, nothing else to help
-        ("c10d", ("a", "b", "c"), 1),  # a survivor may wait on a live peer: it must let go of the broken group, or be replaced
+        # the spare, torch already imported, takes the failed rank's place
+        pytest.param("c10d", ("a", "b"), 1, "ddp", id="c10d-2nodes-spare-ddp"),
+        pytest.param("etcd", ("a", "b"), 0, "ddp", id="etcd-2nodes-nospare-ddp"),  # a new process is started parked
+        pytest.param("c10d", ("a",), 1, "ddp", id="c10d-1node-spare-ddp"),  # 2 ranks on one node, nothing else to help
+        # a survivor may wait on a live peer: it must let go of the broken group, or be replaced
+        pytest.param("c10d", ("a", "b", "c"), 1, "ddp", id="c10d-3nodes-spare-ddp"),
+        # the failed rank's shards come back from the snapshot its peer holds
+        pytest.param("c10d", ("a", "b"), 1, "fsdp", id="c10d-2nodes-spare-fsdp"),
+        pytest.param("etcd", ("a", "b", "c"), 1, "fsdp", id="etcd-3nodes-spare-fsdp"),  # three shards, one of them lost
     ],
 )
-def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spares, request) -> None:
+def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spares, model, request, tmp_path) -> None:
     """kill -9 of one rank: its node replaces it (its spare, or a new process), parked; the survivors keep
     their processes and state, the replacement is hydrated from them, and no committed step is lost or trained twice.
+
+    Sharded (FSDP2): the failed rank's shards come from the copy its holder keeps (``elastic_events.snapshot``);
+    a step committed after the newest copy is trained again, and only such a step.
 
     Now and then a survivor never returns from the broken group's collective (gloo misses the failure); it
     hands its state off and its agent replaces it within the same repair. Only that case may replace a
     survivor, and only once; its replacement holds the state (from the hand-off or a peer)."""
     endpoint = request.getfixturevalue("etcd_endpoint") if backend_name == "etcd" else None
     per_node = ("--nproc-per-node", str(max(1, 2 // len(nodes))), "--spare-ranks", str(spares))
-    job = make_job(backend=backend_name, endpoint=endpoint, script=INPLACE, nnodes=str(len(nodes)), flags=("--max-restarts", "3", *per_node))
+    job = make_job(backend=backend_name, endpoint=endpoint, script=INPLACE, script_args=script_args(model, tmp_path),
+                   nnodes=str(len(nodes)), flags=("--max-restarts", "3", *per_node))  # fmt: skip
     for name in nodes:
         job.start_node(name)
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
@@ -145,7 +177,7 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
         assert [r["how"] for r in records if r["rank"] == rank] == ["fresh", "recovered"], records
     if 0 not in rescued:
         assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records
-    replacement = [r for r in records if r["how"] in ("peers", "handoff")]
+    replacement = [r for r in records if r["how"] in HYDRATED]
     assert sorted(r["rank"] for r in replacement) == sorted([1, *rescued]), records
     assert victim not in {r["pid"] for r in replacement} and {r["world"] for r in replacement} == {max(2, len(nodes))}, records
     victim_node = next(e["node"] for e in job.events("worker_failed"))
@@ -222,10 +254,11 @@ def test_a_new_node_joins_in_place_after_another_left(make_job) -> None:
             assert got == pytest.approx(want, abs=1e-4)
 
 
-def test_a_lost_node_is_repaired_in_place(make_job) -> None:
-    """kill -9 of a whole node (launcher and ranks): once its lease expires the survivor re-forms the
-    group without it, in place and from its own state, and a standby can join again later."""
-    job = make_job(script=INPLACE, flags=("--max-restarts", "3"))
+@pytest.mark.parametrize("model", ["ddp", "fsdp"])
+def test_a_lost_node_is_repaired_in_place(make_job, model, tmp_path) -> None:
+    """kill -9 of a whole node (launcher and ranks): the survivor re-forms the group without it, in place,
+    without waiting for its lease, from its own state (sharded: and the copies of the lost node's shards it holds)."""
+    job = make_job(script=INPLACE, script_args=script_args(model, tmp_path), flags=("--max-restarts", "3"))
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
@@ -244,10 +277,12 @@ def test_a_lost_node_is_repaired_in_place(make_job) -> None:
     assert_trained_like_one_process(job)
 
 
-def test_a_hung_rank_is_killed_and_replaced_in_place(make_job) -> None:
+@pytest.mark.parametrize("model", ["ddp", "fsdp"])
+def test_a_hung_rank_is_killed_and_replaced_in_place(make_job, model, tmp_path) -> None:
     """SIGSTOP of one rank: its agent dumps the stacks and kills it after --hang-timeout, the peer
-    waiting for it in a collective is not taken for hung, and the job is repaired in place."""
-    job = make_job(script=INPLACE, nnodes="2", flags=("--max-restarts", "3", "--hang-timeout", "2"))
+    waiting for it (in a collective, or for its snapshot) is not taken for hung, and the job is repaired in place."""
+    job = make_job(script=INPLACE, script_args=script_args(model, tmp_path), nnodes="2",
+                   flags=("--max-restarts", "3", "--hang-timeout", "2"))  # fmt: skip
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
@@ -291,10 +326,11 @@ def test_a_survivor_that_never_returns_hands_its_state_to_its_replacement(make_j
     assert_trained_like_one_process(job)
 
 
-def test_two_failures_in_a_row_are_each_repaired_in_place(make_job) -> None:
+@pytest.mark.parametrize("model", ["ddp", "fsdp"])
+def test_two_failures_in_a_row_are_each_repaired_in_place(make_job, model, tmp_path) -> None:
     """The spare takes the first failed rank's place, and the second one's is taken by a new spare or, when
     none is ready yet, a new process. Each repair counts against --max-restarts; nothing is lost."""
-    job = make_job(script=INPLACE, nnodes="2", flags=("--max-restarts", "2"))
+    job = make_job(script=INPLACE, script_args=script_args(model, tmp_path), nnodes="2", flags=("--max-restarts", "2"))
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == 2, timeout=90, what="every node's spare")
@@ -302,7 +338,7 @@ def test_two_failures_in_a_row_are_each_repaired_in_place(make_job) -> None:
     for n in (1, 2):
         victim = pid_of_rank(job, 1)
         os.kill(victim, signal.SIGKILL)
-        wait_until(lambda n=n: len([r for r in worlds(job) if r["how"] == "peers"]) == n, timeout=60, what=f"repair {n}")
+        wait_until(lambda n=n: len([r for r in worlds(job) if r["how"] in HYDRATED]) >= n, timeout=60, what=f"repair {n}")
         job.wait_steps(3)
     codes = job.finish()
     assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
@@ -311,4 +347,23 @@ def test_two_failures_in_a_row_are_each_repaired_in_place(make_job) -> None:
     assert [r["how"] for r in worlds(job) if r["rank"] == 0 and r["pid"] != survivor] == ["handoff"] * len(rescued)
     assert [e["kind"] for e in job.events("scale_targeted")] == ["rank_failure", "rank_failure"]
     assert len({r["pid"] for r in worlds(job) if r["rank"] == 1}) == 3  # the first rank and its two replacements
+    assert_trained_like_one_process(job)
+
+
+def test_a_rank_that_dies_while_sending_its_snapshot_is_restored_from_the_one_before(make_job, tmp_path) -> None:
+    """Sharded: rank 1 is killed half-way through sending its snapshot of step 40 (its holder's copy of it is
+    torn). Its holder still has its complete copy of step 39, and rank 0 its own copy of 39: the job goes
+    back to step 39, trains step 40 again, and ends on the parameters of an unbroken run."""
+    job = make_job(script=INPLACE, script_args=(str(tmp_path), "fsdp", "die-sending-at=40"), nnodes="2",
+                   flags=("--max-restarts", "3"))  # fmt: skip
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: [r for r in worlds(job) if r["how"] in HYDRATED], timeout=90, what="rank 1's replacement")
+    job.wait_steps(5)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+    (restored,) = job.events("snapshot_restored")
+    assert (restored["step"], restored["redone"], restored["from_live"]) == (39, 1, 0), restored  # two copies of 39
+    assert [e["signal"] for e in job.events("worker_failed")] == ["SIGKILL"]
+    assert 40 in [p["step"] for p in job.progress()][40:], "step 40 was trained again"
     assert_trained_like_one_process(job)

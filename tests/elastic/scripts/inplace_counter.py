@@ -1,7 +1,10 @@
 """A stand-in trainer on the in-process API: ranks survive scale events, newcomers hydrate from peers.
 
-argv: RUN_DIR. A tiny linear model trained by DDP on data derived from the step number, so the
-parameters depend only on how many steps were trained. Rank 0 appends {"step", "world", "ts"} to
+argv: RUN_DIR [fsdp [die-sending-at=N]]. A tiny linear model trained by DDP (or FSDP2, sharded over
+the ranks) with SGD and momentum on data derived from the step number, so the parameters depend
+only on how many steps were trained. ``die-sending-at=N``: rank 1 of the first round kills itself
+half-way through sending its in-memory snapshot of step N (a failure injector for
+``elastic_events.snapshot``). Rank 0 appends {"step", "world", "ts"} to
 RUN_DIR/progress.jsonl every step; every rank appends {"pid", "rank", "world", "round", "step",
 "how"} to RUN_DIR/worlds.jsonl when it starts and after every reconfiguration, and its final
 parameters to RUN_DIR/final.jsonl. Training ends at the first step after RUN_DIR/stop exists
@@ -22,6 +25,8 @@ import torch.distributed as dist
 from elastic_events import ElasticTraining, elastic_event_detected
 
 run = Path(sys.argv[1])
+FSDP = sys.argv[2:3] == ["fsdp"]
+DIE_SENDING_AT = int(sys.argv[3].removeprefix("die-sending-at=")) if sys.argv[3:] else -1
 
 
 def log(name: str, record: dict) -> None:
@@ -34,7 +39,27 @@ def build() -> torch.nn.Module:
     return torch.nn.Linear(4, 2)
 
 
-elastic = ElasticTraining(model_fn=build, optimizer_fn=lambda m: torch.optim.SGD(m.parameters(), lr=0.01)).start()
+def die_half_way_through_the_next_snapshot() -> None:
+    """Its header goes out, then the process is killed before the first bucket of its tensors (``isend``,
+    which only the snapshot's sender thread uses)."""
+    import signal
+
+    def die(*_args, **_kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    dist.isend = die
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model)
+
+
+elastic = ElasticTraining(
+    model_fn=build, wrap=shard if FSDP else None,
+    optimizer_fn=lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+).start()  # fmt: skip
 
 
 def note(how: str) -> None:
@@ -44,7 +69,7 @@ def note(how: str) -> None:
 
 note(elastic.resumed_from)
 while True:
-    try:  # every collective of the step comes before the optimizer step: a step that fails changes nothing
+    try:  # every collective of the step comes before the optimizer's update: a step that fails changes nothing
         if elastic.rank == 0 and elastic.resumed_from == "fresh" and (run / "block").exists():
             log("blocked.jsonl", {"pid": os.getpid(), "step": elastic.step})
             os.read(os.pipe()[0], 1)  # a main thread that never returns, like a collective gloo never ends
@@ -58,15 +83,17 @@ while True:
         target = y.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else y[:0]
         loss = (elastic.model(rows) - target).square().sum() * elastic.world_size / 8
         loss.backward()
+        elastic.optimizer.step()  # with snapshots, waits for every copy of the last one (a dead peer: raises)
     except RuntimeError as exc:  # a peer died mid-step: the launcher repairs the group in place
         if not elastic.recover(exc):
             note("left")
             break
         note("recovered")
         continue
-    elastic.optimizer.step()
     elastic.optimizer.zero_grad()
     elastic.step += 1
+    if elastic.step == DIE_SENDING_AT and elastic.rank == 1 and elastic.resumed_from == "fresh":
+        die_half_way_through_the_next_snapshot()
     if elastic.rank == 0:
         log("progress.jsonl", {"step": elastic.step, "world": elastic.world_size, "ts": time.time()})
     if elastic_event_detected():
@@ -74,7 +101,7 @@ while True:
             note("left")
             break
         note("reconfigured")
-params = [p.detach().flatten().tolist() for p in elastic.module.parameters()]
+params = [(p.full_tensor() if FSDP else p).detach().flatten().tolist() for p in elastic.module.parameters()]
 log("final.jsonl", {"rank": elastic.rank, "step": elastic.step, "params": params})
 elastic.close()
 sys.stdout.flush()
