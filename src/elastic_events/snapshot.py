@@ -43,6 +43,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -357,7 +358,7 @@ class Replicator:
         if job is None:
             return
         deadline = time.monotonic() + self.timeout_s
-        while not job.done.wait(poll_s):
+        while not job.done.wait(poll_s) and self.failed is None:
             reason = broken()
             if reason is not None:
                 self._stop_for(PeerFailureError(reason))
@@ -398,8 +399,13 @@ class Replicator:
     def abort(self) -> None:
         """The round is broken: end both threads' waits now (the complete copies are kept)."""
         self._stop_for(SnapshotError(f"round {self.round} was aborted"))
-        self._sender.join(1.0)
-        self._receiver.join(1.0)
+        for thread in (self._sender, self._receiver):
+            thread.join(1.0)
+            if thread.is_alive():  # a wait its group's shut-down sockets did not end: say where, and go on
+                frame = sys._current_frames().get(thread.ident)
+                where = "".join(traceback.format_stack(frame)[-4:]) if frame is not None else "?"
+                print(f"rank {self.rank}: {thread.name} of round {self.round} still runs 1 s after the abort:\n{where}",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
     def _stop_for(self, exc: BaseException) -> None:
         with self._lock:
@@ -485,11 +491,8 @@ class Replicator:
             detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
             print(f"rank {self.rank}: snapshot replication of round {self.round} stopped ({doing}: {detail})",
                   file=sys.stderr, flush=True)  # fmt: skip
-        while True:  # nothing more is sent in this round: release the waits of queued snapshots
-            try:
-                self._jobs.get_nowait().done.set()
-            except queue.Empty:
-                return
+        # Queued snapshots are let go by the sender (it sends nothing more once failed), never drained here:
+        # the queue may hold the sentinel that ends the sender.
 
 
 @contextlib.contextmanager

@@ -173,3 +173,13 @@ def test_a_rank_that_dies_sending_its_copy_leaves_its_previous_copy_and_no_step_
         assert (out["rank"], 3) in holdings  # its own copy is still the one every rank has
         if out["owner"] == world - 1:  # the dead rank's holder: its copy of step 3 survived the torn one of step 4
             assert (world - 1, 3) in holdings and (world - 1, 4) not in holdings, holdings
+
+
+def test_aborting_an_idle_round_ends_both_threads_at_once() -> None:
+    """Found by the failures benchmark: a repair's teardown took 1 s more now and then. The receiver, failing
+    on the shut-down sockets, drained the sender's queue to release waiters, and took the sentinel that
+    ends the sender with it: the sender waited on its queue until abort() gave up joining it (1 s)."""
+    results = run_ranks(3, 1, "abort")
+    assert all(code == 0 and out is not None for code, out, _ in results), [err[-2000:] for _, _, err in results]
+    for _, out, _ in results:  # six rounds each: the race lost about one abort in three
+        assert not any(out["alive"]) and max(out["abort_s"]) < 0.9, out

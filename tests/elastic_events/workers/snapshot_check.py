@@ -3,6 +3,7 @@
 argv: RANK WORLD PORT LOCAL_WORLD MODE. Every rank trains a few steps, snapshotting after each;
 then the copies its peers hold are put back together on rank 0 and compared with the live
 model's and optimizer's full state (gathered by DCP). MODE ``ok`` ends the round cleanly; MODE
+``abort`` breaks it while its threads wait (as a repair does) and times how long they take to end; MODE
 ``die`` makes the last rank kill itself in the middle of sending its next snapshot (after its
 header, before its tensors), and the survivors report what they hold afterwards. Prints one JSON line per rank.
 """
@@ -13,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -81,7 +83,23 @@ def main() -> int:
     c = capture(model, opt)
     out["state_bytes"], out["held_bytes"] = c.layout.nbytes, rep.held_bytes()  # buffer sizes (entries aligned)
 
-    if mode == "ok":
+    if mode == "abort":  # healthy, idle rounds broken from outside (the launcher repairs them): both threads end
+        out["abort_s"], out["alive"] = [], []
+        for again in range(6):
+            if again:  # a fresh round of groups and threads, one snapshot in it
+                sockets = set()
+                with abort.tracking(sockets):
+                    group, acks = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+                rep = Replicator(group=group, acks=acks, sockets=sockets, round=1 + again, rank=rank, world_size=world,
+                                 local_world_size=local_world, bucket_bytes=64, timeout_s=60)  # fmt: skip
+                rep.snapshot(piece_of(rank, world, STEPS, model, opt))
+                rep.wait(broken=lambda: None)
+            dist.barrier()  # every rank's chain is done: an abort here breaks only idle waits
+            t0 = time.monotonic()
+            rep.abort()
+            out["abort_s"].append(time.monotonic() - t0)
+            out["alive"] += [rep._sender.is_alive(), rep._receiver.is_alive()]
+    elif mode == "ok":
         out["closed"] = rep.close(timeout_s=30)  # the copies stay; the group is free for the restore's sends
         full = gather_full_state(model, opt, holder=0)  # the live truth at step STEPS
         for owner in range(world):  # rank 0 assembles every shard from the copies its holders keep
