@@ -504,20 +504,23 @@ def wall_tokens_per_s(records: Sequence[Mapping[str, Any]], tokens_per_step: int
 LAUNCHERS = ("hyperpodrun", "torchrun")
 
 
-def single_node_cmd(launcher: str, nproc: int, train: TrainArgs, *, work: Path, data_cache: Path) -> list[str]:
+def single_node_cmd(
+    launcher: str, nproc: int, train: TrainArgs, *, work: Path, data_cache: Path, launcher_args: Sequence[str] = ()
+) -> list[str]:
     """One node of ``nproc`` ranks under ``launcher``, both through a c10d-style rendezvous.
 
     hyperpodrun runs its elastic agent (``--nnodes 1:1``: store, control channel, policy
     loop all live), torchrun its c10d rendezvous agent: each launcher's normal path.
+    ``launcher_args`` go to the launcher (before the script).
     """
     script = str(require_train_script())
     argv = train.argv(run_dir=work / "run", data_cache=data_cache, metrics=work / "metrics.jsonl")
     rdzv = ["--nnodes", "1:1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"bench-{work.name}"]  # fmt: skip
     if launcher == "hyperpodrun":
-        return hyperpodrun_cmd(*rdzv, "--log-dir", str(work / "logs"), script, *argv)
+        return hyperpodrun_cmd(*rdzv, "--log-dir", str(work / "logs"), *launcher_args, script, *argv)
     if launcher == "torchrun":
-        return torchrun_cmd(*rdzv, script, *argv)
+        return torchrun_cmd(*rdzv, *launcher_args, script, *argv)
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
@@ -531,6 +534,7 @@ def run_training(
     timeout: float,
     env: Mapping[str, str],
     sample_interval: float = 1.0,
+    launcher_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run the example to completion on one node (raises on failure).
 
@@ -538,7 +542,7 @@ def run_training(
     (its agent: monitoring, rendezvous, store), which the ranks do not get on a busy node.
     """
     work.mkdir(parents=True, exist_ok=True)
-    cmd = single_node_cmd(launcher, nproc, train, work=work, data_cache=data_cache)
+    cmd = single_node_cmd(launcher, nproc, train, work=work, data_cache=data_cache, launcher_args=launcher_args)
     done = run_to_completion(
         cmd, name=f"{launcher}-{nproc}", timeout=timeout, env=env, log_path=work / "output.log",
         sample_interval=sample_interval,

@@ -22,9 +22,11 @@ Each pair gives a ratio (hyperpodrun over torchrun, > 1 = faster); the geometric
 pairs and its 95 % confidence interval are reported for both measures; target >= 0.99.
 
 ``--client hf`` measures instead a Hugging Face Trainer job with ``ElasticCallback``
-under hyperpodrun against the same job without it under torchrun (see hf_client.py).
+under hyperpodrun against the same job without it under torchrun (see hf_client.py);
+``--client snapshot`` the example with ``--fsdp`` under hyperpodrun with in-memory snapshots
+against the same without them, and the snapshots' memory (see snapshot_client.py).
 
-    python benchmarks/step_overhead.py [--quick | --smoke] [--client hf]
+    python benchmarks/step_overhead.py [--quick | --smoke] [--client hf | --client snapshot]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import hf_client
+import snapshot_client
 from common import (
     LAUNCHERS,
     BenchmarkError,
@@ -316,8 +319,9 @@ def plot(result: BenchmarkResult, m: dict[str, Any], t: dict[str, Any], path: Pa
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--run-timeout", type=float, default=600.0, help="hard limit per launched run, s")
-        parser.add_argument("--client", choices=("loop", "hf"), default="loop",
-                            help="loop: the hand-written example loop (default); hf: a Hugging Face Trainer job")  # fmt: skip
+        parser.add_argument("--client", choices=("loop", "hf", "snapshot"), default="loop",
+                            help="loop: the hand-written example loop (default); hf: a Hugging Face Trainer job; "
+                                 "snapshot: the example with --fsdp, in-memory snapshots on and off")  # fmt: skip
         add_train_arguments(parser)
         hf_client.add_worker_arguments(parser)
         # internal: the measuring worker
@@ -332,6 +336,20 @@ def main(argv: list[str] | None = None) -> int:
         return hf_client.worker_main(args)
     work = args.out / "work" / NAME
     shutil.rmtree(work, ignore_errors=True)
+    if args.client == "snapshot":
+        snap = snapshot_client.run(args, work / "snapshot", steps=TRAIN_STEPS[args.mode], reps=TRAIN_REPS[args.mode],
+                                   skip=WARMUP_STEPS[args.mode], steady_costs=steady_costs)  # fmt: skip
+        path = snap.write(args.out)
+        s = snap.summary
+        print(format_table(["variant", "median step s", "CPU s per step"],
+                           [(v, s["median_step_s"][v], s["cpu_per_step_s"][v]) for v in ("snapshots", "no-snapshots")]))  # fmt: skip
+        ci = s["wall_step_ratio_ci"]
+        print(f"throughput with snapshots / without: {s['throughput_ratio']:.3f} (pairs {', '.join(f'{r:.3f}' for r in s['wall_step_ratios'])}"
+              + (f"; mean {ci['ratio']:.3f}, 95 % CI {ci['ci_low']:.3f}-{ci['ci_high']:.3f}" if ci else "") + "), target >= 0.97")
+        print(f"memory: {s['snapshot_bytes_per_rank']} bytes of snapshots per rank / {s['state_bytes_per_rank']} bytes of "
+              f"local state = {s['memory_ratio']:.2f}")
+        print(f"wrote {path}")
+        return 0
     if args.client == "hf":
         hf = hf_client.run(args, work / "hf", Path(__file__).resolve())
         path = hf.write(args.out)

@@ -561,6 +561,8 @@ def train(cfg: TrainConfig) -> int:
                         "world_size": rt.world_size, "tokens_per_s": global_tokens / step_time,
                         "lr": elastic.scheduler.get_last_lr()[0],
                     }  # fmt: skip
+                    if (snap := elastic.snapshot_stats())["state_bytes"]:  # --fsdp: in-memory snapshots (bytes)
+                        metrics.update(snapshot_state_bytes=snap["state_bytes"], snapshot_held_bytes=snap["held_bytes"])
                     say(
                         f"step {step:5d}/{cfg.steps} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:9.0f} tok/s | "
                         f"world {rt.world_size} | batch {describe_plan(batch.plan)} | lr {metrics['lr']:.2e}",
