@@ -52,6 +52,7 @@ class RankReport:
     control_step: int = 0  # its count of elastic_event_detected() calls (a repair aligns everyone's on the source's)
     handoff_step: int = -1  # a newcomer: the step of its predecessor's hand-off for this round (elastic_events.handoff)
     snapshot: Any = None  # a sharded survivor of a failure: what it holds of the broken round (snapshot.SnapshotReport)
+    failed: bool = False  # a peer failed in its previous round (it came through ElasticTraining.recover)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -243,13 +243,14 @@ class ElasticTraining(RoundJoining):
         if sharded:  # its live shards, and the copies of its neighbour's it holds, go into the repaired round
             replicator = self._stop_snapshots(broken=True)
             kept = Kept(
-                step=self.step, sharded=True, structure=structure_digest(self.module), checksum=None,
+                step=self.step, sharded=True, structure=structure_digest(self.module), checksum=None, failed=True,
                 captured=self._captured, replicator=replicator,
                 snapshot=SnapshotReport(round=self.round, world_size=self.world_size, rank=rank, live_step=self.step,
                                         replicas=replicator.holdings()),
             )  # fmt: skip
         else:
-            kept = Kept(step=self.step, sharded=False, structure=structure_digest(self.module), checksum=value_checksum(self.module))
+            kept = Kept(step=self.step, sharded=False, structure=structure_digest(self.module),
+                        checksum=value_checksum(self.module), failed=True)  # fmt: skip
         # A gloo group closes its sockets only once nothing references it, and a peer blocked on this rank
         # learns of the failure only then: the failed step's frames (holding the DDP wrapper) must go too.
         traceback.clear_frames(exc.__traceback__)

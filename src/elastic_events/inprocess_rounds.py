@@ -71,6 +71,7 @@ class Kept:
     checksum: str | None
     full: FullState | None = None  # a sharded model's full state, on the new round's rank 0
     small: dict[str, Any] | None = None
+    failed: bool = False  # a peer failed in its round (it came through recover())
     # a sharded survivor of a failure: its live shards, the snapshots it holds, what it reports of them
     captured: Captured | None = None
     replicator: Replicator | None = None
@@ -144,20 +145,24 @@ class RoundJoining:
             control_step=handoff.control_step if handoff else self._reader.step if self._reader is not None else 0,
             handoff_step=handoff.step if handoff else -1,
             snapshot=kept.snapshot if survivor else None,
+            failed=survivor and kept.failed,
         )
         reports: list[Any] = [None] * spec.world_size
         try:
             dist.all_gather_object(reports, report)
-            if event.repair and any(r.snapshot is not None for r in reports):  # a sharded model after a failure
+            # A failure repaired by this event, or by a scale event it met on its way (its survivors took that
+            # event's group, pending before they failed): the survivors may be a step apart.
+            repairing = event.repair or any(r.failed for r in reports)
+            if any(r.snapshot is not None for r in reports):  # a sharded model after a failure
                 plan, received = self._restore_from_snapshots(reports, kept, fresh_module), True
                 control_step = max(r.control_step for r in reports)  # never back: events target these counts
             else:
-                plan = plan_from_handoff(plan_hydration(reports, recovering=event.repair, local_world_size=self.local_world_size), reports)
+                plan = plan_from_handoff(plan_hydration(reports, recovering=repairing, local_world_size=self.local_world_size), reports)
                 received = spec.rank in plan.newcomers  # a newcomer, or a survivor a step behind the others
                 self._hydrate(plan, kept, handed, fresh_module, received)
                 # a rank that failed after committing a step may not have counted it: agree on the source's count
                 control_step = (next(r.control_step for r in reports if r.rank == plan.source)
-                                if event.repair and plan.source is not None else self._control_step)  # fmt: skip
+                                if repairing and plan.source is not None else self._control_step)  # fmt: skip
         except ElasticTrainingError:
             raise
         except RuntimeError as exc:  # gloo/NCCL report dead peers and timeouts as RuntimeError
@@ -167,11 +172,11 @@ class RoundJoining:
             ) from exc
         self._set_world()
         seed_all(derive_rank_seed(self._base_seed, self.step, self.rank))
-        if self._reader is not None and ((event.repair and plan.source is not None) or received):
+        if self._reader is not None and ((repairing and plan.source is not None) or received):
             self._reader.set_step(control_step)
         self._start_snapshots()
         self._phase(RankPhase.READY)
-        elastic_events._new_round("recovered" if event.repair else "reconfigure" if survivor else "admitted")
+        elastic_events._new_round("recovered" if repairing else "reconfigure" if survivor else "admitted")
         eventlog.emit(
             names.HYDRATED, event_id=event.event_id, step=self.step, seconds=time.monotonic() - t1,
             newcomers=len(plan.newcomers), from_rank=plan.source, sharded=plan.sharded,

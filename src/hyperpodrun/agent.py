@@ -191,7 +191,10 @@ class Agent:
         while True:
             state = group.poll()
             rescued = pending is not None and pending.repair and self._repair.hung_killed is not None  # we killed a stuck rank
-            if state == WorkerState.FAILED and (pending is None or rescued) and not failure_logged:
+            # A scale event in place that a local rank's failure met on its way: its replacement, parked, is
+            # admitted by that event, as the survivors (their collective failed) take its group at once.
+            scaling = pending is not None and pending.kind == DirectiveKind.RECONFIGURE and not pending.repair
+            if state == WorkerState.FAILED and (pending is None or rescued or scaling) and not failure_logged:
                 if self._repairs_in_place():
                     state, self._hang = self._repair.replace_failed(group, hang=self._hang), None
                 else:
@@ -216,7 +219,8 @@ class Agent:
                 failures = group.failures() if state == WorkerState.FAILED else []
                 status = LocalStatus(
                     group_state=WorkerState.FAILED if self._hang else state, steps=steps,
-                    step_times=step_times, reconfigurable=all(p.reconfigurable for p in progress),
+                    step_times=step_times,  # a rank replaced to be repaired in place declares again once it runs
+                    reconfigurable=all(p.reconfigurable for p in progress) or self._repair.repairing is not None,
                     failure=self._repair.repairing or self._hang or (failures[0].summary() if failures else None),
                     repairing=self._repair.repairing is not None,
                     peer_failed=any(p.phase == RankPhase.RECOVERING for p in progress),

@@ -367,3 +367,33 @@ def test_a_rank_that_dies_while_sending_its_snapshot_is_restored_from_the_one_be
     assert [e["signal"] for e in job.events("worker_failed")] == ["SIGKILL"]
     assert 40 in [p["step"] for p in job.progress()][40:], "step 40 was trained again"
     assert_trained_like_one_process(job)
+
+
+@pytest.mark.parametrize("model", ["ddp", "fsdp"])
+@pytest.mark.parametrize("moment", ["scale_decided", "scale_targeted"])
+def test_a_rank_killed_while_a_join_is_pending_is_repaired_with_the_join(make_job, model, moment, tmp_path) -> None:
+    """kill -9 of a rank while node c's join is pending (decided and waiting for c's ranks to park, or targeted
+    at a step the ranks have not reached): the survivors' failed collective takes them into the join's group,
+    its node's spare takes its place there, c is admitted, and nothing committed is lost."""
+    job = make_job(script=INPLACE, script_args=script_args(model, tmp_path), nnodes="1:3", flags=("--max-restarts", "3"))
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
+    wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == 2, timeout=90, what="every node's spare")
+    job.wait_steps(3)
+    survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
+    job.start_node("c")
+    wait_until(lambda: [e for e in job.events(moment) if e["kind"] == "join"], timeout=60, what=f"the join's {moment}")
+    os.kill(victim, signal.SIGKILL)
+    job.wait_for_world(3, timeout=90)
+    job.wait_steps(5)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0, "c": 0}, [job.stderr(n) for n in "abc"]
+
+    records = worlds(job)
+    assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records  # never restarted
+    assert victim not in {r["pid"] for r in records if r["world"] == 3}, records
+    assert not [e for e in job.events("workers_stopped") if e["event_id"]], "no rank was stopped: nothing restarted"
+    assert [e["signal"] for e in job.events("worker_failed")] == ["SIGKILL"]
+    assert_trained_like_one_process(job)
+    assert {p["world"] for p in job.progress()} <= {2, 3} and job.progress()[-1]["world"] == 3

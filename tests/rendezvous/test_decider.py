@@ -344,6 +344,28 @@ def test_a_repair_is_targeted_at_once_on_a_fresh_port_of_a_surviving_head() -> N
     assert (targeted["master_addr"], targeted["master_port"]) == ("10.0.0.1", 43210)
 
 
+@pytest.mark.parametrize(("kind", "next_members", "parked", "repaired_into"), [
+    (EventKind.JOIN, ("a", "b", "c"), True, ["a", "b", "c"]),  # the joiner is parked: admitted in the repair
+    (EventKind.JOIN, ("a", "b", "c"), False, ["a", "b"]),  # still starting: not waited for, it joins later
+    (EventKind.LEAVE, ("a",), False, ["a"]),  # the leaver leaves in the repair
+])
+def test_a_rank_failure_while_a_scale_event_waits_to_be_targeted_turns_it_into_the_repair(kind, next_members, parked, repaired_into) -> None:
+    """Found by test_a_rank_killed_while_a_join_is_pending: the join waited 9 s for its joiner to park while
+    the survivors, their collective failed, waited in recover() for it: the failure's repair waited too."""
+    nodes = {"a": node("a"), "b": node("b"), "c": node("c", parked=parked)}
+    ev = event(kind=kind, mode=EventMode.RESTART, next_members=next_members, decided_at=NOW - 0.2)
+    failed = {"b": FailedRecord(message="rank 1 was killed by SIGKILL", repairable=True)}
+    acks = {"a": ack(40, 0.01, reconfigurable=True), "b": ack(38, 0.01, reconfigurable=True)}
+    snap = JobSnapshot(nodes=nodes, round=in_process("a", "b"), event=ev, acks=acks, failed=failed)
+    (write,) = plan(snap, DeciderMemory(), NOW, ctx(max_restarts=3)).writes
+    targeted = decoded(write)
+    assert (targeted["kind"], targeted["mode"], targeted["target"]) == ("rank_failure", "reconfigure", 0)
+    assert targeted["next_members"] == repaired_into and targeted["id"] == ev.id
+    assert f"with {kind.value} event 5" in targeted["reason"] and "SIGKILL" in targeted["failure"]
+    quiet = JobSnapshot(nodes=nodes, round=in_process("a", "b"), event=ev, acks=acks)  # no failure: the event waits or targets as before
+    assert all(decoded(w)["kind"] == kind.value for w in plan(quiet, DeciderMemory(), NOW, ctx()).writes)
+
+
 def test_a_lost_node_is_left_out_of_the_repaired_round_without_waiting_for_it() -> None:
     """The restart path waits faulty_scale_down_timeout for a lost node; in place the survivors cannot step
     without a new group, so it is re-formed at once (the lost node may come back later as a joiner)."""

@@ -94,8 +94,10 @@ class LocalStatus:
 
     @property
     def cooperative(self) -> bool:
-        """Every local rank calls ``elastic_event_detected()`` (one rank that does not would hang the others)."""
-        return bool(self.steps) and all(s > 0 for s in self.steps) and self.group_state == WorkerState.HEALTHY
+        """Every local rank calls ``elastic_event_detected()`` (one rank that does not would hang the others);
+        a rank replaced to be repaired in place has not yet, but did before and is parked until admitted."""
+        stepping = all(s > 0 for s in self.steps) or self.repairing
+        return bool(self.steps) and stepping and self.group_state == WorkerState.HEALTHY
 
 
 class RendezvousHandler(ABC):

@@ -316,6 +316,8 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
     acks = {m: snap.acks[m] for m in live if m in snap.acks}
     missing = [m for m in live if m not in acks]
     mem, age = _watch_acks(ev, acks, mem, now, ctx)
+    if snap.failed and ev.kind not in REPAIR_KINDS and snap.round is not None and _repairs_in_place(snap.round, ctx):
+        ev = _superseded_by_repair(snap, ev)  # survivors wait in recover(): no step to agree on, no joiner to wait for
     if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:
         return _target_repair(snap, ev, acks, missing, elapsed, ctx, mem)
     if missing:
@@ -357,6 +359,22 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
                 event="scale_targeted", fields={"event_id": ev.id, "kind": ev.kind.value, "mode": mode.value, "target_step": target})  # fmt: skip
     updated = _update(snap, evolve(ev, target=target, mode=mode, master_addr=master_addr, master_port=master_port), mem)
     return Plan(writes=updated.writes, notes=(note,), memory=mem)
+
+
+def _superseded_by_repair(snap: JobSnapshot, ev: EventRecord) -> EventRecord:
+    """A scale event not targeted yet when a rank failed: it becomes the failure's repair, in place.
+
+    Its survivors stopped at the failed collective and wait for a repaired group, so it is targeted at
+    once, like any repair: a leaver is left out as the scale event would have, a joiner whose ranks are
+    parked is admitted in it, one still starting is not waited for (it joins in an event of its own).
+    """
+    rnd = snap.round
+    crashed = [f for f in snap.failed.values() if not f.peer]
+    message = (crashed or list(snap.failed.values()))[0].message
+    kind = EventKind.RANK_FAILURE if crashed else EventKind.NODE_LOST
+    nxt = tuple(m for m in ev.next_members or rnd.members if m in rnd.members or (m in snap.nodes and snap.nodes[m].parked))
+    reason = f"{'rank failure' if crashed else 'peer failure'}, repaired in place with {ev.kind.value} event {ev.id}: {message}"
+    return evolve(ev, kind=kind, mode=EventMode.RECONFIGURE, next_members=nxt, failure=message, reason=reason)
 
 
 def _watch_acks(ev: EventRecord, acks: Mapping[str, AckRecord], mem: DeciderMemory, now: float, ctx: DeciderContext) -> tuple[DeciderMemory, float]:

@@ -437,7 +437,9 @@ class ElasticRendezvous(RendezvousHandler):
         pending = ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete
         if pending and ev.target is None and ev.mode is not EventMode.STOP:
             acks = {Keys.leaf(k): decode(AckRecord, k, e.value) for k, e in self.store.get_prefix(Keys.acks(ev.id)).items()}
-            if ev.kind in REPAIR_KINDS:  # a rank's crash reported after its peers' failed collectives names the event
+            # a rank's crash reported after its peers' failed collectives names a repair; in a round that repairs in
+            # place, a failure turns a scale event still waiting for acks or joiners into its repair
+            if ev.kind in REPAIR_KINDS or rnd.inprocess:
                 failed = {Keys.leaf(k): decode(FailedRecord, k, e.value) for k, e in self.store.get_prefix(Keys.failed(rnd.round)).items()}
         elif pending:
             stopped = {Keys.leaf(k): decode(StoppedRecord, k, e.value) for k, e in self.store.get_prefix(Keys.stopped(ev.id)).items()}
