@@ -158,6 +158,7 @@ def test_the_copies_peers_hold_put_the_sharded_state_back_together_bitwise(world
         owner_bytes = next(o["state_bytes"] for o in outs if o["rank"] == out["owner"])
         assert out["held_bytes"] == 2 * owner_bytes + out["state_bytes"]  # 3 buffers of the local state: two copies, its own
     assert outs[0]["model_equal"] is True and outs[0]["optim_equal"] is True, outs[0]
+    assert outs[0]["untouched_equal"] is True, "snapshotting changed the training (AdamW's step count)"
     assert outs[0]["small"] == {"step": 3}
 
 

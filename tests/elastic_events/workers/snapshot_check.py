@@ -2,7 +2,8 @@
 
 argv: RANK WORLD PORT LOCAL_WORLD MODE. Every rank trains a few steps, snapshotting after each;
 then the copies its peers hold are put back together on rank 0 and compared with the live
-model's and optimizer's full state (gathered by DCP). MODE ``ok`` ends the round cleanly; MODE
+model's and optimizer's full state (gathered by DCP), which must equal a twin's trained without
+snapshots (a snapshot taken before the first step must not touch the optimizer). MODE ``ok`` ends the round cleanly; MODE
 ``abort`` breaks it while its threads wait (as a repair does) and times how long they take to end; MODE
 ``die`` makes the last rank kill itself in the middle of sending its next snapshot (after its
 header, before its tensors), and the survivors report what they hold afterwards. Prints one JSON line per rank.
@@ -75,9 +76,13 @@ def main() -> int:
     rep = Replicator(group=group, acks=acks, sockets=sockets, round=1, rank=rank, world_size=world,
                      local_world_size=local_world, bucket_bytes=64, timeout_s=60)  # fmt: skip
     opt.register_step_pre_hook(lambda *_: rep.wait(broken=lambda: None))
+    twin = build()  # the same training, never snapshotted: snapshots must not change what is trained
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    rep.snapshot(piece_of(rank, world, 0, model, opt))  # before the first step, as a round's start does
     for step in range(1, STEPS + 1):
         train_step(model, opt, step)
         rep.snapshot(piece_of(rank, world, step, model, opt))
+        train_step(twin, twin_opt, step)
     rep.wait(broken=lambda: None)
     out = {"rank": rank, "holder": rep.holder, "owner": rep.owner, "holdings": sorted(rep.holdings())}
     c = capture(model, opt)
@@ -102,6 +107,7 @@ def main() -> int:
     elif mode == "ok":
         out["closed"] = rep.close(timeout_s=30)  # the copies stay; the group is free for the restore's sends
         full = gather_full_state(model, opt, holder=0)  # the live truth at step STEPS
+        untouched = gather_full_state(twin, twin_opt, holder=0)
         for owner in range(world):  # rank 0 assembles every shard from the copies its holders keep
             holder = snapshot.holder_of(owner, world_size=world, local_world_size=local_world)
             if rank == holder and holder != 0:
@@ -119,6 +125,7 @@ def main() -> int:
             model_sd, optim_sd, first = assemble(pieces())
             out["model_equal"] = full_equal(model_sd, full.model)
             out["optim_equal"] = full_equal(optim_sd, full.optimizer)
+            out["untouched_equal"] = full_equal(full.model, untouched.model) and full_equal(full.optimizer, untouched.optimizer)
             out["small"] = first.small
     else:  # the last rank dies in the middle of sending its snapshot of the next step: after its header
         if rank == world - 1:
