@@ -296,6 +296,12 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)  # sent, acknowledged by all, own copy taken
 
 
+#: How long an abort waits for the two threads. Shut-down sockets end their waits at once, except a receive
+#: from a peer that was already dead (seen after a node loss: gloo's receive then waits for its timeout). A
+#: thread left waiting writes only into its own round's incomplete slot, which the restore never reads.
+ABORT_JOIN_S = 0.25
+
+
 class Replicator:
     """One round's snapshots: this rank's go to its holder, its owner's come here, and a copy of its own stays.
 
@@ -412,12 +418,14 @@ class Replicator:
     def abort(self) -> None:
         """The round is broken: end both threads' waits now (the complete copies are kept)."""
         self._stop_for(SnapshotError(f"round {self.round} was aborted"))
+        deadline = time.monotonic() + ABORT_JOIN_S
         for thread in (self._sender, self._receiver):
-            thread.join(1.0)
+            thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():  # a wait its group's shut-down sockets did not end: say where, and go on
                 frame = sys._current_frames().get(thread.ident)
                 where = "".join(traceback.format_stack(frame)[-4:]) if frame is not None else "?"
-                print(f"rank {self.rank}: {thread.name} of round {self.round} still runs 1 s after the abort:\n{where}",
+                print(f"rank {self.rank}: {thread.name} of round {self.round} still runs {ABORT_JOIN_S} s after the "
+                      f"abort (left behind: it writes only into its round's incomplete slot):\n{where}",
                       file=sys.stderr, flush=True)  # fmt: skip
 
     def _stop_for(self, exc: BaseException) -> None:
