@@ -36,18 +36,32 @@ RANKS, GLOBAL_BATCH, PER_DEVICE, BLOCK = 2, 8, 2, 32
 REPO = Path(__file__).resolve().parents[1]
 
 
-def worker_main(args: argparse.Namespace) -> int:
-    """One rank of the Trainer job; rank 0 writes its step end times to ``<out>/steps.json``."""
+def doc_blocks(*, block: int = BLOCK, global_batch: int = GLOBAL_BATCH) -> list[dict[str, Any]]:
+    """The benchmark's training set: ``block``-byte sequences of the repository's docs, whole global batches."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
-
-    from elastic_events.integrations.transformers import ElasticCallback, set_global_batch
 
     text = b"\n".join(p.read_bytes() for p in sorted((REPO / "docs").glob("*.md")))
     tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    blocks = tokens[: len(tokens) // BLOCK * BLOCK].view(-1, BLOCK)
-    blocks = blocks[: len(blocks) // GLOBAL_BATCH * GLOBAL_BATCH]
-    data = [{"input_ids": b, "labels": b} for b in blocks]
+    blocks = tokens[: len(tokens) // block * block].view(-1, block)
+    blocks = blocks[: len(blocks) // global_batch * global_batch]
+    return [{"input_ids": b, "labels": b} for b in blocks]
+
+
+def tiny_gpt2(*, block: int = BLOCK) -> Any:
+    """The benchmark's model: GPT-2, 2 layers, 32 dimensions, a byte vocabulary (built, not downloaded)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=block, n_embd=32, n_layer=2, n_head=2))
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """One rank of the Trainer job; rank 0 writes its step end times to ``<out>/steps.json``."""
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+
+    from elastic_events.integrations.transformers import ElasticCallback, set_global_batch
+
+    data = doc_blocks()
     ends: list[float] = []
 
     class StepTimes(TrainerCallback):
@@ -61,7 +75,7 @@ def worker_main(args: argparse.Namespace) -> int:
     )  # fmt: skip
     set_global_batch(training, GLOBAL_BATCH)
     set_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2))
+    model = tiny_gpt2()
     callbacks = [StepTimes()] + ([ElasticCallback(global_batch=GLOBAL_BATCH)] if args.hf_elastic else [])
     trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
     trainer.train()

@@ -17,9 +17,13 @@ Run it::
     hyperpodrun --nnodes 1:2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \
         --rdzv-id hf-demo examples/hf_trainer/train.py --output-dir /tmp/hf-elastic
 
-Every scale event saves the Trainer's own ``checkpoint-<step>`` and restarts the
-script, which resumes from it at the new world size with the same global batch
-(``--global-batch``) and the same data order.
+At a scale event the ranks that stay keep their process: the Trainer stops at the
+agreed step, the process group is rebuilt for the new world, a joining node's rank
+receives the model, optimizer, scheduler and trainer state from a survivor in memory,
+and training goes on with the same global batch (``--global-batch``) and the same data
+order. With ``hyperpodrun --restart-mode process`` (or a plain ``Trainer``, or without
+``elastic_init()``) every event saves the Trainer's own ``checkpoint-<step>`` and
+restarts the script, which resumes from it at the new world size instead.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, set_seed
 
 from elastic_events.integrations.transformers import (  # elastic
     ElasticCallback,
+    ElasticTrainer,
+    elastic_init,
     elastic_resume_checkpoint,
     set_global_batch,
 )
@@ -63,17 +69,17 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=100)
     args = parser.parse_args()
 
+    set_seed(0)  # the initial weights, the same on every rank and in every run
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=args.block, n_embd=32, n_layer=2, n_head=2))
+    dataset = ByteBlocks(args.block)
+    elastic_init()  # elastic: a pre-warmed joining rank waits here until the job admits it
     training = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch, max_steps=args.max_steps,
         learning_rate=3e-3, warmup_steps=10, logging_steps=10, save_steps=100, save_total_limit=2, report_to="none", use_cpu=True,
         seed=0, dataloader_num_workers=0,
     )  # fmt: skip
     set_global_batch(training, args.global_batch)  # elastic: accumulation for this world size
-    set_seed(training.seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=args.block, n_embd=32, n_layer=2, n_head=2))
-    dataset = ByteBlocks(args.block)
-    dataset.blocks = dataset.blocks[: len(dataset) // args.global_batch * args.global_batch]  # whole global batches
-    trainer = Trainer(
+    trainer = ElasticTrainer(  # elastic: in-place scale events; each epoch in whole global batches
         model=model, args=training, train_dataset=dataset,
         callbacks=[ElasticCallback(global_batch=args.global_batch)],  # elastic
     )  # fmt: skip

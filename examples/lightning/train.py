@@ -13,9 +13,14 @@ Run it::
     hyperpodrun --nnodes 1:2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \
         --rdzv-id pl-demo examples/lightning/train.py --ckpt-dir /tmp/pl-elastic
 
-Every scale event saves a Lightning checkpoint in ``--ckpt-dir`` and restarts the
-script, which resumes from it at the new world size with the same global batch and
-the same data order. ``lightning.pytorch`` is used, or ``pytorch_lightning``.
+At a scale event the ranks that stay keep their process: ``fit`` stops at the agreed
+step, the process group and the DDP wrapper are rebuilt for the new world, a joining
+node's rank receives Lightning's checkpoint from a survivor in memory, and ``fit`` goes
+on with the same global batch and the same data order. With ``hyperpodrun
+--restart-mode process`` (or ``trainer.fit`` instead of ``elastic.fit``, or without
+``elastic_init()``) every event saves a Lightning checkpoint in ``--ckpt-dir`` and
+restarts the script, which resumes from it instead. ``lightning.pytorch`` is used, or
+``pytorch_lightning``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ try:
 except ImportError:
     import pytorch_lightning as L  # type: ignore[no-redef]
 
-from elastic_events.integrations.lightning import ElasticCallback, elastic_resume_checkpoint  # elastic
+from elastic_events.integrations.lightning import ElasticCallback, elastic_init, elastic_resume_checkpoint  # elastic
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,6 +83,8 @@ def main() -> None:
     args = parser.parse_args()
 
     L.seed_everything(0)
+    model, dataset = ByteMLP(args.width), NextByte(args.width)
+    elastic_init()  # elastic: a pre-warmed joining rank waits here until the job admits it
     elastic = ElasticCallback(dirpath=args.ckpt_dir, global_batch=args.global_batch, micro_batch=args.micro_batch)  # elastic
     distributed = "WORLD_SIZE" in os.environ  # under a launcher
     trainer = L.Trainer(
@@ -87,9 +94,10 @@ def main() -> None:
         callbacks=[elastic],  # elastic
         use_distributed_sampler=False,  # elastic: the elastic loader splits the data itself
     )  # fmt: skip
-    trainer.fit(
-        ByteMLP(args.width),
-        elastic.dataloader(NextByte(args.width)),  # elastic
+    elastic.fit(  # elastic: trainer.fit, through in-place scale events
+        trainer,
+        model,
+        elastic.dataloader(dataset),  # elastic
         ckpt_path=elastic_resume_checkpoint(args.ckpt_dir),  # elastic
     )
 

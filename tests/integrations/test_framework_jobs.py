@@ -1,10 +1,21 @@
 """A Trainer job and a Lightning job grown 1 -> 2 and shrunk 2 -> 1 by real hyperpodrun launchers.
 
-Each worker (workers/*_job.py) logs the sample ids every rank trained per optimizer
-step and rank 0's loss per step. The elastic run must train, step for step, the same
-samples as a fixed-size run of the same script (one process, no launcher): no sample
-skipped or repeated across the change of world size, none trained twice across the
-restart; and its final loss must be within 1e-4 of the fixed-size run's.
+Each worker (workers/*_job.py) logs the sample ids and the process id of every rank per
+optimizer step, and rank 0's loss per step. The elastic run must train, step for step, the
+same samples as a fixed-size run of the same script (one process, no launcher): no sample
+skipped or repeated across the change of world size, none trained twice; and its final loss
+must be within 1e-4 of the fixed-size run's.
+
+Two script structures, the same frameworks:
+
+* ``in_place``: ``elastic_init()`` and ``ElasticTrainer`` / ``ElasticCallback.fit``. The
+  ranks that stay keep their process (same pid before and after the event), newcomers
+  receive the state from them, nothing is saved or loaded from storage.
+* ``restart``: the plain framework ``Trainer`` with the callback (no ``elastic_init``).
+  Every event saves the framework's checkpoint and the launcher restarts every rank.
+
+``--restart-mode process`` turns an in-place script back to the restart path, with the
+reason in the event log.
 """
 
 from __future__ import annotations
@@ -21,93 +32,157 @@ from support.launch import clean_env
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 150  # the hold ends at step 3; the target step comes a few dozen fast steps later
-# Ranks hold at step 3 until their own launcher announced the event (lockstep does the rest), so the
-# target step need not allow for propagation: keep it close.
+MAX_STEPS = 150  # the hold ends at step 8; the target step comes a few fast steps later
+# Ranks hold at step 8 (workers/job_common.py: HOLD_AT, in the second epoch of 6 steps, so events land
+# mid-epoch and the resume skips part of an epoch that is not the first) until their own launcher announced
+# the event (lockstep does the rest), so the target step need not allow for propagation: keep it close.
 RDZV_CONF = ("--rdzv-conf", "lease_ttl=2,tick=0.1,propagation=0.05")
 WORKERS = Path(__file__).resolve().parent / "workers"
 FRAMEWORKS = {"hf": "hf_job.py", "lightning": "lightning_job.py"}
+MODES = ("in_place", "restart")
+CASES = [(framework, mode) for framework in sorted(FRAMEWORKS) for mode in MODES]
 
 
 def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _samples_per_step(run_dir: Path) -> dict[int, list[tuple[int, list[int]]]]:
-    """step -> [(world size, ids) for every rank that logged it]."""
-    out: dict[int, list[tuple[int, list[int]]]] = {}
+def _steps(run_dir: Path) -> dict[int, list[dict]]:
+    """step -> the record of every rank that logged it ({"step", "world", "ids", "pid"})."""
+    out: dict[int, list[dict]] = {}
     for path in sorted(run_dir.glob("samples-*.jsonl")):
         for rec in _read(path):
-            out.setdefault(rec["step"], []).append((rec["world"], rec["ids"]))
+            out.setdefault(rec["step"], []).append(rec)
     return out
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The fixed-size run of a framework's job (one process, no launcher), made once per module."""
-    runs: dict[str, Path] = {}
+    """The fixed-size run of a framework's job in a mode (one process, no launcher), made once per module."""
+    runs: dict[tuple[str, str], Path] = {}
 
-    def get(name: str) -> Path:
-        if name not in runs:
-            run_dir = tmp_path_factory.mktemp(f"ref-{name}")
+    def get(framework: str, mode: str) -> Path:
+        if (framework, mode) not in runs:
+            run_dir = tmp_path_factory.mktemp(f"ref-{framework}-{mode}")
             proc = subprocess.run(
-                [sys.executable, str(WORKERS / FRAMEWORKS[name]), str(run_dir), str(MAX_STEPS)],
+                [sys.executable, str(WORKERS / FRAMEWORKS[framework]), str(run_dir), str(MAX_STEPS), mode],
                 capture_output=True, text=True, timeout=300, env=clean_env(),
             )  # fmt: skip
             assert proc.returncode == 0, proc.stderr[-3000:]
-            runs[name] = run_dir
-        return runs[name]
+            runs[framework, mode] = run_dir
+        return runs[framework, mode]
 
     return get
 
 
-def _assert_same_training(run_dir: Path, ref_dir: Path, worlds: list[int]) -> None:
-    got, want = _samples_per_step(run_dir), _samples_per_step(ref_dir)
+def _assert_same_training(run_dir: Path, ref_dir: Path, worlds: list[int]) -> dict[int, set[int]]:
+    """The run trained what the fixed-size run trained, at ``worlds`` in turn; returns world size -> pids."""
+    got, want = _steps(run_dir), _steps(ref_dir)
     assert sorted(got) == list(range(1, MAX_STEPS + 1)), "a step is missing or was trained twice"
+    pids: dict[int, set[int]] = {}
     for step in range(1, MAX_STEPS + 1):
         ranks = got[step]
-        world = ranks[0][0]
+        world = ranks[0]["world"]
         assert len(ranks) == world, f"step {step}: {len(ranks)} ranks logged it at world size {world}"
-        ids = sorted(i for _, rank_ids in ranks for i in rank_ids)
-        assert ids == want[step][0][1], f"step {step} at world size {world} trained other samples than the fixed run"
-    phases = [got[s][0][0] for s in range(1, MAX_STEPS + 1)]
+        ids = sorted(i for rec in ranks for i in rec["ids"])
+        assert ids == want[step][0]["ids"], f"step {step} at world size {world} trained other samples than the fixed run"
+        pids.setdefault(world, set()).update(rec["pid"] for rec in ranks)
+    phases = [got[s][0]["world"] for s in range(1, MAX_STEPS + 1)]
     assert [w for i, w in enumerate(phases) if i == 0 or phases[i - 1] != w] == worlds
     loss, ref_loss = _read(run_dir / "loss.jsonl"), _read(ref_dir / "loss.jsonl")
     assert loss[-1]["step"] == ref_loss[-1]["step"] == MAX_STEPS
     assert abs(loss[-1]["loss"] - ref_loss[-1]["loss"]) < 1e-4, (loss[-1], ref_loss[-1])
+    return pids
 
 
-def _held(run_dir: Path, world: int) -> bool:
-    return len(list(run_dir.glob("held-*"))) == world
+def _assert_event_path(job, run_dir: Path, mode: str, pids: dict[int, set[int]], *, newcomers: int) -> None:
+    """In place: one rank kept its process across the event, nothing went through storage. Restart: the opposite."""
+    kept = pids[1] & pids[2]
+    saved = list(run_dir.glob("out/checkpoint-*")) + list(run_dir.glob("ckpt/elastic-step=*"))
+    if mode == "in_place":
+        assert len(kept) == 1, f"the surviving rank should have kept its process: pids at 1 rank {pids[1]}, at 2 {pids[2]}"
+        assert saved == [], f"an in-place event wrote checkpoints: {saved}"
+        assert job.events("checkpoint_loaded") == []
+        assert {e["world_size"] for e in job.events("workers_reconfigured")} == {2 if newcomers else 1}
+        hydrated = job.events("hydrated")
+        assert [e["newcomers"] for e in hydrated] == [newcomers], hydrated
+        assert job.events("in_place_unavailable") == []
+    else:
+        assert kept == set(), f"the restart path restarted every rank: pids at 1 rank {pids[1]}, at 2 {pids[2]}"
+        assert saved, "the restart path saved no checkpoint"
+        assert job.events("workers_reconfigured") == []
 
 
-@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
-def test_grow_one_to_two(framework, make_job, reference, tmp_path) -> None:
+@pytest.mark.parametrize(("framework", "mode"), CASES)
+def test_grow_one_to_two(framework, mode, make_job, reference, tmp_path) -> None:
     job = make_job(
-        nnodes="1:2", flags=RDZV_CONF, script=WORKERS / FRAMEWORKS[framework], script_args=(str(tmp_path), str(MAX_STEPS))
-    )
+        nnodes="1:2", flags=RDZV_CONF, script=WORKERS / FRAMEWORKS[framework],
+        script_args=(str(tmp_path), str(MAX_STEPS), mode),
+    )  # fmt: skip
     job.start_node("a")
-    wait_until(lambda: _held(tmp_path, 1), timeout=120, what="the first round to hold at step 3")
-    job.start_node("b")  # a joining node: the launchers decide to grow, the ranks save and restart at 2
+    wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 1, timeout=120, what="the first round to hold at step 8")
+    job.start_node("b")  # a joining node: in place, its ranks are admitted and hydrated; else every rank restarts at 2
     codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    _assert_same_training(tmp_path, reference(framework), worlds=[1, 2])
-    restarted = [e for e in job.events("workers_started") if e["world_size"] == 2]
-    assert restarted and restarted[0]["reason"] == "scale"
-    assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [2]
+    pids = _assert_same_training(tmp_path, reference(framework, mode), worlds=[1, 2])
+    _assert_event_path(job, tmp_path, mode, pids, newcomers=1)
+    if mode == "restart":
+        restarted = [e for e in job.events("workers_started") if e["world_size"] == 2]
+        assert restarted and restarted[0]["reason"] == "scale"
+        assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [2]
+        assert [e["reason"] for e in job.events("in_place_unavailable")], "the restart path did not say why"
 
 
-@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
-def test_shrink_two_to_one(framework, make_job, reference, tmp_path) -> None:
+@pytest.mark.parametrize(("framework", "mode"), CASES)
+def test_shrink_two_to_one(framework, mode, make_job, reference, tmp_path) -> None:
     job = make_job(
         nnodes="1:2", flags=(*RDZV_CONF, "--scaling-timeout", "10"),
-        script=WORKERS / FRAMEWORKS[framework], script_args=(str(tmp_path), str(MAX_STEPS)),
+        script=WORKERS / FRAMEWORKS[framework], script_args=(str(tmp_path), str(MAX_STEPS), mode),
     )  # fmt: skip
     job.start_node("a")
     job.start_node("b")
-    wait_until(lambda: _held(tmp_path, 2), timeout=120, what="both ranks of the first round to hold at step 3")
+    wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 2, timeout=120, what="both ranks of the first round to hold at step 8")
     job.signal("b", signal.SIGTERM)  # preemption of node b: it leaves at the agreed step
     codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    _assert_same_training(tmp_path, reference(framework), worlds=[2, 1])
-    assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [1]
+    pids = _assert_same_training(tmp_path, reference(framework, mode), worlds=[2, 1])
+    _assert_event_path(job, tmp_path, mode, pids, newcomers=0)
+    if mode == "restart":
+        assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [1]
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_restart_mode_process_turns_an_in_place_script_to_the_restart_path(framework, make_job, reference, tmp_path) -> None:
+    job = make_job(
+        nnodes="1:2", flags=(*RDZV_CONF, "--restart-mode", "process"), script=WORKERS / FRAMEWORKS[framework],
+        script_args=(str(tmp_path), str(MAX_STEPS), "in_place"),
+    )  # fmt: skip
+    job.start_node("a")
+    wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 1, timeout=120, what="the first round to hold at step 8")
+    job.start_node("b")
+    codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
+    assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
+    pids = _assert_same_training(tmp_path, reference(framework, "in_place"), worlds=[1, 2])
+    _assert_event_path(job, tmp_path, "restart", pids, newcomers=1)
+    assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [2]
+    requested = job.events("restart_requested")
+    assert len(requested) == 1 and "--restart-mode process" in requested[0]["reason"], requested
+    assert "asked for a restart" in job.stderr("a")
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_grow_with_two_ranks_per_node_in_place(framework, make_job, reference, tmp_path) -> None:
+    """World 2 -> 4: two newcomers on the joining node, the accumulation planned anew (2 -> 1), both survivors kept."""
+    job = make_job(
+        nnodes="1:2", flags=(*RDZV_CONF, "--nproc-per-node", "2"), script=WORKERS / FRAMEWORKS[framework],
+        script_args=(str(tmp_path), str(MAX_STEPS), "in_place"),
+    )  # fmt: skip
+    job.start_node("a")
+    wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 2, timeout=180, what="both ranks of the first round to hold at step 8")
+    job.start_node("b")
+    codes = {n: p.wait(timeout=300) for n, p in job.nodes.items()}
+    assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
+    pids = _assert_same_training(tmp_path, reference(framework, "in_place"), worlds=[2, 4])
+    assert pids[2] < pids[4] and len(pids[4]) == 4, f"node a's two ranks should have kept their processes: {pids}"
+    assert [e["newcomers"] for e in job.events("hydrated")] == [2]
+    assert job.events("checkpoint_loaded") == [] and list(tmp_path.glob("ckpt/elastic-step=*")) == []

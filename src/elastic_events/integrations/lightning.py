@@ -1,19 +1,23 @@
-"""Elastic Lightning 2.x ``Trainer`` (DDP strategy): one callback and its data loader.
+"""Elastic Lightning 2.x ``Trainer`` (DDP strategy): one callback, its data loader, in-place scale events.
 
 Before (torchrun, fixed size)::
 
     trainer = L.Trainer(strategy="ddp", max_steps=1000, accumulate_grad_batches=4)
     trainer.fit(model, DataLoader(ds, batch_size=8, shuffle=True))
 
-After (hyperpodrun, any size between the ``--nnodes`` bounds)::
+After (hyperpodrun, any size between the ``--nnodes`` bounds, ranks kept through scale events)::
 
+    elastic_init()                                   # a pre-warmed joiner waits here to be admitted
     elastic = ElasticCallback(dirpath="ckpt", global_batch=256, micro_batch=8)
-    trainer = L.Trainer(strategy="ddp", max_steps=1000, callbacks=[elastic], use_distributed_sampler=False)
-    trainer.fit(model, elastic.dataloader(ds), ckpt_path=elastic_resume_checkpoint("ckpt"))
+    trainer = L.Trainer(strategy="ddp", num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")), max_steps=1000,
+                        callbacks=[elastic], use_distributed_sampler=False)
+    elastic.fit(trainer, model, elastic.dataloader(ds), ckpt_path=elastic_resume_checkpoint("ckpt"))
 
 (In a ``LightningDataModule``, return ``elastic.dataloader(self.train_set)`` from
-``train_dataloader()``.) ``lightning.pytorch`` is used when installed, else
-``pytorch_lightning``.
+``train_dataloader()``.) ``trainer.fit(...)`` instead of ``elastic.fit(trainer, ...)``, or
+no :func:`elastic_init`, is elastic on the *restart path*: at every event the ranks save a
+Lightning checkpoint and the launcher restarts them. ``lightning.pytorch`` is used when
+installed, else ``pytorch_lightning``.
 
 How it works, in Lightning's own terms:
 
@@ -25,20 +29,33 @@ How it works, in Lightning's own terms:
   :class:`elastic_events.sampler.ElasticSampler`, whose state is the global
   position in the epoch: step ``s`` trains samples ``[s*G, (s+1)*G)`` of the epoch's
   order at any world size. The position is saved with the callback's state and
-  restored before the loader is built.
-* **Stop.** Once per optimizer step (every rank) the callback calls
-  :func:`~elastic_events.elastic_event_detected`; at the agreed step it saves a
-  Lightning checkpoint (``trainer.save_checkpoint``: model, optimizers, schedulers,
-  loops, callbacks), marks it complete after a barrier, sets
-  ``trainer.should_stop`` and, when ``fit`` is over, exits with status 0 (the
-  launcher restarts the script at the new size; ``exit_on_event=False`` returns
-  from ``fit`` instead, with :attr:`ElasticCallback.stopped_for_event` set).
+  restored before the loader is iterated; in place the same loader is re-split over
+  the new world.
+* **In place** (the launcher publishes ``RECONFIGURE``: every rank of the job offered it).
+  Once per optimizer step (every rank) the callback calls
+  :func:`~elastic_events.elastic_event_detected`; at the agreed step it takes
+  Lightning's checkpoint in memory (``dump_checkpoint``, where the restart path saves
+  it) and sets ``trainer.should_stop``. :meth:`ElasticCallback.fit` then moves the
+  rank into the new round and fits again from that checkpoint, served from memory
+  (:mod:`.lightning_inplace`); newcomers receive it from a survivor. A leaving node's
+  ranks exit 0. Offered when :func:`elastic_init` ran, ``fit`` goes through
+  :meth:`ElasticCallback.fit`, and the strategy is DDP under hyperpodrun's environment;
+  otherwise one line on stderr and an ``in_place_unavailable`` record in the event log
+  say why, and events take the restart path.
+* **Restart path** (``SAVE_AND_EXIT``: ``--restart-mode process``, or a rank that does not
+  offer in-place events). At the agreed step the callback saves a Lightning checkpoint
+  (``trainer.save_checkpoint``: model, optimizers, schedulers, loops, callbacks),
+  marks it complete after a barrier, sets ``trainer.should_stop`` and, when ``fit`` is
+  over, exits with status 0 (the launcher restarts the script at the new size;
+  ``exit_on_event=False`` returns from ``fit`` instead, with
+  :attr:`ElasticCallback.stopped_for_event` set).
 * **Resume.** :func:`elastic_resume_checkpoint` is the newest complete checkpoint.
-  On load, the callback rescales the loop's batch counters of the current epoch to
-  the new accumulation (Lightning counts micro-batches; the optimizer steps are
-  what is kept), so accumulation boundaries and the epoch's end stay right.
-* **RNG.** At a new world size every rank is reseeded from ``(seed, step, rank)``
-  when training starts.
+  On load (from a file or from memory), the callback rescales the loop's batch
+  counters of the current epoch to the new accumulation (Lightning counts
+  micro-batches; the optimizer steps are what is kept), so accumulation boundaries
+  and the epoch's end stay right.
+* **RNG.** At a new world size, and after every in-place event, every rank is
+  reseeded from ``(seed, step, rank)`` when training starts.
 """
 
 from __future__ import annotations
@@ -66,12 +83,16 @@ from elastic_events.integrations.common import (
     reseed_rank,
     write_marker,
 )
+from elastic_events.integrations import lightning_inplace
+from elastic_events.integrations.inplace import InPlaceConfig, elastic_init, rounds
 from elastic_events.sampler import ElasticSampler
 
 __all__ = [
     "ElasticCallback",
     "ElasticIntegrationError",
     "GlobalBatchError",
+    "InPlaceConfig",
+    "elastic_init",
     "elastic_resume_checkpoint",
 ]
 
@@ -104,14 +125,16 @@ def _world() -> tuple[int, int]:
 
 
 class ElasticCallback(Callback):
-    """Save and stop at the step hyperpodrun agrees on; resume at any world size.
+    """Act at the step hyperpodrun agrees on: go on in place (through :meth:`fit`), or save and
+    stop for a restart; resume at any world size.
 
     Args:
         dirpath: directory of the elastic checkpoints (shared by all nodes).
         global_batch: samples per optimizer step over all ranks.
         micro_batch: samples per forward pass on one rank (the loader's batch).
         seed, shuffle: the epoch order (``seed + epoch`` permutation, or dataset order).
-        exit_on_event: exit with status 0 after ``fit`` when it stopped for an event.
+        exit_on_event: exit with status 0 after ``fit`` when it stopped for a restart, or when
+            this rank's node leaves the job in place.
     """
 
     def __init__(
@@ -136,6 +159,41 @@ class ElasticCallback(Callback):
         self._accumulation = 0
         self._loaded: dict[str, Any] | None = None  # our state from the checkpoint being resumed
         self._last_step = -1
+        self.in_place = False  # fit() offered in-place events for this rank
+        self.resumed_in_place = False  # the next fit() resumes from memory, after an in-place event
+        self.memory_checkpoint: dict[str, Any] | None = None  # what the next fit() restores from memory
+        self._kept: dict[str, Any] | None = None  # Lightning's checkpoint at the in-place event (no model tensors)
+        self._in_place_event: Any = None
+
+    # ------------------------------------------------------------- in place
+    def fit(
+        self,
+        trainer: Trainer,
+        model: LightningModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: Any = None,
+        ckpt_path: str | os.PathLike | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``trainer.fit(model, ...)``, and under hyperpodrun, with :func:`elastic_init` called, through
+        in-place scale events: the ranks that stay keep their process (see :mod:`.lightning_inplace`)."""
+        if self not in trainer.callbacks:
+            raise ElasticIntegrationError("fit(): this ElasticCallback is not among the trainer's callbacks")
+        fit_args = {"train_dataloaders": train_dataloaders, "val_dataloaders": val_dataloaders, "datamodule": datamodule, **kwargs}
+        lightning_inplace.fit(self, trainer, model, fit_args, ckpt_path)
+
+    def take_in_place_event(self) -> Any:
+        """The in-place event ``fit`` stopped for (None: it ended for another reason); taken once."""
+        event, self._in_place_event = self._in_place_event, None
+        return event
+
+    def take_kept_checkpoint(self) -> dict[str, Any]:
+        """Lightning's checkpoint taken at the in-place event, without the model's tensors (they travel from the module)."""
+        kept, self._kept = self._kept, None
+        if kept is None:
+            raise ElasticIntegrationError("no checkpoint was taken at the in-place event")
+        return kept
 
     # ------------------------------------------------------------------ data
     def dataloader(self, dataset: Dataset, **loader_kwargs: Any) -> DataLoader:
@@ -167,17 +225,24 @@ class ElasticCallback(Callback):
         if stage != "fit":
             return
         _, world = _world()
+        previous = self._accumulation  # what this callback set for the last fit (in place: another world)
         self._accumulation = accumulation_steps(
             global_batch=self.global_batch, per_device_batch=self.micro_batch, world_size=world
         )
-        if trainer.accumulate_grad_batches not in (1, self._accumulation):
+        if trainer.accumulate_grad_batches not in (1, previous, self._accumulation):
             raise ElasticIntegrationError(
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with the elastic "
                 f"global batch {self.global_batch} (accumulation {self._accumulation} at world size {world}); leave it out"
             )
         trainer.accumulate_grad_batches = self._accumulation
         self.stopped_for_event = False
+        if not self.in_place:  # under hyperpodrun: say once why events take the restart path
+            rounds().offer("lightning", ["fit() was called on the Trainer, not as ElasticCallback.fit(trainer, ...)"])
+        self._in_place_event = None
         self._loaded = None
+        if self.sampler is not None and (self.sampler.rank, self.sampler.world_size) != _world():
+            rank, world = _world()
+            self.sampler.set_world(rank=rank, world_size=world)  # fit again in place: the same loader, a new world
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Before Lightning restores its loops: take our state, and recount the epoch's batches at the new accumulation."""
@@ -210,9 +275,13 @@ class ElasticCallback(Callback):
                 "and pass use_distributed_sampler=False to the Trainer"
             )
         self._last_step = trainer.global_step
+        rank, world = _world()
+        if self.resumed_in_place:  # from memory, after an in-place event: a new round, maybe a new world
+            self.resumed_in_place = False
+            reseed_rank(self.seed, trainer.global_step, rank)
+            return
         if self._loaded is None:
             return
-        rank, world = _world()
         if self._loaded["world_size"] != world:
             reseed_rank(self.seed, trainer.global_step, rank)
         eventlog.emit(names.CHECKPOINT_LOADED, step=trainer.global_step, saved_world_size=self._loaded["world_size"])
@@ -225,6 +294,16 @@ class ElasticCallback(Callback):
         self.sampler.mark_step()  # type: ignore[union-attr]
         if not elastic_event_detected():
             return
+        event = rounds().take_event()
+        if self.in_place and rounds().is_in_place(event):
+            # Lightning's checkpoint, where the restart path saves it, kept in memory: tensors referenced, not copied
+            kept = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            kept.pop("state_dict", None)  # the model's tensors travel from the module itself
+            self._kept, self._in_place_event = kept, event
+            trainer.should_stop = True
+            return
+        if event is not None:
+            rounds().restart_requested(event, step=trainer.global_step)
         self.stopped_for_event = True
         self.dirpath.mkdir(parents=True, exist_ok=True)
         path = self.dirpath / CHECKPOINT.format(step=trainer.global_step)
@@ -238,7 +317,7 @@ class ElasticCallback(Callback):
         trainer.should_stop = True
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self.stopped_for_event and self.exit_on_event:
+        if stage == "fit" and self.stopped_for_event and self.exit_on_event and not self.in_place:  # fit() exits itself
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
             sys.exit(0)

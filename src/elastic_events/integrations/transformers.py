@@ -1,28 +1,45 @@
-"""Elastic Hugging Face ``Trainer``: one callback, the Trainer's own checkpoints.
+"""Elastic Hugging Face ``Trainer``: one callback, the Trainer's own checkpoints, and in-place scale events.
 
 Before (torchrun, fixed size)::
 
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, ...)
     trainer = Trainer(model, args, train_dataset=ds)
     trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
 
-After (hyperpodrun, any size between the ``--nnodes`` bounds)::
+After (hyperpodrun, any size between the ``--nnodes`` bounds, ranks kept through scale events)::
 
-    args.gradient_accumulation_steps = accumulation_steps(          # keeps the global batch at 64
-        global_batch=64, per_device_batch=args.per_device_train_batch_size, world_size=args.world_size)
-    trainer = Trainer(model, args, train_dataset=ds, callbacks=[ElasticCallback(global_batch=64)])
+    elastic_init()                                   # a pre-warmed joiner waits here to be admitted
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, ...)
+    set_global_batch(args, 64)                       # accumulation for this world size
+    trainer = ElasticTrainer(model, args, train_dataset=ds, callbacks=[ElasticCallback(global_batch=64)])
     trainer.train(resume_from_checkpoint=elastic_resume_checkpoint(args.output_dir))
+
+A script with a plain ``Trainer`` and the callback (no :func:`elastic_init`) is elastic on
+the *restart path*: at every event the Trainer saves and the launcher restarts the ranks.
 
 How it works, in the Trainer's own terms:
 
-* **Stop.** :meth:`ElasticCallback.on_step_end` (once per optimizer step, every
-  rank) calls :func:`~elastic_events.elastic_event_detected`; at the agreed step it
-  sets ``control.should_save`` and ``control.should_training_stop``: the Trainer
-  writes its usual ``checkpoint-<step>`` (model, optimizer, scheduler, RNG, trainer
-  state) and leaves its loop. :meth:`~ElasticCallback.on_save` then marks the
-  checkpoint complete (``elastic.json``, after a barrier), and
-  :meth:`~ElasticCallback.on_train_end` exits the process with status 0 (the
-  launcher restarts it at the new world size; ``exit_on_event=False`` returns from
-  ``train()`` instead, with :attr:`ElasticCallback.stopped_for_event` set).
+* **In place** (the launcher publishes ``RECONFIGURE``: every rank of the job offered it).
+  :meth:`ElasticCallback.on_step_end` (once per optimizer step, every rank) calls
+  :func:`~elastic_events.elastic_event_detected`; at the agreed step it sets
+  ``control.should_training_stop`` and nothing is saved. ``ElasticTrainer.train`` tears
+  down the old process group, joins the new round's, brings the newcomers to the
+  survivors' state from a survivor in memory (model, optimizer, scheduler, scaler,
+  trainer state), rebuilds accelerate's state, the gradient accumulation and the
+  ``Accelerator`` for the new world, and trains on in the same process, resuming through
+  the Trainer's own resume path from memory (:mod:`.transformers_inplace`). A leaving
+  node's ranks exit 0. In-place events are offered when :func:`elastic_init` ran, the
+  Trainer is an :class:`ElasticTrainer` (or uses :class:`ElasticTrainerMixin`) with this
+  callback, and neither FSDP nor DeepSpeed is used; otherwise one line on stderr and an
+  ``in_place_unavailable`` record in the event log say why, and events take the restart path.
+* **Restart path** (``SAVE_AND_EXIT``: ``--restart-mode process``, or a rank that does
+  not offer in-place events). At the agreed step the callback sets ``control.should_save``
+  and ``control.should_training_stop``: the Trainer writes its usual ``checkpoint-<step>``
+  (model, optimizer, scheduler, RNG, trainer state) and leaves its loop.
+  :meth:`~ElasticCallback.on_save` then marks the checkpoint complete (``elastic.json``,
+  after a barrier), and :meth:`~ElasticCallback.on_train_end` exits the process with
+  status 0 (the launcher restarts it at the new world size; ``exit_on_event=False``
+  returns from ``train()`` instead, with :attr:`ElasticCallback.stopped_for_event` set).
 * **Resume.** :func:`elastic_resume_checkpoint` is the newest *complete*
   checkpoint; ``Trainer.train(resume_from_checkpoint=...)`` restores model,
   optimizer, scheduler and step.
@@ -31,18 +48,20 @@ How it works, in the Trainer's own terms:
   every world size) dealt out to ranks batch by batch. With a constant global batch
   G, optimizer step s trains exactly the samples ``[s*G, (s+1)*G)`` of that
   sequence at any world size, and the Trainer's resume skip (``global_step`` steps x
-  accumulation batches per rank) lands exactly after the samples already trained.
-  That holds only while every epoch is a whole number of global batches: the
-  callback checks it (``len(train_dataset) % G == 0``) and otherwise refuses with a
-  clear error; :class:`ElasticTrainerMixin` lifts the restriction by training each
-  epoch's order truncated to whole global batches. ``ignore_data_skip=True`` would
-  restart the epoch's order and is refused.
-* **RNG.** At the same world size the Trainer restores each rank's saved RNG. At a
-  new world size old ranks' streams do not map onto new ranks (and new ranks have
-  none): every rank is reseeded from ``(seed, step, rank)`` before its first step.
+  accumulation batches per rank) lands exactly after the samples already trained,
+  in place as after a restart. That holds only while every epoch is a whole number
+  of global batches: the callback checks it (``len(train_dataset) % G == 0``) and
+  otherwise refuses with a clear error; :class:`ElasticTrainerMixin` lifts the
+  restriction by training each epoch's order truncated to whole global batches.
+  ``ignore_data_skip=True`` would restart the epoch's order and is refused.
+* **RNG.** At the same world size a restart restores each rank's saved RNG. At a new
+  world size old ranks' streams do not map onto new ranks (and new ranks have
+  none): every rank is reseeded from ``(seed, step, rank)`` before its first step,
+  and so is every rank after an in-place event.
 * **FSDP.** Resumes at another size need a checkpoint that can be resharded: the
   Trainer's ``FULL_STATE_DICT`` and ``SHARDED_STATE_DICT`` (written with PyTorch
-  DCP) are; ``LOCAL_STATE_DICT`` is refused at start.
+  DCP) are; ``LOCAL_STATE_DICT`` is refused at start. FSDP jobs always take the
+  restart path.
 """
 
 from __future__ import annotations
@@ -69,6 +88,8 @@ from elastic_events.integrations.common import (
     reseed_rank,
     write_marker,
 )
+from elastic_events.integrations.inplace import InPlaceConfig, elastic_init, rounds
+from elastic_events.integrations.transformers_inplace import InPlaceTrainerMixin
 from elastic_events.sampler import epoch_permutation
 
 __all__ = [
@@ -78,7 +99,9 @@ __all__ = [
     "ElasticTrainer",
     "ElasticTrainerMixin",
     "GlobalBatchError",
+    "InPlaceConfig",
     "accumulation_steps",
+    "elastic_init",
     "elastic_resume_checkpoint",
     "set_global_batch",
 ]
@@ -134,6 +157,11 @@ class ElasticOrderSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of an epoch (whole global batches)."""
+        return self.num_samples // self.global_batch
+
     def __len__(self) -> int:
         return self.num_samples - self.num_samples % self.global_batch
 
@@ -152,8 +180,9 @@ def _global_batch(args: TrainingArguments) -> int:
     return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
 
-class ElasticTrainerMixin:
-    """``class MyTrainer(ElasticTrainerMixin, Trainer)``: any dataset length, each epoch cut to whole global batches."""
+class ElasticTrainerMixin(InPlaceTrainerMixin):
+    """``class MyTrainer(ElasticTrainerMixin, Trainer)``: in-place scale events (with :func:`elastic_init` and
+    :class:`ElasticCallback`), and any dataset length, each epoch cut to whole global batches."""
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Sampler | None:
         dataset = train_dataset if train_dataset is not None else self.train_dataset  # type: ignore[attr-defined]
@@ -170,7 +199,8 @@ class ElasticTrainerMixin:
 
 
 class ElasticTrainer(ElasticTrainerMixin, Trainer):
-    """``Trainer`` whose epochs are cut to whole global batches (see :class:`ElasticTrainerMixin`)."""
+    """``Trainer`` that trains on in place through scale events, its epochs cut to whole global batches
+    (see :class:`ElasticTrainerMixin`)."""
 
 
 def _check_order(args: TrainingArguments, train_dataloader: Any, global_batch: int) -> None:
@@ -229,16 +259,18 @@ def _check_fsdp(args: TrainingArguments) -> None:
 
 
 class ElasticCallback(TrainerCallback):
-    """Save and stop at the step hyperpodrun agrees on; resume at any world size.
+    """Act at the step hyperpodrun agrees on: go on in place (with :class:`ElasticTrainer`), or save
+    and stop for a restart; resume at any world size.
 
     Args:
         global_batch: samples per optimizer step over all ranks. When given, the
             Trainer's per-device batch x accumulation x world size must equal it
             (see :func:`set_global_batch`); when None, it is whatever the first start
             had, and a resume with another product is refused.
-        exit_on_event: after the save, exit the process with status 0 at the end of
-            ``train()`` (what the launcher expects). False: return from ``train()``
-            and let the script check :attr:`stopped_for_event`.
+        exit_on_event: after the save for a restart, or when this rank's node leaves the
+            job in place, exit the process with status 0 at the end of ``train()`` (what
+            the launcher expects). False: return from ``train()`` and let the script check
+            :attr:`stopped_for_event`.
     """
 
     def __init__(self, *, global_batch: int | None = None, exit_on_event: bool = True) -> None:
@@ -247,7 +279,20 @@ class ElasticCallback(TrainerCallback):
         self.global_batch = global_batch
         self.exit_on_event = exit_on_event
         self.stopped_for_event = False
+        self.in_place = False  # ElasticTrainer offered in-place events for this rank
+        self.resumed_in_place = False  # the next train() resumes from the state kept in memory
+        self._in_place_event: Any = None  # the RECONFIGURE event the loop stopped for
         self._reseed_pending = False
+
+    @property
+    def in_place_event_pending(self) -> bool:
+        """The Trainer's loop is stopping for an in-place event (``train()`` is about to return)."""
+        return self._in_place_event is not None
+
+    def take_in_place_event(self) -> Any:
+        """The in-place event ``train()`` stopped for (None: it ended for another reason); taken once."""
+        event, self._in_place_event = self._in_place_event, None
+        return event
 
     # ------------------------------------------------------------------ start
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
@@ -263,6 +308,14 @@ class ElasticCallback(TrainerCallback):
         _check_fsdp(args)
         self.stopped_for_event = False
         self._reseed_pending = False
+        self._in_place_event = None
+        if not self.in_place:  # under hyperpodrun: say once why events take the restart path
+            rounds().offer("transformers", ["the Trainer is not an ElasticTrainer (or ElasticTrainerMixin): in-place "
+                                            "events need its train()"])  # fmt: skip
+        if self.resumed_in_place:  # from memory, after an in-place event: a new round, maybe a new world
+            self.resumed_in_place = False
+            self._reseed_pending = True
+            return
         if state.global_step == 0:
             return
         marker = read_marker(_checkpoint_dir(args, state.global_step) / MARKER)
@@ -277,6 +330,14 @@ class ElasticCallback(TrainerCallback):
         self._reseed_pending = marker.world_size != args.world_size
         eventlog.emit(names.CHECKPOINT_LOADED, step=state.global_step, saved_world_size=marker.world_size)
 
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        # The epoch of ElasticTrainer's order, from the step: when the Trainer resumes mid-epoch on several ranks,
+        # it iterates a loader that skips the trained batches, and accelerate's set_epoch does not reach the order
+        # through it (it sets two levels of samplers; this one is three levels down): epoch 0's order would be used.
+        sampler = _find_sampler(kwargs.get("train_dataloader"), ElasticOrderSampler)
+        if sampler is not None:
+            sampler.set_epoch(state.global_step // sampler.steps_per_epoch)
+
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self._reseed_pending:  # after the Trainer restored what RNG it could, before the first step's forward
             reseed_rank(args.seed, state.global_step, args.process_index)
@@ -284,10 +345,17 @@ class ElasticCallback(TrainerCallback):
 
     # ------------------------------------------------------------------- stop
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        if elastic_event_detected():
-            control.should_save = True
-            control.should_training_stop = True
-            self.stopped_for_event = True
+        if not elastic_event_detected():
+            return control
+        event = rounds().take_event()
+        control.should_training_stop = True
+        if self.in_place and rounds().is_in_place(event):
+            self._in_place_event = event  # nothing saved: ElasticTrainer.train carries the state into the new round
+            return control
+        control.should_save = True
+        self.stopped_for_event = True
+        if event is not None:
+            rounds().restart_requested(event, step=state.global_step)
         return control
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
@@ -302,7 +370,7 @@ class ElasticCallback(TrainerCallback):
                 eventlog.emit(names.CHECKPOINT_SAVED, step=state.global_step, path=str(_checkpoint_dir(args, state.global_step)))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        if self.stopped_for_event and self.exit_on_event:
+        if self.stopped_for_event and self.exit_on_event and not self.in_place:  # ElasticTrainer.train exits itself
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
             sys.exit(0)

@@ -1,10 +1,13 @@
 """A tiny Hugging Face Trainer job for the elastic tests.
 
-argv: RUN_DIR MAX_STEPS. Trains a linear regression on 48 local samples with a
+argv: RUN_DIR MAX_STEPS [MODE]. Trains a linear regression on 48 local samples with a
 global batch of 8 (per-device batch 2, accumulation planned for the world size).
+MODE ``restart`` (default) is the restart-path structure: a plain ``Trainer`` and the
+callback. ``in_place`` adds ``elastic_init()`` and uses ``ElasticTrainer``: scale events
+keep the ranks that stay.
 Writes RUN_DIR/samples-<rank>.jsonl ({"step", "world", "ids"} per optimizer step)
 and RUN_DIR/loss.jsonl ({"step", "world", "loss"} from rank 0). Under hyperpodrun
-the first round holds at step 3 until the launcher has announced a scale event
+the first round holds at step 8 (HOLD_AT) until the launcher has announced a scale event
 (RUN_DIR/held-<rank> says it is holding), so tests need no timing.
 """
 
@@ -17,9 +20,16 @@ import torch
 from job_common import GLOBAL_BATCH, MICRO_BATCH, Samples, hold_for_event, log_step
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
-from elastic_events.integrations.transformers import ElasticCallback, elastic_resume_checkpoint, set_global_batch
+from elastic_events.integrations.transformers import (
+    ElasticCallback,
+    ElasticTrainer,
+    elastic_init,
+    elastic_resume_checkpoint,
+    set_global_batch,
+)
 
 run, max_steps = Path(sys.argv[1]), int(sys.argv[2])
+in_place = (sys.argv[3] if len(sys.argv) > 3 else "restart") == "in_place"
 
 
 class Regressor(torch.nn.Module):
@@ -50,6 +60,8 @@ class Record(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, "world": args.world_size, "loss": logs["loss"]}) + "\n")
 
 
+if in_place:
+    elastic_init()  # a pre-warmed joiner waits here for its admission
 args = TrainingArguments(
     output_dir=str(run / "out"), per_device_train_batch_size=MICRO_BATCH, max_steps=max_steps, learning_rate=0.05,
     logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
@@ -58,7 +70,7 @@ args = TrainingArguments(
 set_global_batch(args, GLOBAL_BATCH)
 set_seed(args.seed)  # the initial weights, the same in every run
 model = Regressor()
-trainer = Trainer(
+trainer = (ElasticTrainer if in_place else Trainer)(
     model=model, args=args, train_dataset=Samples(),
     callbacks=[ElasticCallback(global_batch=GLOBAL_BATCH), Record(model)],
 )  # fmt: skip

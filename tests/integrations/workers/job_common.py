@@ -1,6 +1,7 @@
 """What the tests' Trainer and Lightning jobs share: the data, the logs, the hold for a scale event."""
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import torch
 
 from elastic_events import current_event, is_elastic, restart_reason
 
-GLOBAL_BATCH, MICRO_BATCH, HOLD_AT, HOLD_TIMEOUT = 8, 2, 3, 120.0
+GLOBAL_BATCH, MICRO_BATCH, HOLD_AT, HOLD_TIMEOUT = 8, 2, 8, 120.0  # HOLD_AT: in epoch 1 (6 steps per epoch)
 
 
 class Samples(torch.utils.data.Dataset):
@@ -28,9 +29,9 @@ class Samples(torch.utils.data.Dataset):
 
 
 def log_step(run: Path, *, rank: int, world: int, step: int, ids: list[int], loss: float | None) -> None:
-    """Append this rank's sample ids of ``step`` (and, from rank 0, the step's loss)."""
+    """Append this rank's sample ids of ``step`` and its process id (and, from rank 0, the step's loss)."""
     with open(run / f"samples-{rank}.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "world": world, "ids": sorted(ids)}) + "\n")
+        f.write(json.dumps({"step": step, "world": world, "ids": sorted(ids), "pid": os.getpid()}) + "\n")
     if loss is not None:
         with open(run / "loss.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "world": world, "loss": loss}) + "\n")

@@ -1,7 +1,8 @@
 """A tiny Lightning job for the elastic tests (the Lightning twin of hf_job.py).
 
-argv: RUN_DIR MAX_STEPS. Same data, model, global batch 8 (micro-batch 2), files
-and hold at step 3 as hf_job.py; Adam with a linear learning-rate decay per step.
+argv: RUN_DIR MAX_STEPS [MODE]. Same data, model, global batch 8 (micro-batch 2), files,
+hold at step 8 and modes as hf_job.py; Adam with a linear learning-rate decay per step.
+MODE ``in_place`` adds ``elastic_init()`` and fits through ``ElasticCallback.fit``.
 """
 
 import os
@@ -13,9 +14,10 @@ import torch
 import torch.distributed as dist
 from job_common import GLOBAL_BATCH, MICRO_BATCH, Samples, hold_for_event, log_step
 
-from elastic_events.integrations.lightning import ElasticCallback, elastic_resume_checkpoint
+from elastic_events.integrations.lightning import ElasticCallback, elastic_init, elastic_resume_checkpoint
 
 run, max_steps = Path(sys.argv[1]), int(sys.argv[2])
+in_place = (sys.argv[3] if len(sys.argv) > 3 else "restart") == "in_place"
 
 
 class Regressor(L.LightningModule):
@@ -62,15 +64,22 @@ class Record(L.Callback):
 
 
 L.seed_everything(0, verbose=False)
+model = Regressor()
+if in_place:
+    elastic_init()  # a pre-warmed joiner waits here for its admission
 elastic = ElasticCallback(dirpath=run / "ckpt", global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH)
 distributed = "WORLD_SIZE" in os.environ
 trainer = L.Trainer(
-    accelerator="cpu", devices=1, num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+    accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
     strategy="ddp" if distributed else "auto", max_steps=max_steps, callbacks=[elastic, Record()],
     use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
     enable_model_summary=False,
 )  # fmt: skip
-trainer.fit(Regressor(), elastic.dataloader(Samples(target="y")), ckpt_path=elastic_resume_checkpoint(run / "ckpt"))
+loader = elastic.dataloader(Samples(target="y"))
+if in_place:
+    elastic.fit(trainer, model, loader, ckpt_path=elastic_resume_checkpoint(run / "ckpt"))
+else:
+    trainer.fit(model, loader, ckpt_path=elastic_resume_checkpoint(run / "ckpt"))
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)
