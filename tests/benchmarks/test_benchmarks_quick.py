@@ -524,3 +524,21 @@ def test_soak_smoke(out_dir: Path) -> None:
         assert ev["outcome"] == "ok" and ev["check"]["problems"] == [], ev
         if ev["kind"] in ("leave", "join", "etcd_pause", "etcd_restart"):
             assert ev["check"]["steps_redone"] == [], ev
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_framework_events_smoke(out_dir: Path) -> None:
+    data = run_smoke("framework_events", out_dir)
+    runs = {r["variant"]: r for r in data["samples"]["runs"]}
+    assert set(runs) == {"in-place", "restart"}
+    for variant, run in runs.items():
+        assert [(e["kind"], e["to_world"]) for e in run["events"]] == [("join", 2), ("leave", 1)]
+        for ev in run["events"]:  # in place the survivor keeps its process; the restart path restarts it
+            assert ev["mode"] == variant and ev["pid_kept"] is (variant == "in-place"), ev
+            assert ev["steps_lost"] == 0 and positive(ev["downtime_s"])
+    s = data["summary"]
+    for kind in ("join", "leave"):
+        assert s[f"{kind}_downtime_ratio_in_place_over_restart"] == pytest.approx(
+            s[f"{kind}_in-place_downtime_s"] / s[f"{kind}_restart_downtime_s"]
+        )
