@@ -143,6 +143,15 @@ def newest_marked(directory: Path, pattern: str, marker_name: str) -> Path | Non
     return max(found)[1] if found else None
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This rank and the world size: the process group's once it exists, else the launcher's environment."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def reseed_rank(seed: int, step: int, rank: int) -> int:
     """Seed Python, NumPy and torch from ``(seed, step, rank)``; returns the derived seed.
 

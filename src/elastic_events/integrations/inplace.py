@@ -57,7 +57,7 @@ from elastic_events.hydration import (
     structure_digest,
     value_checksum,
 )
-from elastic_events.integrations.common import ElasticIntegrationError
+from elastic_events.integrations.common import ElasticIntegrationError, rank_and_world
 from elastic_events.transfer import broadcast_tensors
 
 __all__ = [
@@ -131,12 +131,6 @@ class Moved:
     payload: dict[str, Any] | None  # the state to resume from; None: no rank held one (use storage)
     survivor: bool
     event: Event | None
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _say(message: str) -> None:
@@ -217,7 +211,7 @@ class Rounds:
                 self._phase(RankPhase.FAILED)
                 raise InPlaceError(f"rank admitted in place, but {framework} cannot train in place here: {'; '.join(why)}")
             self._refusal_said = True  # said once: on stderr from each node's first rank, in the event log from rank 0
-            rank, _ = _world()
+            rank, _ = rank_and_world()
             reason = "; ".join(why)
             if self.local_rank == 0:
                 _say(f"rank {rank}: in-place scale events not offered ({framework}): {reason}; "
@@ -243,7 +237,7 @@ class Rounds:
         """This rank offered in-place events and the launcher published a restart: say so."""
         if not self.offered:
             return
-        rank, _ = _world()
+        rank, _ = rank_and_world()
         why = ("the launcher asked for a restart (--restart-mode process, or a rank of the job does not support "
                "in-place events; see in_place_unavailable in the event log)")  # fmt: skip
         if rank == 0:

@@ -80,6 +80,7 @@ from elastic_events.integrations.common import (
     ResumeMarker,
     accumulation_steps,
     newest_marked,
+    rank_and_world,
     reseed_rank,
     write_marker,
 )
@@ -116,12 +117,6 @@ class _FullEpochSampler(ElasticSampler):
 
     def __len__(self) -> int:
         return sum(self._plan_at(start).accumulation_steps() for start in self._batch_starts(0))
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 class ElasticCallback(Callback):
@@ -201,7 +196,7 @@ class ElasticCallback(Callback):
         for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
             if name in loader_kwargs:
                 raise ElasticIntegrationError(f"dataloader(): {name} is set by the elastic sampler; leave it out")
-        rank, world = _world()
+        rank, world = rank_and_world()
         sampler = _FullEpochSampler(
             len(dataset), global_batch=self.global_batch, micro_batch=self.micro_batch,
             rank=rank, world_size=world, seed=self.seed, shuffle=self.shuffle,
@@ -213,7 +208,7 @@ class ElasticCallback(Callback):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        _, world = _world()
+        _, world = rank_and_world()
         return {
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "world_size": world,
@@ -224,7 +219,7 @@ class ElasticCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        _, world = _world()
+        _, world = rank_and_world()
         previous = self._accumulation  # what this callback set for the last fit (in place: another world)
         self._accumulation = accumulation_steps(
             global_batch=self.global_batch, per_device_batch=self.micro_batch, world_size=world
@@ -240,8 +235,8 @@ class ElasticCallback(Callback):
             rounds().offer("lightning", ["fit() was called on the Trainer, not as ElasticCallback.fit(trainer, ...)"])
         self._in_place_event = None
         self._loaded = None
-        if self.sampler is not None and (self.sampler.rank, self.sampler.world_size) != _world():
-            rank, world = _world()
+        if self.sampler is not None and (self.sampler.rank, self.sampler.world_size) != rank_and_world():
+            rank, world = rank_and_world()
             self.sampler.set_world(rank=rank, world_size=world)  # fit again in place: the same loader, a new world
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -275,7 +270,7 @@ class ElasticCallback(Callback):
                 "and pass use_distributed_sampler=False to the Trainer"
             )
         self._last_step = trainer.global_step
-        rank, world = _world()
+        rank, world = rank_and_world()
         if self.resumed_in_place:  # from memory, after an in-place event: a new round, maybe a new world
             self.resumed_in_place = False
             reseed_rank(self.seed, trainer.global_step, rank)
@@ -310,7 +305,7 @@ class ElasticCallback(Callback):
         trainer.save_checkpoint(path)
         trainer.strategy.barrier("elastic_checkpoint_saved")  # every rank finished its part
         if trainer.is_global_zero:
-            rank, world = _world()
+            rank, world = rank_and_world()
             marker = ResumeMarker(step=trainer.global_step, world_size=world, global_batch=self.global_batch, seed=self.seed)
             write_marker(self.dirpath / MARKER.format(name=path.name), marker)
             eventlog.emit(names.CHECKPOINT_SAVED, step=trainer.global_step, path=str(path))
