@@ -16,14 +16,14 @@ import psutil
 import pytest
 import torch
 from support.cluster import wait_until
+from support.jsonl import read_jsonl
 
 INPLACE = Path(__file__).resolve().parent / "scripts" / "inplace_counter.py"
 HYDRATED = ("peers", "handoff", "snapshot")  # how a newcomer got the state: from survivors, a hand-off, snapshots
 
 
 def worlds(job) -> list[dict]:
-    path = job.run_dir / "worlds.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return read_jsonl(job.run_dir / "worlds.jsonl")
 
 
 def reference_params(at_steps: set[int]) -> dict[int, list[list[float]]]:

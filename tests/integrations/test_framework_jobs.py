@@ -20,7 +20,6 @@ reason in the event log.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from support.cluster import wait_until
+from support.jsonl import read_jsonl
 from support.launch import clean_env
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ CASES = [(framework, mode) for framework in sorted(FRAMEWORKS) for mode in MODES
 
 
 def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_jsonl(path)
 
 
 def _steps(run_dir: Path) -> dict[int, list[dict]]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.cluster import ElasticJob, wait_until
+from support.jsonl import read_jsonl
 from support.etcd import EtcdServer
 from support.netns import Host, two_hosts
 
@@ -46,8 +47,7 @@ def job(tmp_path: Path, etcd: EtcdServer) -> Iterator[ElasticJob]:
 
 
 def _progress(job: ElasticJob) -> list[dict]:
-    path = job.run_dir / "progress.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_jsonl(job.run_dir / "progress.jsonl")
 
 
 def _round_at(job: ElasticJob, world: int, *, after_round: int = 0) -> dict | None:

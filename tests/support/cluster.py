@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import subprocess
@@ -14,6 +13,7 @@ from typing import Any
 import psutil
 
 from support.launch import clean_env, hyperpodrun_cmd
+from support.jsonl import read_jsonl
 
 COUNTER = Path(__file__).resolve().parent.parent / "elastic" / "scripts" / "counter.py"
 
@@ -85,12 +85,11 @@ class ElasticJob:
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         if not self.events_path.exists():
             return []
-        records = [json.loads(line) for line in self.events_path.read_text().splitlines() if line.strip()]
+        records = read_jsonl(self.events_path)
         return [r for r in records if kind is None or r["event"] == kind]
 
     def progress(self) -> list[dict[str, Any]]:
-        path = self.run_dir / "progress.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return read_jsonl(self.run_dir / "progress.jsonl")
 
     def wait_for_world(self, world: int, *, timeout: float = 90, after_step: int = 0) -> int:
         """Wait until training ran a step at ``world`` ranks (after ``after_step``); returns that step."""
