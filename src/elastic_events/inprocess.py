@@ -54,7 +54,8 @@ from elastic_events.hydration import gather_full_state, structure_digest, value_
 from elastic_events.inprocess_config import ElasticConfig, default_wrap
 from elastic_events.inprocess_rounds import Kept, RoundJoining, is_sharded, on_meta, prewarm
 from elastic_events.names import PARKED_ENV, ROUND_ENV
-from elastic_events.snapshot import Captured, Piece, Replicator, SnapshotError, SnapshotReport, capture, optimizer_state_count
+from elastic_events.snapshot import Captured, Piece, Replicator, SnapshotError, capture, optimizer_state_count
+from elastic_events.snapshot_restore import SnapshotReport
 
 
 ModelFn = Callable[[], torch.nn.Module]

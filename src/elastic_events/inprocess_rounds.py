@@ -44,18 +44,8 @@ from elastic_events.hydration import (
     structure_digest,
 )
 from elastic_events.rng import derive_rank_seed, seed_all
-from elastic_events.snapshot import (
-    Captured,
-    Piece,
-    Replicator,
-    RestorePlan,
-    SnapshotReport,
-    assemble,
-    plan_restore,
-    recv_body,
-    recv_header,
-    send_piece,
-)
+from elastic_events.snapshot import Captured, Piece, Replicator, recv_body, recv_header, send_piece
+from elastic_events.snapshot_restore import RestorePlan, SnapshotReport, assemble, load_local_state, plan_restore
 from elastic_events.transfer import broadcast_tensors
 
 __all__ = ["Kept", "RoundJoining", "is_sharded", "on_meta", "prewarm"]
@@ -197,7 +187,8 @@ class RoundJoining:
                 self.model = self._rewrap()  # DDP over the new group (receivers wrapped in _replicate)
 
     def _restore_from_snapshots(self, reports: list[RankReport], kept: Kept | None, fresh_module: torch.nn.Module | None) -> HydrationPlan:
-        """A sharded model after a failure: the newest step every shard survived at, assembled on rank 0 and re-sharded."""
+        """A sharded model after a failure: the newest step every shard survived at, put back on the new mesh
+        (each piece to its own rank when the world size is the broken round's, else assembled on rank 0)."""
         t0 = time.monotonic()
         restore = plan_restore({r.rank: r.snapshot for r in reports if r.snapshot is not None})
         everyone = tuple(range(self.world_size))
@@ -211,6 +202,44 @@ class RoundJoining:
             self._rebuild_from_storage(fresh_module)
             return HydrationPlan(source=None, newcomers=everyone, survivors=(), sharded=True, step=-1)
         group = self._side_group()[0]
+        in_place = restore.world_size == self.world_size
+        if in_place:
+            self._load_own_piece(self._own_piece(restore, kept, group), kept, fresh_module)
+        else:
+            self._assemble_on_rank0(restore, kept, group, fresh_module)
+        self.resumed_from = "snapshot"
+        live = sum(1 for _, from_live in restore.sources if from_live)
+        eventlog.emit(
+            names.SNAPSHOT_RESTORED, step=restore.step, redone=restore.furthest - restore.step, from_live=live,
+            from_copies=len(restore.sources) - live, broken_round=restore.round, seconds=time.monotonic() - t0,
+            resharded=not in_place,
+        )  # fmt: skip
+        return HydrationPlan(source=0, newcomers=everyone, survivors=(), sharded=True, step=restore.step)
+
+    def _own_piece(self, restore: RestorePlan, kept: Kept | None, group: Any) -> Piece:
+        """The broken round's shard of this rank's number, at ``restore.step``: its own, or sent by whoever has it.
+        Pairwise sends in owner order (the same order on every rank: no cycle of waits)."""
+        mine = None
+        for owner, (source, live) in enumerate(restore.sources):
+            if self.rank == source:
+                piece = self._live_piece(kept) if live else kept.replicator.held_piece(owner, restore.step)
+                if owner == self.rank:
+                    mine = piece
+                else:
+                    send_piece(piece, dst=owner, group=group, bucket_bytes=self.config.bucket_bytes)
+            elif self.rank == owner:
+                mine = self._recv_piece(owner, source, restore.step, group)
+        return mine
+
+    def _load_own_piece(self, piece: Piece, kept: Kept | None, fresh_module: torch.nn.Module | None) -> None:
+        """Same world size: the fresh model on the new mesh takes this rank's piece as its local shards."""
+        self._drop_state(kept)  # the piece holds what it needs of the old state
+        self._build_sharded(fresh_module)
+        load_local_state(self.model, self.optimizer, piece)
+        self._finish_sharded(piece.small if self.rank == 0 else None)  # owner 0's small state, as when assembled
+
+    def _assemble_on_rank0(self, restore: RestorePlan, kept: Kept | None, group: Any, fresh_module: torch.nn.Module | None) -> None:
+        """Another world size: the full state assembled on rank 0 from every piece, re-sharded onto the new mesh."""
         pieces = self._pieces_to_rank0(restore, kept, group)
         full = small = None
         if self.rank == 0:
@@ -221,13 +250,6 @@ class RoundJoining:
                 pass
         self._drop_state(kept)
         self._reshard(0, Kept(step=restore.step, sharded=True, structure="", checksum=None, full=full, small=small), fresh_module)
-        self.resumed_from = "snapshot"
-        live = sum(1 for _, from_live in restore.sources if from_live)
-        eventlog.emit(
-            names.SNAPSHOT_RESTORED, step=restore.step, redone=restore.furthest - restore.step, from_live=live,
-            from_copies=len(restore.sources) - live, broken_round=restore.round, seconds=time.monotonic() - t0,
-        )  # fmt: skip
-        return HydrationPlan(source=0, newcomers=everyone, survivors=(), sharded=True, step=restore.step)
 
     def _pieces_to_rank0(self, restore: RestorePlan, kept: Kept | None, group: Any) -> Iterator[Piece]:
         """Every shard of the broken round at ``restore.step``, in its rank order: rank 0 yields each piece
@@ -240,12 +262,15 @@ class RoundJoining:
                 else:
                     send_piece(piece, dst=0, group=group, bucket_bytes=self.config.bucket_bytes)
             elif self.rank == 0:
-                piece = recv_header(src=source, group=group)
-                if piece is None or (piece.owner, piece.step) != (owner, restore.step):
-                    got = None if piece is None else (piece.owner, piece.step)
-                    raise HydrationError(f"rank {source} sent {got} instead of rank {owner}'s shard at step {restore.step}")
-                flat = torch.empty(piece.layout.nbytes, dtype=torch.uint8)
-                yield recv_body(piece, flat, src=source, group=group, bucket_bytes=self.config.bucket_bytes)
+                yield self._recv_piece(owner, source, restore.step, group)
+
+    def _recv_piece(self, owner: int, source: int, step: int, group: Any) -> Piece:
+        piece = recv_header(src=source, group=group)
+        if piece is None or (piece.owner, piece.step) != (owner, step):
+            got = None if piece is None else (piece.owner, piece.step)
+            raise HydrationError(f"rank {source} sent {got} instead of rank {owner}'s shard at step {step}")
+        flat = torch.empty(piece.layout.nbytes, dtype=torch.uint8)
+        return recv_body(piece, flat, src=source, group=group, bucket_bytes=self.config.bucket_bytes)
 
     def _live_piece(self, kept: Kept) -> Piece:
         snap, c = kept.snapshot, kept.captured
@@ -372,19 +397,27 @@ class RoundJoining:
         if source != 0:
             raise ElasticTrainingError(f"the full state of the sharded model is on rank {source}, not on rank 0")
         full = kept.full if kept is not None else None
-        box = [kept.small if full is not None else None]
-        self.module = fresh_module if fresh_module is not None else self._model_fn()
-        self.model = self._wrap(self.module)
-        self._check_materialised()
-        self._build_optimizer()
+        small = kept.small if full is not None else None
+        self._build_sharded(fresh_module)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, full.model if full else {}, options=options)
         if self.optimizer is not None:
             set_optimizer_state_dict(self.model, self.optimizer, full.optimizer if full else {}, options=options)
         if kept is not None:
             kept.full = full = None
+        self._finish_sharded(small)
+
+    def _build_sharded(self, fresh_module: torch.nn.Module | None) -> None:
+        self.module = fresh_module if fresh_module is not None else self._model_fn()
+        self.model = self._wrap(self.module)
+        self._check_materialised()
+        self._build_optimizer()
+
+    def _finish_sharded(self, small: dict[str, Any] | None) -> None:
+        """Rank 0's non-persistent buffers and small state (step, scheduler, sampler) to every rank."""
         buffers = nonpersistent_buffers(self.model)
         broadcast_tensors(buffers, src=0, device=self._comm_device(), bucket_bytes=self.config.bucket_bytes)
+        box = [small]
         dist.broadcast_object_list(box, src=0)
         self._load_small_state(box[0])
 

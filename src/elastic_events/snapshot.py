@@ -28,11 +28,8 @@ model's shards exist once each, so a failed rank's shards must have been copied 
   the rank's own copy; the issue's "own snapshot + one replica" would leave a node loss
   during a transfer with no complete copy).
 
-After a failure :func:`plan_restore` (pure) picks the newest step every shard of the
-broken round can be had at, from a survivor's live state or a holder's slot, and
-:mod:`elastic_events.inprocess_rounds` assembles the full state on the new rank 0 from
-those pieces and re-shards it onto the new mesh. No rank rolls back to a step another
-lacks; without such a step the checkpoint is the fallback.
+After a failure :mod:`elastic_events.snapshot_restore` picks the newest step every shard
+of the broken round can be had at and puts the pieces back on the new mesh.
 """
 
 from __future__ import annotations
@@ -61,14 +58,10 @@ __all__ = [
     "Layout",
     "Piece",
     "Replicator",
-    "RestorePlan",
     "SnapshotError",
-    "SnapshotReport",
-    "assemble",
     "capture",
     "holder_of",
     "owner_held_by",
-    "plan_restore",
     "recv_body",
     "recv_header",
     "send_piece",
@@ -519,88 +512,3 @@ class Replicator:
 @contextlib.contextmanager
 def _nothing() -> Iterator[None]:
     yield
-
-
-# ---------------------------------------------------------------------------- restore
-
-
-@dataclass(frozen=True, kw_only=True)
-class SnapshotReport:
-    """What a rank of a repaired round can give of the broken round's state."""
-
-    round: int  # the broken round
-    world_size: int  # its size
-    rank: int  # this rank's rank in it (-1: not in it)
-    live_step: int  # the step of its live state (-1: none)
-    replicas: tuple[tuple[int, int], ...] = ()  # (owner, step) of each complete copy it holds
-
-
-@dataclass(frozen=True, kw_only=True)
-class RestorePlan:
-    round: int
-    world_size: int
-    step: int
-    sources: tuple[tuple[int, bool], ...]  # per rank of the broken round: (new rank that sends it, from its live state)
-    furthest: int  # the furthest step a survivor had committed (step < furthest: steps are redone)
-
-
-def plan_restore(reports: dict[int, SnapshotReport]) -> RestorePlan | None:
-    """The newest step at which every rank of the broken round's state can be had, and from whom.
-
-    ``reports`` maps each new rank to its report. A survivor's live state is preferred to a
-    copy (nothing to move from a slot); among copies, the lowest new rank. None: some rank's
-    state exists at no common step (the checkpoint is the fallback).
-    """
-    if not reports:
-        return None
-    broken = max(r.round for r in reports.values())
-    mine = {new: r for new, r in sorted(reports.items()) if r.round == broken}
-    world = max(r.world_size for r in mine.values())
-    have: list[dict[int, tuple[int, bool]]] = [{} for _ in range(world)]
-    for new, r in mine.items():
-        if 0 <= r.rank < world and r.live_step >= 0:
-            have[r.rank][r.live_step] = (new, True)
-    for new, r in mine.items():
-        for owner, step in r.replicas:
-            if 0 <= owner < world:
-                have[owner].setdefault(step, (new, False))
-    common = set(have[0])
-    for h in have[1:]:
-        common &= set(h)
-    if not common:
-        return None
-    step = max(common)
-    furthest = max((r.live_step for r in mine.values()), default=-1)
-    return RestorePlan(round=broken, world_size=world, step=step, sources=tuple(h[step] for h in have),
-                       furthest=max(furthest, step))  # fmt: skip
-
-
-def assemble(pieces: Iterator[Piece]) -> tuple[dict[str, torch.Tensor], dict[str, Any], Piece]:
-    """Full tensors from every rank's piece, in rank order: the model and optimizer state dicts
-    in the form of DCP's ``full_state_dict`` (what :func:`~elastic_events.hydration.gather_full_state`
-    makes), and the first piece (its small state and param groups are everyone's)."""
-    full: dict[tuple[str, ...], torch.Tensor] = {}
-    first: Piece | None = None
-    for piece in pieces:
-        first = first or piece
-        for entry, tensor in zip(piece.layout.entries, piece.tensors, strict=True):
-            # a holder's copy is raw bytes, a survivor's live tensor has its dtype: both read the same
-            local = tensor.reshape(-1).view(torch.uint8).view(entry.dtype).reshape(entry.local_shape)
-            if entry.shard_dim is None:
-                if entry.key not in full:
-                    full[entry.key] = local.detach().cpu().clone()
-                continue
-            target = full.get(entry.key)
-            if target is None:
-                target = full[entry.key] = torch.empty(entry.global_shape, dtype=entry.dtype)
-            length = entry.local_shape[entry.shard_dim]
-            if length:
-                target.narrow(entry.shard_dim, entry.offset, length).copy_(local)
-    if first is None:
-        raise SnapshotError("no snapshot piece to assemble")
-    model = {key[1]: t for key, t in full.items() if key[0] == "model"}
-    state: dict[str, dict[str, Any]] = {}
-    for key, t in full.items():
-        if key[0] == "optim":
-            state.setdefault(key[1], {})[key[2]] = t
-    return model, {"state": state, "param_groups": first.param_groups}, first

@@ -192,6 +192,8 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     assert {e["reason"] for e in in_place} == {"failure"} and len(in_place) == len(nodes), in_place  # every node, repaired
     assert_trained_like_one_process(job)
     assert {p["world"] for p in job.progress()} == {max(2, len(nodes))}
+    # sharded: the world is the broken round's, so each shard went back to its own rank, none was gathered
+    assert [e["resharded"] for e in job.events("snapshot_restored")] == ([False] if model == "fsdp" else []), job.events("snapshot_restored")
 
 
 def rank_pids(job, name: str) -> set[int]:
@@ -274,6 +276,7 @@ def test_a_lost_node_is_repaired_in_place(make_job, model, tmp_path) -> None:
     assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records
     assert [r["how"] for r in records if r["pid"] == survivor][-1] == "recovered", records
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")][-1] == ("node_lost", "reconfigure")
+    assert [e["resharded"] for e in job.events("snapshot_restored")] == ([True] if model == "fsdp" else [])  # 2 shards -> 1
     assert_trained_like_one_process(job)
 
 
@@ -364,6 +367,7 @@ def test_a_rank_that_dies_while_sending_its_snapshot_is_restored_from_the_one_be
     assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
     (restored,) = job.events("snapshot_restored")
     assert (restored["step"], restored["redone"], restored["from_live"]) == (39, 1, 0), restored  # two copies of 39
+    assert not restored["resharded"], restored  # the same world: each copy went to its own rank, none gathered
     assert [e["signal"] for e in job.events("worker_failed")] == ["SIGKILL"]
     assert 40 in [p["step"] for p in job.progress()][40:], "step 40 was trained again"
     assert_trained_like_one_process(job)

@@ -13,7 +13,8 @@ import torch
 from support.cluster import free_port
 from support.launch import clean_env
 
-from elastic_events.snapshot import Entry, Layout, Piece, SnapshotReport, assemble, holder_of, owner_held_by, plan_restore
+from elastic_events.snapshot import Entry, Layout, Piece, holder_of, owner_held_by
+from elastic_events.snapshot_restore import SnapshotReport, assemble, plan_restore
 
 WORKER = Path(__file__).resolve().parent / "workers" / "snapshot_check.py"
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -415,6 +415,34 @@ def test_a_peer_failure_report_repairs_at_once_and_leaves_out_a_member_that_does
     assert decoded(published)["members"] == ["a", "c"] and decoded(published)["restarts"] == 0
 
 
+@pytest.mark.parametrize(
+    ("elapsed", "failed_on", "left_out"),
+    [
+        (0.45, ("a", "c"), False),  # within half the budget: b may still be reading the event
+        (0.55, ("a", "c"), True),  # everyone else saw the collective break and acked; b said nothing
+        (0.55, ("a",), False),  # c acked but has not seen the failure yet: no evidence against b
+        (0.55, ("a", "b", "c"), False),  # b's agent reported: it is alive, give it the whole budget
+        (1.05, ("a",), True),  # the budget is spent: silent members are left out whatever was reported
+    ],
+)
+def test_a_member_silent_while_every_other_reported_the_failure_is_left_out_after_half_the_budget(
+    elapsed: float, failed_on: tuple[str, ...], left_out: bool
+) -> None:
+    """A node loss paid the whole propagation budget (1 s of a 2.15 s repair, failures benchmark) waiting for
+    the ack of an agent that died with its ranks."""
+    nodes = {"a": node("a"), "b": node("b"), "c": node("c")}
+    ev = event(kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE, next_members=("a", "b", "c"), decided_at=NOW - elapsed)
+    failed = {m: FailedRecord(message=f"a collective failed on {m}", repairable=True, peer=True) for m in failed_on}
+    snap = JobSnapshot(nodes=nodes, round=in_process("a", "b", "c"), event=ev, acks={"a": ack(0, 0.0), "c": ack(0, 0.0)}, failed=failed)
+    writes = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    if not left_out:
+        assert writes == ()
+        return
+    (targeted,) = writes
+    assert decoded(targeted)["next_members"] == ["a", "c"] and decoded(targeted)["target"] == 0
+    assert f"left out ['b']: no answer within {min(elapsed, 1.0):.2g}s" in decoded(targeted)["reason"]
+
+
 def test_a_member_whose_lease_expires_while_the_repair_waits_for_acks_is_left_out() -> None:
     """Found with a sharded model's lost-node test: b's lease expired 1.4 s after its kill, while the repair
     waited for acks; b was no longer live, so not "missing", and the repair was targeted with b in its next

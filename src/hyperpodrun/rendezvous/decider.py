@@ -19,7 +19,8 @@ restarted the failed ranks parked), a member whose ranks saw a collective fail (
 or hung: the first sign of a lost node, long before its lease expires) or a lost node makes a
 RECONFIGURE event of kind ``rank_failure`` / ``node_lost`` at once. It waits one propagation
 budget for the acks of the live members (a fresh master port; a member that does not answer
-is left out of the repaired round) and is targeted at step 0: the survivors already stopped
+is left out of the repaired round; half a budget when every other member reported the failure
+and the silent one nothing) and is targeted at step 0: the survivors already stopped
 stepping at the failed collective, so there is no step to agree on.
 
 A next member that vanished between decision and completion is never published: the
@@ -56,6 +57,10 @@ from hyperpodrun.rendezvous.records import (
 
 __all__ = ["DeciderContext", "DeciderMemory", "JobSnapshot", "Note", "Plan", "RestartMode", "Write", "choose_target_step", "plan"]
 
+
+#: The share of the propagation budget after which a repair leaves out members that stayed silent while
+#: every other member reported the failure and acked (:func:`_silent_since_the_failure`).
+SILENT_GRACE = 0.5
 
 #: How long (in propagation budgets) the decider waits for a member's unknown step rate: ranks that
 #: took no second step in that time step slowly enough for a margin of a few steps.
@@ -404,9 +409,10 @@ def _target_repair(
     """A failure repaired in place: at once (step 0), rank 0 on the first surviving member's fresh port.
 
     Members get one propagation budget to answer; one that does not (its lease has not expired yet,
-    but its agent is gone with its ranks) is left out of the repaired round.
+    but its agent is gone with its ranks) is left out of the repaired round, after half the budget
+    when it is silent while every other member reported the failure (:func:`_silent_since_the_failure`).
     """
-    if missing and elapsed <= ctx.propagation:
+    if missing and elapsed <= ctx.propagation and not _silent_since_the_failure(snap, acks, missing, elapsed, ctx):
         return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for acks from {missing}")
     crashed = [f for f in snap.failed.values() if not f.peer]
     if crashed and ev.kind is EventKind.NODE_LOST and not missing:  # made from the survivors' reports; a rank died
@@ -415,7 +421,7 @@ def _target_repair(
             return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{ev.reason}; --max-restarts {ctx.max_restarts} used up"), mem)
     vanished = [m for m in ev.next_members or () if m not in snap.nodes]  # its lease expired meanwhile
     nxt = tuple(m for m in ev.next_members or () if m not in missing and m not in vanished)
-    reason = ev.reason + (f"; left out {missing}: no answer within {ctx.propagation:g}s" if missing else "")
+    reason = ev.reason + (f"; left out {missing}: no answer within {min(elapsed, ctx.propagation):.2g}s" if missing else "")
     reason += f"; left out {vanished}: gone" if vanished else ""
     if len(nxt) not in ctx.policy.allowed_sizes():
         return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{reason}; {len(nxt)} node(s) is not an allowed size"), mem)
@@ -431,6 +437,22 @@ def _target_repair(
     updated = _update(snap, evolve(ev, target=0, next_members=nxt, reason=reason, master_addr=snap.nodes[head].addr, master_port=master_port), mem)
     left_out = {**mem.left_out, **{m: snap.nodes[m] for m in missing if m in snap.nodes}}
     return Plan(writes=updated.writes, notes=(note,), memory=dataclasses.replace(mem, left_out=left_out))
+
+
+def _silent_since_the_failure(snap: JobSnapshot, acks: Mapping[str, AckRecord], missing: Sequence[str], elapsed: float, ctx: DeciderContext) -> bool:
+    """Whether the members that have not answered a repair are gone, before its propagation budget ends.
+
+    A lost node's agent died with its ranks; its lease outlives it. Every other member reported a
+    collective of its ranks broken and acked; a silent member reported nothing this round. Had its
+    agent been alive, its ranks shared the broken collective (it reports within ``URGENT_POLL_S``
+    of them) or one of them crashed (it reports that), and it acks within a tick of reading the
+    event. So once every answering member saw the failure and ``SILENT_GRACE`` of the budget (at
+    least two ticks) has passed, the silent members are left out: a node loss costs half a
+    budget less downtime (failures benchmark: 1 s of a 2.15 s repair was this wait).
+    """
+    if elapsed <= max(2 * ctx.tick, SILENT_GRACE * ctx.propagation):
+        return False
+    return not any(m in snap.failed for m in missing) and all(m in snap.failed for m in acks)
 
 
 def _joiners(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord) -> list[str]:

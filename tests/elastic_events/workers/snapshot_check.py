@@ -26,7 +26,8 @@ import elastic_events.snapshot as snapshot
 from elastic_events import abort
 from elastic_events.errors import PeerFailureError
 from elastic_events.hydration import gather_full_state
-from elastic_events.snapshot import Piece, Replicator, assemble, capture, recv_body, recv_header, send_piece
+from elastic_events.snapshot import Piece, Replicator, capture, recv_body, recv_header, send_piece
+from elastic_events.snapshot_restore import assemble
 
 STEPS = 3
 
