@@ -194,14 +194,14 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> 
             pairs += [_entry(("optim", name, k), v) for k, v in state.items() if isinstance(v, torch.Tensor)]
         groups = [list(g["params"]) for g in osd["param_groups"]]
     elif optimizer is not None:  # before its first step: DCP would make its state with a step of lr 0, which
-        groups = _group_names(model, optimizer)  # counts (AdamW's bias correction would be one step off)
+        groups = group_names(model, optimizer)  # counts (AdamW's bias correction would be one step off)
     tensors = [t if t.is_contiguous() else t.contiguous() for _, t in pairs]
     if any(t.data_ptr() != orig.data_ptr() for t, (_, orig) in zip(tensors, pairs)):
         raise SnapshotError("a shard of the local state is not contiguous: it cannot be streamed in place")
     return Captured(Layout(tuple(e for e, _ in pairs)), tensors, groups, optimizer_state_count(optimizer))
 
 
-def _group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+def group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """Each param group's parameters by the names DCP gives them, without touching the optimizer's state."""
     from torch.distributed.checkpoint.state_dict import _get_fqns  # DCP's own naming (wrappers' prefixes dropped)
 

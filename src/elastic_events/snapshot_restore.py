@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from elastic_events.snapshot import Entry, Piece, SnapshotError
+from elastic_events.snapshot import Entry, Piece, SnapshotError, group_names
 
 __all__ = ["RestorePlan", "SnapshotReport", "assemble", "load_local_state", "local_tensors", "plan_restore"]
 
@@ -128,7 +128,6 @@ def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
         StateDictOptions,
         get_model_state_dict,
         set_model_state_dict,
-        set_optimizer_state_dict,
     )
 
     entries = {e.key: (e, t) for e, t in zip(piece.layout.entries, local_tensors(piece), strict=True)}
@@ -148,7 +147,22 @@ def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
             param = live.get(key[1])
             shaped_like_param = param is not None and entry.global_shape == tuple(param.shape)
             state.setdefault(key[1], {})[key[2]] = _like(entry, tensor, param) if shaped_like_param else tensor.clone()
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": piece.param_groups}, options=options)
+    _load_optimizer(model, optimizer, state, piece.param_groups)
+
+
+def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, dict[str, Any]],
+                    param_groups: list[dict[str, Any]]) -> None:  # fmt: skip
+    """``optimizer.load_state_dict`` with the parameters named as the snapshot names them.
+
+    Not DCP's ``set_optimizer_state_dict``: on an optimizer without state it first runs a step
+    with zero gradients to make one (``_init_optim_state``), which cost most of the load here.
+    """
+    names = group_names(model, optimizer)
+    if [list(g["params"]) for g in param_groups] != names:
+        raise SnapshotError(f"the optimizer's param groups {names} are not the snapshot's {[g['params'] for g in param_groups]}")
+    index = {fqn: i for i, fqn in enumerate(fqn for group in names for fqn in group)}
+    groups = [{**saved, "params": [index[fqn] for fqn in group]} for saved, group in zip(param_groups, names, strict=True)]
+    optimizer.load_state_dict({"state": {index[fqn]: s for fqn, s in state.items()}, "param_groups": groups})
 
 
 def _like(entry: Entry, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
