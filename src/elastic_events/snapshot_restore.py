@@ -174,8 +174,12 @@ def _like(entry: Entry, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tenso
         raise SnapshotError(f"{name}: shape {tuple(like.shape)} in the model, {entry.global_shape} in the snapshot")
     if not isinstance(like, DTensor):
         return tensor.to(like.device, copy=True)
-    have = tuple(like.to_local().shape)
-    if have != entry.local_shape:
-        raise SnapshotError(f"{name}: local shard {have} on the new mesh, {entry.local_shape} in the snapshot (another world size)")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    at = int(offsets[entry.shard_dim]) if entry.shard_dim is not None else 0
+    if (tuple(shape), at) != (entry.local_shape, entry.offset):
+        raise SnapshotError(f"{name}: the new mesh holds {tuple(shape)} at {at} here, the snapshot {entry.local_shape} at "
+                            f"{entry.offset} (another world size, or another rank's piece)")  # fmt: skip
     return DTensor.from_local(tensor.to(like.device, copy=True), like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())  # fmt: skip

@@ -160,6 +160,8 @@ def test_the_copies_peers_hold_put_the_sharded_state_back_together_bitwise(world
         assert out["held_bytes"] == 2 * owner_bytes + out["state_bytes"]  # 3 buffers of the local state: two copies, its own
     assert outs[0]["model_equal"] is True and outs[0]["optim_equal"] is True, outs[0]
     assert outs[0]["untouched_equal"] is True, "snapshotting changed the training (AdamW's step count)"
+    assert outs[0]["reloaded_equal"] is True, "a fresh model loaded from each rank's own copy is not the live state"
+    assert all(out["wrong_piece"] and "another rank's piece" in out["wrong_piece"] for out in outs), [o["wrong_piece"] for o in outs]
     assert outs[0]["small"] == {"step": 3}
 
 

@@ -3,7 +3,8 @@
 argv: RANK WORLD PORT LOCAL_WORLD MODE. Every rank trains a few steps, snapshotting after each;
 then the copies its peers hold are put back together on rank 0 and compared with the live
 model's and optimizer's full state (gathered by DCP), which must equal a twin's trained without
-snapshots (a snapshot taken before the first step must not touch the optimizer). MODE ``ok`` ends the round cleanly; MODE
+snapshots (a snapshot taken before the first step must not touch the optimizer). MODE ``ok`` ends the round cleanly and
+also loads each rank's own copy into a fresh model (the same-world restore) and another rank's (refused); MODE
 ``abort`` breaks it while its threads wait (as a repair does) and times how long they take to end; MODE
 ``die`` makes the last rank kill itself in the middle of sending its next snapshot (after its
 header, before its tensors), and the survivors report what they hold afterwards. Prints one JSON line per rank.
@@ -26,8 +27,8 @@ import elastic_events.snapshot as snapshot
 from elastic_events import abort
 from elastic_events.errors import PeerFailureError
 from elastic_events.hydration import gather_full_state
-from elastic_events.snapshot import Piece, Replicator, capture, recv_body, recv_header, send_piece
-from elastic_events.snapshot_restore import assemble
+from elastic_events.snapshot import Piece, Replicator, SnapshotError, capture, recv_body, recv_header, send_piece
+from elastic_events.snapshot_restore import assemble, load_local_state
 
 STEPS = 3
 
@@ -128,6 +129,18 @@ def main() -> int:
             out["optim_equal"] = full_equal(optim_sd, full.optimizer)
             out["untouched_equal"] = full_equal(full.model, untouched.model) and full_equal(full.optimizer, untouched.optimizer)
             out["small"] = first.small
+        # the same world again (a crashed rank replaced): a fresh model takes this rank's copy as its local shards
+        fresh = build()
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+        load_local_state(fresh, fresh_opt, rep.held_piece(rank, STEPS))
+        reloaded = gather_full_state(fresh, fresh_opt, holder=0)
+        if rank == 0:
+            out["reloaded_equal"] = full_equal(reloaded.model, full.model) and full_equal(reloaded.optimizer, full.optimizer)
+        try:  # another rank's piece: its shards lie elsewhere on the mesh
+            load_local_state(build(), None, rep.held_piece(rep.owner, STEPS))
+            out["wrong_piece"] = None
+        except SnapshotError as exc:
+            out["wrong_piece"] = str(exc)
     else:  # the last rank dies in the middle of sending its snapshot of the next step: after its header
         if rank == world - 1:
             def die(*_args, **_kwargs):
