@@ -29,7 +29,8 @@ test: setup
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	for b in step_overhead checkpoint rendezvous_scale throughput scale_events failures hydration; do $(PY) benchmarks/$$b.py --quick || exit 1; done
+	for b in step_overhead checkpoint rendezvous_scale throughput scale_events failures hydration framework_events; do $(PY) benchmarks/$$b.py --quick || exit 1; done
+	for c in hf snapshot; do $(PY) benchmarks/step_overhead.py --quick --client $$c || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
