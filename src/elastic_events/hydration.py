@@ -24,8 +24,9 @@ What travels:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +34,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from elastic_events.errors import HydrationError, StateMismatchError
+from elastic_events.errors import ElasticTrainingError, HydrationError, StateMismatchError
 
-__all__ = ["HydrationError", "HydrationPlan", "RankReport", "StateMismatchError", "plan_from_handoff", "plan_hydration"]
+__all__ = [
+    "HydrationError",
+    "HydrationPlan",
+    "RankReport",
+    "StateMismatchError",
+    "collective_failures",
+    "plan_from_handoff",
+    "plan_hydration",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,3 +266,16 @@ def nonpersistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
     persistent = set(module.state_dict().keys())
     return [b for name, b in module.named_buffers() if name not in persistent]
 
+
+@contextlib.contextmanager
+def collective_failures(error: type[Exception], *, rank: int, round: int, world_size: int, timeout_s: float) -> Iterator[None]:
+    """Turn what gloo/NCCL raise while a round's ranks are brought to one state (a ``RuntimeError`` for a
+    dead peer or a timeout) into ``error``, naming the rank, the round and the limit; our own errors pass."""
+    try:
+        yield
+    except (ElasticTrainingError, error):
+        raise
+    except RuntimeError as exc:
+        raise error(
+            f"rank {rank}: bringing round {round}'s {world_size} ranks to one state failed or timed out (limit {timeout_s:.0f}s): {exc}"
+        ) from exc

@@ -36,6 +36,7 @@ from elastic_events.hydration import (
     HydrationPlan,
     RankReport,
     allocate_tensors,
+    collective_failures,
     model_tensors,
     nonpersistent_buffers,
     plan_from_handoff,
@@ -138,7 +139,7 @@ class RoundJoining:
             failed=survivor and kept.failed,
         )
         reports: list[Any] = [None] * spec.world_size
-        try:
+        with collective_failures(HydrationError, rank=spec.rank, round=spec.round, world_size=spec.world_size, timeout_s=self.config.timeout_s):
             dist.all_gather_object(reports, report)
             # A failure repaired by this event, or by a scale event it met on its way (its survivors took that
             # event's group, pending before they failed): the survivors may be a step apart.
@@ -153,13 +154,6 @@ class RoundJoining:
                 # a rank that failed after committing a step may not have counted it: agree on the source's count
                 control_step = (next(r.control_step for r in reports if r.rank == plan.source)
                                 if repairing and plan.source is not None else self._control_step)  # fmt: skip
-        except ElasticTrainingError:
-            raise
-        except RuntimeError as exc:  # gloo/NCCL report dead peers and timeouts as RuntimeError
-            raise HydrationError(
-                f"rank {spec.rank}: bringing round {spec.round}'s {spec.world_size} ranks to one state failed "
-                f"or timed out (limit {self.config.timeout_s:.0f}s): {exc}"
-            ) from exc
         self._set_world()
         seed_all(derive_rank_seed(self._base_seed, self.step, self.rank))
         if self._reader is not None and ((repairing and plan.source is not None) or received):

@@ -11,6 +11,7 @@ from elastic_events.hydration import (
     StateMismatchError,
     TensorSpec,
     allocate_tensors,
+    collective_failures,
     plan_from_handoff,
     plan_hydration,
     split_tensors,
@@ -126,3 +127,20 @@ def test_optimizer_state_splits_into_a_skeleton_and_tensors() -> None:
     other.load_state_dict(rebuilt)
     assert other.param_groups[0]["lr"] == 0.1
     assert torch.equal(other.state_dict()["state"][1]["exp_avg_sq"], opt.state_dict()["state"][1]["exp_avg_sq"])
+
+
+class _FrameworkError(RuntimeError):
+    pass
+
+
+def test_a_failed_collective_becomes_the_callers_error_naming_the_round_and_its_limit() -> None:
+    with pytest.raises(_FrameworkError, match=r"rank 1: bringing round 4's 3 ranks to one state failed or timed out \(limit 30s\): Connection closed by peer") as caught:
+        with collective_failures(_FrameworkError, rank=1, round=4, world_size=3, timeout_s=30):
+            raise RuntimeError("Connection closed by peer")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    for ours in (HydrationError("no source"), _FrameworkError("already said")):  # our own errors pass unchanged
+        with pytest.raises(type(ours)) as passed:
+            with collective_failures(_FrameworkError, rank=1, round=4, world_size=3, timeout_s=30):
+                raise ours
+        assert passed.value is ours
+

@@ -46,11 +46,11 @@ import torch.distributed as dist
 import elastic_events
 from elastic_events import eventlog, names
 from elastic_events.control import CAP_RECONFIGURE, ControlReader, Event, EventKind, RankPhase
-from elastic_events.errors import ElasticTrainingError
 from elastic_events.group import RoundSpec, backend_for, default_device, init_round_group, teardown_group
 from elastic_events.hydration import (
     RankReport,
     allocate_tensors,
+    collective_failures,
     model_tensors,
     plan_hydration,
     split_tensors,
@@ -320,20 +320,13 @@ class Rounds:
             sharded=False if survivor else None, control_step=self._reader.step if self._reader is not None else 0,
         )  # fmt: skip
         reports: list[Any] = [None] * world
-        try:
+        with collective_failures(InPlaceError, rank=rank, round=event.round, world_size=world, timeout_s=self.config.timeout_s):
             dist.all_gather_object(reports, report)
             plan = plan_hydration(reports, recovering=event.repair, local_world_size=self.local_world_size)
             payload = kept.payload if survivor else None
             received = rank in plan.newcomers and plan.source is not None
             if plan.source is not None and plan.newcomers:
                 payload = self._exchange(plan.source, plan.newcomers, module=module, payload=payload)
-        except ElasticTrainingError:
-            raise
-        except RuntimeError as exc:  # gloo/NCCL report dead peers and timeouts as RuntimeError
-            raise InPlaceError(
-                f"rank {rank}: bringing round {event.round}'s {world} ranks to one state failed or timed out "
-                f"(limit {self.config.timeout_s:.0f}s): {exc}"
-            ) from exc
         if received and self._reader is not None:  # later events target the survivors' count of steps
             self._reader.set_step(next(r.control_step for r in reports if r.rank == plan.source))
         eventlog.emit(
