@@ -122,7 +122,8 @@ def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     Each of the model's tensors takes its local shard as it was at the piece's step; the
     optimizer's state (each entry shaped like its parameter, sharded the same way, or a scalar
     such as Adam's ``step``) and param groups likewise. Raises :class:`SnapshotError` when a
-    tensor is missing or its shard is not where the piece's layout says (another world size).
+    tensor is missing or its shard's shape or offset on the new mesh is not the piece's (another
+    world size, or another rank's piece).
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
