@@ -443,6 +443,13 @@ def test_a_member_silent_while_every_other_reported_the_failure_is_left_out_afte
     assert f"left out ['b']: no answer within {min(elapsed, 1.0):.2g}s" in decoded(targeted)["reason"]
 
 
+def test_a_repair_nobody_has_answered_yet_waits_its_whole_budget() -> None:
+    """No ack and no report: silence is no evidence against anyone (the early leave-out would stop the repair)."""
+    ev = event(kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE, next_members=("a", "b"), decided_at=NOW - 0.55)
+    snap = JobSnapshot(nodes={"a": node("a"), "b": node("b")}, round=in_process("a", "b"), event=ev)
+    assert plan(snap, DeciderMemory(), NOW, ctx()).writes == ()
+
+
 def test_a_member_whose_lease_expires_while_the_repair_waits_for_acks_is_left_out() -> None:
     """Found with a sharded model's lost-node test: b's lease expired 1.4 s after its kill, while the repair
     waited for acks; b was no longer live, so not "missing", and the repair was targeted with b in its next

@@ -452,7 +452,7 @@ def _silent_since_the_failure(snap: JobSnapshot, acks: Mapping[str, AckRecord], 
     """
     if elapsed <= max(2 * ctx.tick, SILENT_GRACE * ctx.propagation):
         return False
-    return not any(m in snap.failed for m in missing) and all(m in snap.failed for m in acks)
+    return bool(acks) and not any(m in snap.failed for m in missing) and all(m in snap.failed for m in acks)
 
 
 def _joiners(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord) -> list[str]:
