@@ -149,6 +149,9 @@ class ElasticTraining(RoundJoining):
             raise ElasticTrainingError("start() was already called")
         self._started = True
         atexit.register(self.close)  # stores and groups must not outlive the interpreter's shutdown
+        if self.config.freeze_gc:
+            gc.collect()  # what is garbage now is not frozen with the rest
+            gc.freeze()  # before any model is built: a replaced model must stay collectable (ElasticConfig.freeze_gc)
         self._reader = elastic_events._channel()
         if self._reader is not None:
             self._reader.declare(CAP_RECONFIGURE)

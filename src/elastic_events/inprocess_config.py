@@ -28,6 +28,12 @@ class ElasticConfig:
     # A sharded model's in-memory snapshot (elastic_events.snapshot) every N steps; 0: none.
     # None: the launcher's --snapshot-every (HYPERPODRUN_SNAPSHOT_EVERY), else every step.
     snapshot_every: int | None = None
+    # Freeze what exists when start() begins (the imports: about 290,000 objects with torch) out of the
+    # cyclic collector's reach (gc.freeze): the full collections that free a replaced sharded model then
+    # scan only what was built since, 0.13 s -> under 1 ms each on this machine, and so do Python's own
+    # oldest-generation collections during training. A reference cycle made before start() and dropped
+    # later is then never collected; False leaves the collector as it is.
+    freeze_gc: bool = True
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "admission_timeout_s", "recover_timeout_s", "poll_s", "bucket_mb"):
@@ -36,6 +42,8 @@ class ElasticConfig:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
+        if not isinstance(self.freeze_gc, bool):
+            raise ValueError(f"freeze_gc must be True or False, got {self.freeze_gc!r}")
         every = self.snapshot_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
             raise ValueError(f"snapshot_every must be an integer >= 0 (0: no snapshots), got {every!r}")
