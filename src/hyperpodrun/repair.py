@@ -114,7 +114,9 @@ class InPlaceRepair:
         pids = {}
         for failure in failures:
             self._control.reset_rank(failure.local_rank, acked_event=0)
-            if group.spare_ready and self._control.spare_phase(0) == RankPhase.PARKED:  # torch imported already
+            # The spare, parked with torch imported or still importing it: either way further along than a new
+            # process (a failure soon after a repair finds the next spare starting); it reads the assignment when parked.
+            if group.spare_running:
                 self._control.assign_spare(0, failure.local_rank)
                 pids[failure.global_rank] = group.promote_spare(failure.local_rank)
                 continue
@@ -141,14 +143,14 @@ class InPlaceRepair:
     def keep_spare(self, group: WorkerGroup, *, in_process: Callable[[], bool]) -> None:
         """Keep a spare beside the ranks of a job repaired in place (checked at most every second)."""
         now = time.monotonic()
-        if group.spare_ready and self._spare_announced is None and self._control.spare_phase(0) == RankPhase.PARKED:
+        if group.spare_running and self._spare_announced is None and self._control.spare_phase(0) == RankPhase.PARKED:
             self._spare_announced = group.spare_pid
             self._events.emit(EventType.SPARE_READY, pid=group.spare_pid)
-        if self._spare_announced is None and group.spare_pid is not None and not group.spare_ready:
+        if self._spare_announced is None and group.spare_pid is not None and not group.spare_running:
             self._spares = 0  # it died before it was ready: the failure would repeat
             _say(f"the spare rank (pid {group.spare_pid}) exited before it was ready; no spares for this job: see {group.spare_log}")
             group.drop_spare()
-        if not self._spares or self.repairing is not None or group.spare_ready or now - self._spare_checked < SPARE_CHECK_S:
+        if not self._spares or self.repairing is not None or group.spare_running or now - self._spare_checked < SPARE_CHECK_S:
             return
         self._spare_checked = now
         if not all(p.reconfigurable for p in self._control.progress()) or not in_process():

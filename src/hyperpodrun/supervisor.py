@@ -187,7 +187,8 @@ class WorkerGroup:
         return self._spare.proc.pid
 
     @property
-    def spare_ready(self) -> bool:
+    def spare_running(self) -> bool:
+        """A spare process is alive: parked, or still importing what it pays in advance."""
         return self._spare is not None and self._spare.proc.poll() is None
 
     @property

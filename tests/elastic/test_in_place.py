@@ -353,6 +353,43 @@ def test_two_failures_in_a_row_are_each_repaired_in_place(make_job, model, tmp_p
     assert_trained_like_one_process(job)
 
 
+def test_a_failure_while_the_next_spare_is_still_starting_is_repaired_by_that_spare(make_job, tmp_path) -> None:
+    """The first repair takes the ready spare and the agent starts the next one; rank 1 is killed again while
+    that one is still importing torch. It takes the place anyway (it is further along than a new process,
+    which would also compete with it for the CPU); nothing is lost."""
+    job = make_job(script=INPLACE, script_args=script_args("ddp", tmp_path), nnodes="2", flags=("--max-restarts", "2"))
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == 2, timeout=90, what="every node's spare")
+    job.wait_steps(3)
+    os.kill(pid_of_rank(job, 1), signal.SIGKILL)
+    (first,) = wait_until(lambda: job.events("ranks_replaced"), timeout=60, what="the first replacement")
+    replacement = first["pids"][0]
+    agent = psutil.Process(job.nodes["b"].pid)
+
+    def next_spare() -> int | None:
+        for proc in agent.children(recursive=True):
+            try:
+                if proc.pid != replacement and "hyperpodrun.spare" in proc.cmdline():
+                    return proc.pid
+            except psutil.Error:
+                continue
+        return None
+
+    spare = wait_until(next_spare, timeout=60, what="node b's next spare process")
+    os.kill(replacement, signal.SIGKILL)
+    wait_until(lambda: len([r for r in worlds(job) if r["rank"] == 1 and r["how"] in HYDRATED]) == 2, timeout=60, what="repair 2")
+    job.wait_steps(3)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+    second = job.events("ranks_replaced")[1]
+    parked = [e["ts"] for e in job.events("spare_ready") if e["pid"] == spare]
+    assert not parked or parked[0] > second["ts"], "the spare was parked before the kill: nothing tested"
+    assert second["pids"] == [spare], (second, spare)  # not a new process
+    assert [r["pid"] for r in worlds(job) if r["rank"] == 1][-1] == spare
+    assert_trained_like_one_process(job)
+
+
 def test_a_rank_that_dies_while_sending_its_snapshot_is_restored_from_the_one_before(make_job, tmp_path) -> None:
     """Sharded: rank 1 is killed half-way through sending its snapshot of step 40 (its holder's copy of it is
     torn). Its holder still has its complete copy of step 39, and rank 0 its own copy of 39: the job goes
