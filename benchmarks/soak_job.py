@@ -55,6 +55,9 @@ class SoakSettings:
     global_batch: int = 6  # 3, 2 or 1 ranks: 2, 3 or 6 samples each
     micro_batch: int = 2
     seed: int = 0
+    # float64: another world size's summation order moves the parameters by ~1e-15 instead of fp32's ~1e-7, which
+    # this model's AdamW steps grow to ~0.5 over a soak; in float64 the final-parameters check measures the protocol
+    dtype: str = "fp64"
     lease_ttl_s: float = 6.0  # longer than an etcd pause (2-4 s): a pause must not cost the leases
     hang_timeout_s: float = 10.0
     event_timeout_s: float = 120.0
@@ -69,6 +72,8 @@ class SoakSettings:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.global_batch % 6:
             raise ValueError(f"global_batch must split evenly over 1, 2 and 3 ranks, got {self.global_batch}")
+        if self.dtype not in ("fp64", "fp32"):
+            raise ValueError(f"dtype must be fp64 or fp32, got {self.dtype!r}")
         if not self.pause_s[1] < self.lease_ttl_s:
             raise ValueError(f"pause_s {self.pause_s} must end before the lease ttl {self.lease_ttl_s}")
 
@@ -76,7 +81,7 @@ class SoakSettings:
         train = TrainArgs(
             steps=self.steps, seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
             min_step_time=self.step_time_s, ckpt_every=self.ckpt_every,
-            extra=("--seed", str(self.seed), "--sample-log", str(work / "samples.jsonl"),
+            extra=("--seed", str(self.seed), "--dtype", self.dtype, "--sample-log", str(work / "samples.jsonl"),
                    "--save-final", str(work / "final.pt"), "--keep-checkpoints", "2"),
         )  # fmt: skip
         return train.argv(run_dir=work / "run", data_cache=self.data_cache, metrics=work / "metrics.jsonl")

@@ -257,8 +257,13 @@ def apply_rotary_embedding(
 # --------------------------------------------------------------------------- layers
 
 
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half types, the dtype itself for float32 and float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, normalising in float32 like the reference model."""
+    """Root-mean-square layer norm, normalising in float32 (or wider) like the reference model."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -266,7 +271,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = x.to(_at_least_fp32(x.dtype))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
@@ -361,7 +366,7 @@ class LlamaOutput(NamedTuple):
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> TokenLoss:
-    """Sum of float32 cross-entropy over aligned ``labels`` (``IGNORE_INDEX`` skipped).
+    """Sum of float32 (float64 for a float64 model) cross-entropy over aligned ``labels`` (``IGNORE_INDEX`` skipped).
 
     The caller divides ``loss_sum`` by the token count of the *global* batch, so that
     the gradient is the mean over exactly that batch whatever the world size.
@@ -373,7 +378,7 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> TokenLoss
         )
     flat_labels = labels.reshape(-1)
     loss_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), flat_labels,
+        logits.reshape(-1, logits.shape[-1]).to(_at_least_fp32(logits.dtype)), flat_labels,
         ignore_index=IGNORE_INDEX, reduction="sum",
     )
     return TokenLoss(loss_sum, (flat_labels != IGNORE_INDEX).sum())

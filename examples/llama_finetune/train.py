@@ -152,8 +152,8 @@ class TrainConfig:
             raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "fp32", "bf16"):
-            raise ConfigError(f"--dtype must be auto, fp32 or bf16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "fp32", "bf16", "fp64"):
+            raise ConfigError(f"--dtype must be auto, fp32, bf16 or fp64, got {self.dtype!r}")
         if self.model is not None and self.init_from is not None:
             raise ConfigError("--model and --init-from exclude each other: the model is --init-from's config.json")
         if self.init_from is not None and not (self.init_from / CONFIG_FILE).is_file():
@@ -200,7 +200,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per block and root (default: DDP)")
     p.add_argument("--async-checkpoint", action="store_true", help="periodic saves write in the background")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"), help="compute dtype [bf16 on CUDA]")
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp64"),
+                   help="compute dtype [bf16 on CUDA]; fp64: weights and math in float64 (runs compared bit-for-bit)")
     args = vars(p.parse_args(argv))
     args["data"] = tuple(args["data"])
     args["data_cache"] = args["data_cache"] or default_data_cache()
@@ -264,7 +265,7 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
             timeout=timedelta(seconds=cfg.timeout_s),
             device_id=device if use_cuda else None,
         )
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}.get(
         cfg.dtype, torch.bfloat16 if use_cuda else torch.float32
     )
     return Runtime(
@@ -453,7 +454,7 @@ def train_step(
     local_tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in batch.micro_batches)
     global_tokens = global_token_count(local_tokens, device=rt.device)
     scale = loss_scale(1, global_tokens, world_size=rt.world_size, grad_averaged=rt.distributed)  # DDP/FSDP average
-    autocast = rt.compute_dtype != torch.float32 and not cfg.fsdp  # FSDP2 casts by its MixedPrecisionPolicy
+    autocast = rt.compute_dtype == torch.bfloat16 and not cfg.fsdp  # FSDP2 casts by its MixedPrecisionPolicy
     loss_sum = torch.zeros((), device=rt.device)
     for i, mb in enumerate(batch.micro_batches):
         cast = torch.autocast(rt.device.type, dtype=rt.compute_dtype) if autocast else contextlib.nullcontext()
@@ -504,8 +505,8 @@ def train(cfg: TrainConfig) -> int:
     )  # fmt: skip
 
     def bare_model() -> torch.nn.Module:
-        with torch.device("meta"):
-            return Llama(config)
+        with torch.device("meta"):  # fp64: weights and optimizer state in float64 too (--dtype)
+            return Llama(config).to(torch.float64) if rt.compute_dtype == torch.float64 else Llama(config)
 
     elastic = ElasticTraining(
         model_fn=bare_model,

@@ -209,6 +209,27 @@ def test_fsdp_training_matches_a_single_process(tmp_path: Path) -> None:
         torch.testing.assert_close(fsdp[name], plain[name], rtol=0, atol=ELASTIC_ATOL, msg=f"parameter {name}")
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_fp64_runs_at_two_world_sizes_agree_to_float64_precision(tmp_path: Path, parallel: str) -> None:
+    """--dtype fp64: weights, optimizer state and every reduction in float64, so the summation order of
+    another world size moves parameters by ~1e-15, not fp32's ~1e-6: what the soak's check relies on."""
+    args = (*SMALL, "--steps", "6", "--seed", "4", "--data-cache", str(tmp_path / "data"), "--dtype", "fp64")
+    plain_run(tmp_path, *args, "--run-dir", str(tmp_path / "plain"), "--save-final", str(tmp_path / "plain.pt"))
+    cmd = hyperpodrun_cmd(
+        "--standalone", "--nproc-per-node", "2", str(TRAIN), *args, *(("--fsdp",) if parallel == "fsdp" else ()),
+        "--run-dir", str(tmp_path / "two"), "--save-final", str(tmp_path / "two.pt"),
+    )  # fmt: skip
+    proc = run(cmd, timeout=300, env=env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    plain, two = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "two.pt")
+    assert {v.dtype for v in plain.values()} == {v.dtype for v in two.values()} == {torch.float64}
+    initial = Llama(LlamaConfig.from_name("tiny")).to(torch.float64)
+    initial.init_weights(seed=4)
+    for name, value in initial.state_dict().items():
+        assert (plain[name] - value).abs().max() > 1e-4, f"{name} barely trained"
+        torch.testing.assert_close(two[name], plain[name], rtol=0, atol=1e-12, msg=f"parameter {name}")
+
+
 # --------------------------------------------------------------------------- init-from
 
 
