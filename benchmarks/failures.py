@@ -76,6 +76,7 @@ from scale_analysis import (
     OURS,
     event_mode,
     hyperpodrun_phases,
+    lost_time,
     measure_event,
     phase_breakdown,
     plot,
@@ -284,7 +285,7 @@ class FailureScenario(Scenario):
         except ScenarioFailed as e:
             return {**ev, "outcome": e.outcome, "error": str(e)}
         ev.update(outcome="ok", **measured, late_by_steps=measured["last_old_step"] - step)
-        ev["lost_time_s"] = ev["downtime_s"] + ev["steps_lost"] * self.timers.step_time_s
+        ev["lost_time_s"] = lost_time(ev["downtime_s"], ev["steps_lost"], self.timers.step_time_s)
         if kind == "node_loss":  # a new node B, so the next failure finds the job at 2 nodes again
             rejoin = self._rejoin(node)
             ev["rejoin"] = rejoin

@@ -61,6 +61,16 @@ def measure_event(records: list[dict[str, Any]], *, t_event: float, to_world: in
     return gap_between(records, max(before, key=lambda r: r["ts"]), first_new)
 
 
+def lost_time(downtime_s: float, steps_lost: int, step_time_s: float) -> float:
+    """Wall time an event cost against a run without it: the downtime less the one step it holds (that
+    step was trained: the first after the event), plus every step trained again.
+
+    Until 26 November 2026 this was ``downtime + steps_lost x step``, which counted the held step as lost
+    too: one step time more for every launcher, which flattered the slower one's ratio.
+    """
+    return max(0.0, downtime_s - step_time_s) + steps_lost * step_time_s
+
+
 def gap_between(records: list[dict[str, Any]], last_old: dict[str, Any], first_new: dict[str, Any]) -> dict[str, Any]:
     """Downtime, pause and steps lost between the last step before an event and the first after it."""
     downtime = first_new["ts"] - last_old["ts"]
@@ -168,8 +178,8 @@ _MEDIANS = {
 def summarize_events(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians per event kind and launcher variant, and ratios of ours to each baseline.
 
-    ``lost_time`` is downtime plus the time to recompute the lost steps: the training
-    time an event really costs. Ratios are ``downtime_ratio[ours][baseline][kind]``.
+    ``lost_time`` (:func:`lost_time`) is the pause plus the time to recompute the lost steps: the
+    training time an event really costs. Ratios are ``downtime_ratio[ours][baseline][kind]``.
     """
     samples: dict[str, dict[str, dict[str, Any]]] = {}
     for run in runs:

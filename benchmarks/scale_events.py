@@ -80,6 +80,7 @@ from scale_analysis import (
     event_mode,
     event_phase,
     hyperpodrun_phases,
+    lost_time,
     measure_event,
     phase_breakdown,
     plot,
@@ -330,7 +331,7 @@ class Scenario:
         assert measured is not None  # waited for above
         t_end = measured["first_new_ts"]
         ev.update(outcome="ok", **measured, detect_s=self.detect_time(t_event, t_end))
-        ev["lost_time_s"] = ev["downtime_s"] + ev["steps_lost"] * self.timers.step_time_s
+        ev["lost_time_s"] = lost_time(ev["downtime_s"], ev["steps_lost"], self.timers.step_time_s)
         if self.variant in OURS:
             log = _read_jsonl(self.work / "events.jsonl")
             ev["phases_s"] = hyperpodrun_phases(log, t_event)

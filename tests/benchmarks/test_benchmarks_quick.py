@@ -146,6 +146,15 @@ def test_measure_event_reads_downtime_and_lost_steps(bench: Any) -> None:
     assert se.measure_event(coop, t_event=105.0, to_world=2)["steps_lost"] == 0
 
 
+def test_lost_time_is_the_delay_against_a_run_without_the_event(bench: Any) -> None:
+    """Last step N ends at L (steps of 0.5 s). Its redo ends at L + 1.5: the job is where it was at L, 1.5 s late.
+    Resuming 4 steps back (N - 3 ends at L + 5) is where an unbroken run was at L - 1.5: 6.5 s late."""
+    sa = bench("scale_analysis")
+    assert sa.lost_time(1.5, 1, 0.5) == pytest.approx(1.5)
+    assert sa.lost_time(5.0, 4, 0.5) == pytest.approx(6.5)
+    assert sa.lost_time(0.5, 0, 0.5) == 0.0  # a cooperative event that held up nothing: one normal step
+
+
 def test_summarize_events_ratios_and_failures(bench: Any) -> None:
     se = bench("scale_events")
 
@@ -514,11 +523,11 @@ def test_soak_smoke(out_dir: Path) -> None:
     # Over the whole run every step was trained once by a full world on exactly its batch.
     assert s["missing_steps_outside_failures"] == 0
     assert s["final_samples_lost"] == 0 and s["final_samples_repeated"] == 0
-    # Final parameters against the run without events: within 1e-4, or within what float summation
-    # order alone produced in the same run (world 3 against one process, no events): after a restart
-    # DDP reduces gradients in other buckets, and this training amplifies last-bit differences.
-    floor = data["summary"]["noise_floor_max_abs_diff"]
-    assert s["final_max_abs_diff"] is not None and s["final_max_abs_diff"] <= max(1e-4, 2 * floor)
+    # Final parameters against the run without events: within 1e-4. The soak trains in float64, where the
+    # summation order of another world size moves them by ~1e-9 over the run (fp32: ~0.5 on long soaks).
+    assert data["params"]["settings"]["dtype"] == "fp64"
+    assert data["summary"]["noise_floor_max_abs_diff"] < 1e-6
+    assert s["final_max_abs_diff"] is not None and s["final_max_abs_diff"] <= 1e-4
     assert positive(s["goodput"]) and positive(data["summary"]["reference_time_to_steps_s"])
     for ev in data["samples"]["runs"][path]["events"]:
         assert ev["outcome"] == "ok" and ev["check"]["problems"] == [], ev
