@@ -353,7 +353,7 @@ class TokenLoss(NamedTuple):
     """Summed token cross-entropy and the number of tokens it sums over."""
 
     loss_sum: torch.Tensor
-    """float32 scalar: sum over tokens whose label is not ``IGNORE_INDEX``."""
+    """float32 scalar (float64 for a float64 model): sum over tokens whose label is not ``IGNORE_INDEX``."""
     num_tokens: torch.Tensor
     """int64 scalar: how many labels are not ``IGNORE_INDEX``."""
 
