@@ -55,8 +55,8 @@ class SoakSettings:
     global_batch: int = 6  # 3, 2 or 1 ranks: 2, 3 or 6 samples each
     micro_batch: int = 2
     seed: int = 0
-    # float64: another world size's summation order moves the parameters by ~1e-15 instead of fp32's ~1e-7, which
-    # this model's AdamW steps grow to ~0.5 over a soak; in float64 the final-parameters check measures the protocol
+    # float64: another world size's summation order moves the parameters by ~1e-16 instead of fp32's ~1e-7; this
+    # training grows that ~10x every 10 steps, so float64 keeps runs of ~150 steps (the smoke run) within 1e-4
     dtype: str = "fp64"
     lease_ttl_s: float = 6.0  # longer than an etcd pause (2-4 s): a pause must not cost the leases
     hang_timeout_s: float = 10.0

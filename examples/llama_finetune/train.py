@@ -201,7 +201,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--async-checkpoint", action="store_true", help="periodic saves write in the background")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp64"),
-                   help="compute dtype [bf16 on CUDA]; fp64: weights and math in float64 (runs compared bit-for-bit)")
+                   help="compute dtype [bf16 on CUDA]; fp64: weights and math in float64 (to compare runs closely)")
     args = vars(p.parse_args(argv))
     args["data"] = tuple(args["data"])
     args["data_cache"] = args["data_cache"] or default_data_cache()
