@@ -274,11 +274,14 @@ def summarize(runs: dict[str, dict[str, Any]], reference: dict[str, Any], single
             "committed_steps_redone": sum(k["redone_committed"] for k in by_kind.values()),
             "steps_redone": sum(k["steps_redone"] for k in by_kind.values()),
             "missing_steps": len(run["missing_steps"]),
-            # A step whose records interleave across a restart (a rank killed or stopped after the
-            # all-reduce but before its record, the new ranks logging in another order) has no
-            # complete last attempt in the ledger's reading; such steps are redone by a failure.
+            # A failure may leave a step without the failed rank's record: killed or stopped after the
+            # all-reduce (the step trained, the ledger's "unlogged"; in place the job goes on from it)
+            # or, on the restart path, before a redo whose records interleave with its own.
+            "steps_unlogged_at_failures": sum(len(ev["check"]["steps_unlogged"]) for ev in run["events"]
+                                              if ev["kind"] in ledger.FAILURE_KINDS),
             "missing_steps_outside_failures": len(set(run["missing_steps"]) - {
-                step for ev in run["events"] if ev["kind"] in ledger.FAILURE_KINDS for step in ev["check"]["steps_redone"]
+                step for ev in run["events"] if ev["kind"] in ledger.FAILURE_KINDS
+                for step in (*ev["check"]["steps_redone"], *ev["check"]["steps_unlogged"])
             }),
             "final_samples_lost": run["final_check"]["samples_lost"],
             "final_samples_repeated": run["final_check"]["samples_repeated"],

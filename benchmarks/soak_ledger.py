@@ -15,6 +15,11 @@ unit-testable.
 * A **redone** step is trained again after an event. Graceful events (join, leave, yield, uncap,
   store restart or pause) may redo nothing; failures may redo only steps after the last checkpoint
   committed before the failure.
+* An **unlogged** step is a kept attempt that lacks some ranks' records although the job went on
+  past it, and whose records hold exactly their ranks' share of the batch. A rank killed or stopped
+  after the step's all-reduce but before its record does that: its peers' records prove the
+  all-reduce ran, and it needs every rank's gradients, so the step trained its whole batch. Only
+  a failure may leave one; after a graceful event it is a problem.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ __all__ = [
     "committed_step",
     "goodput",
     "missing_steps",
+    "unlogged_problem",
+    "unlogged_ranks",
 ]
 
 GRACEFUL_KINDS = ("join", "leave", "yield", "uncap", "etcd_restart", "etcd_pause")
@@ -101,6 +108,7 @@ class WindowCheck:
     steps_redone: tuple[int, ...]  # steps trained again in the window (after an earlier attempt)
     committed_step: int  # newest checkpoint before the event
     redone_committed: tuple[int, ...]  # redone steps at or before ``committed_step``: never allowed
+    steps_unlogged: tuple[int, ...]  # kept attempts without some ranks' records, the job past them
     samples_redone: int  # sample trainings of the redone attempts
     samples_lost: int  # in kept attempts started in the window, against their batches
     samples_repeated: int
@@ -108,7 +116,8 @@ class WindowCheck:
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "steps_redone": list(self.steps_redone),
-                "redone_committed": list(self.redone_committed), "problems": list(self.problems)}  # fmt: skip
+                "redone_committed": list(self.redone_committed), "steps_unlogged": list(self.steps_unlogged),
+                "problems": list(self.problems)}  # fmt: skip
 
 
 def check_window(
@@ -123,10 +132,13 @@ def check_window(
     """Check the attempts that started in sample-log lines ``[first_line, end_line)``.
 
     Graceful events may redo nothing; failures may redo only steps after ``committed``. Every
-    kept attempt started in the window that is complete must hold exactly its step's batch
-    (an incomplete kept attempt at the log's end is a step still being logged, not a problem).
+    kept attempt started in the window that is complete must hold exactly its step's batch. An
+    incomplete one the job went past is unlogged (see the module docstring): allowed after a
+    failure, a problem after a graceful event; at the log's end it is a step still being logged.
     """
     redone: list[int] = []
+    unlogged: list[int] = []
+    last_step = max(by_step, default=0)
     samples_redone = lost = repeated = 0
     trained: set[int] = set()
     problems: list[str] = []
@@ -143,6 +155,11 @@ def check_window(
                 lost, repeated = lost + l, repeated + r
                 if problem:
                     problems.append(problem)
+            elif index == len(tries) - 1 and step < last_step:
+                unlogged.append(step)
+                problem = unlogged_problem(attempt, expected(step))
+                if problem or graceful:
+                    problems.append(problem or f"step {attempt.step}: {unlogged_ranks(attempt)} left no record after a graceful event")
     redone = sorted(set(redone))
     bad = tuple(s for s in redone if s <= committed)
     if graceful and redone:
@@ -151,8 +168,26 @@ def check_window(
         problems.append(f"steps {list(bad[:10])} were redone although checkpoint {committed} had committed them")
     return WindowCheck(
         steps_trained=len(trained), steps_redone=tuple(redone), committed_step=committed, redone_committed=bad,
+        steps_unlogged=tuple(sorted(unlogged)),
         samples_redone=samples_redone, samples_lost=lost, samples_repeated=repeated, problems=tuple(problems),
     )  # fmt: skip
+
+
+def unlogged_ranks(attempt: Attempt) -> str:
+    """``rank(s) [..] of a world of N``: the ranks whose records an attempt lacks."""
+    return f"rank(s) {sorted(set(range(attempt.world_size)) - set(attempt.ids_by_rank))} of a world of {attempt.world_size}"
+
+
+def unlogged_problem(attempt: Attempt, expected: Sequence[int]) -> str | None:
+    """Why an incomplete attempt cannot be a full step whose missing ranks died before their records
+    (None: it can): the present records must be distinct samples of the batch, an even share each,
+    and leave out exactly the missing ranks' shares."""
+    ids, share = attempt.sample_ids(), len(expected) // attempt.world_size
+    missing = attempt.world_size - len(attempt.ids_by_rank)
+    if (len(set(ids)) != len(ids) or not set(ids) <= set(expected) or len(expected) % attempt.world_size
+            or any(len(v) != share for v in attempt.ids_by_rank.values()) or len(expected) - len(ids) != missing * share):  # fmt: skip
+        return f"step {attempt.step}: {unlogged_ranks(attempt)} left no record, and the others' samples are not their share of the batch"
+    return None
 
 
 def missing_steps(by_step: dict[int, list[Attempt]], steps: int) -> list[int]:

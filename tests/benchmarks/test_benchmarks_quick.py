@@ -477,6 +477,23 @@ def test_soak_ledger_splits_attempts_and_allows_only_uncommitted_redo(bench: Any
     assert ledger.missing_steps(by_step, 5) == [5]
 
 
+def test_soak_ledger_reads_a_rank_lost_after_the_all_reduce_as_unlogged(bench: Any) -> None:
+    """Rank 1 stopped after step 2's all-reduce and before its record, and was replaced in place: step 2
+    lacks its record, yet rank 0's record proves the all-reduce (which needs both) ran. A failure may
+    leave that; a graceful event may not; records that are not their ranks' share are a problem."""
+    ledger = bench("soak_ledger")
+    log = [_rec(1, 0, 2, [1]), _rec(1, 1, 2, [2]), _rec(2, 0, 2, [3]), _rec(3, 0, 2, [5]), _rec(3, 1, 2, [6]), _rec(4, 1, 2, [8])]
+    by_step = ledger.attempts_of(log)
+    failure = ledger.check_window(by_step, first_line=2, end_line=99, graceful=False, committed=0, expected=_batches)
+    assert failure.steps_unlogged == (2,) and failure.problems == () and failure.steps_redone == ()  # step 4: still being logged
+    graceful = ledger.check_window(by_step, first_line=2, end_line=99, graceful=True, committed=0, expected=_batches)
+    assert graceful.problems == ("step 2: rank(s) [1] of a world of 2 left no record after a graceful event",)
+    wrong = ledger.attempts_of([_rec(2, 0, 2, [3, 4]), _rec(3, 0, 2, [5]), _rec(3, 1, 2, [6])])  # rank 0 logged both halves
+    bad = ledger.check_window(wrong, first_line=0, end_line=99, graceful=False, committed=0, expected=_batches)
+    assert bad.steps_unlogged == (2,) and "not their share" in bad.problems[0]
+    assert ledger.missing_steps(by_step, 4) == [2, 4]
+
+
 def test_soak_ledger_counts_lost_and_repeated_samples(bench: Any) -> None:
     ledger = bench("soak_ledger")
     by_step = ledger.attempts_of([_rec(1, 0, 2, [1]), _rec(1, 1, 2, [1]), _rec(2, 0, 1, [3, 4, 5])])
