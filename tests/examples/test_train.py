@@ -190,18 +190,24 @@ def test_elastic_run_ends_with_the_parameters_of_a_fixed_size_run(elastic_runs: 
     )
 
 
+def trained_by_one_and_two_ranks(tmp_path: Path, *args: str, fsdp: bool) -> tuple[dict, dict]:
+    """The final parameters (``--save-final``) of the example run with ``args`` by one plain process, and by
+    2 ranks under hyperpodrun (DDP, or FSDP2 with ``fsdp``)."""
+    plain_run(tmp_path, *args, "--run-dir", str(tmp_path / "plain"), "--save-final", str(tmp_path / "plain.pt"))
+    cmd = hyperpodrun_cmd(
+        "--standalone", "--nproc-per-node", "2", str(TRAIN), *args, *(("--fsdp",) if fsdp else ()),
+        "--run-dir", str(tmp_path / "two"), "--save-final", str(tmp_path / "two.pt"),
+    )  # fmt: skip
+    proc = run(cmd, timeout=300, env=env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "two.pt")
+
+
 def test_fsdp_training_matches_a_single_process(tmp_path: Path) -> None:
     """FSDP2 over 2 ranks (uneven micro-batches [2, 1], gradient sync on the last one only,
     averaged reduce-scatter, clipping of sharded gradients) trains what one process trains."""
     args = (*SMALL, "--steps", "6", "--seed", "4", "--data-cache", str(tmp_path / "data"))
-    plain_run(tmp_path, *args, "--run-dir", str(tmp_path / "plain"), "--save-final", str(tmp_path / "plain.pt"))
-    cmd = hyperpodrun_cmd(
-        "--standalone", "--nproc-per-node", "2", str(TRAIN), *args, "--fsdp",
-        "--run-dir", str(tmp_path / "fsdp"), "--save-final", str(tmp_path / "fsdp.pt"),
-    )  # fmt: skip
-    proc = run(cmd, timeout=300, env=env())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    plain, fsdp = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "fsdp.pt")
+    plain, fsdp = trained_by_one_and_two_ranks(tmp_path, *args, fsdp=True)
     initial = Llama(LlamaConfig.from_name("tiny"))
     initial.init_weights(seed=4)
     for name, value in initial.state_dict().items():
@@ -214,14 +220,7 @@ def test_fp64_runs_at_two_world_sizes_agree_to_float64_precision(tmp_path: Path,
     """--dtype fp64: weights, optimizer state and every reduction in float64, so the summation order of
     another world size moves parameters by ~1e-15, not fp32's ~1e-6: what the soak's check relies on."""
     args = (*SMALL, "--steps", "6", "--seed", "4", "--data-cache", str(tmp_path / "data"), "--dtype", "fp64")
-    plain_run(tmp_path, *args, "--run-dir", str(tmp_path / "plain"), "--save-final", str(tmp_path / "plain.pt"))
-    cmd = hyperpodrun_cmd(
-        "--standalone", "--nproc-per-node", "2", str(TRAIN), *args, *(("--fsdp",) if parallel == "fsdp" else ()),
-        "--run-dir", str(tmp_path / "two"), "--save-final", str(tmp_path / "two.pt"),
-    )  # fmt: skip
-    proc = run(cmd, timeout=300, env=env())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    plain, two = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "two.pt")
+    plain, two = trained_by_one_and_two_ranks(tmp_path, *args, fsdp=parallel == "fsdp")
     assert {v.dtype for v in plain.values()} == {v.dtype for v in two.values()} == {torch.float64}
     initial = Llama(LlamaConfig.from_name("tiny")).to(torch.float64)
     initial.init_weights(seed=4)
