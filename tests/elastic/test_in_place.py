@@ -100,6 +100,16 @@ def rescued_ranks(job) -> list[int]:
     return [r for e in job.events("ranks_replaced") if "still blocked in the broken group" in e["reason"] for r in e["ranks"]]
 
 
+def rank_0_rescued(job, survivor: int) -> bool:
+    """Whether rank 0 (pid ``survivor``) never returned from a broken collective and was replaced: at most
+    once, and then its replacement took the state it handed off."""
+    rescued = rescued_ranks(job)
+    assert rescued in ([], [0]), rescued
+    records = worlds(job)
+    assert [r["how"] for r in records if r["rank"] == 0 and r["pid"] != survivor] == ["handoff"] * len(rescued), records
+    return bool(rescued)
+
+
 def hit_rank_1(job, sig: int) -> tuple[int, int]:
     """``sig`` to rank 1 mid-training; returns (rank 0's pid, rank 1's) once the replacement trained a few steps."""
     job.wait_steps(5)
@@ -280,10 +290,7 @@ def test_a_lost_node_is_repaired_in_place(make_job, model, tmp_path) -> None:
     assert codes["a"] == 0, job.stderr("a")
 
     records = worlds(job)
-    rescued = rescued_ranks(job)
-    assert rescued in ([], [0]), rescued  # the survivor never returned from the broken collective: it handed its state off
-    assert [r["how"] for r in records if r["rank"] == 0 and r["pid"] != survivor] == ["handoff"] * len(rescued), records
-    if not rescued:
+    if not rank_0_rescued(job, survivor):
         assert [r["how"] for r in records if r["pid"] == survivor][-1] == "recovered", records
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")][-1] == ("node_lost", "reconfigure")
     assert [e["resharded"] for e in job.events("snapshot_restored")] == ([True] if model == "fsdp" else [])  # 2 shards -> 1
@@ -354,9 +361,7 @@ def test_two_failures_in_a_row_are_each_repaired_in_place(make_job, model, tmp_p
         job.wait_steps(3)
     codes = job.finish()
     assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
-    rescued = rescued_ranks(job)
-    assert rescued in ([], [0]), rescued  # rank 0 never returned from a collective: it handed its state off
-    assert [r["how"] for r in worlds(job) if r["rank"] == 0 and r["pid"] != survivor] == ["handoff"] * len(rescued)
+    rank_0_rescued(job, survivor)
     assert [e["kind"] for e in job.events("scale_targeted")] == ["rank_failure", "rank_failure"]
     assert len({r["pid"] for r in worlds(job) if r["rank"] == 1}) == 3  # the first rank and its two replacements
     assert_trained_like_one_process(job)
