@@ -122,11 +122,18 @@ def hit_rank_1(job, sig: int) -> tuple[int, int]:
 
 def committed_steps(job) -> list[int]:
     """Rank 0's steps, each once, in order; a step is trained again only after a sharded model rolled back to
-    its newest snapshot (``snapshot_restored``, at most one step with a snapshot every step), never otherwise."""
+    its newest snapshot (``snapshot_restored``, at most one step with a snapshot every step), never otherwise.
+
+    Rank 0 logs no step only where a repair gave it a peer's newer state: a rank killed mid all-reduce can
+    leave one survivor a step ahead (it had every peer's share), and the repair resumes all from it; rank 0's
+    ``recovered`` record is then at the step it did not log."""
     rollbacks = [e for e in job.events("snapshot_restored") if e["redone"]]
     assert all(e["redone"] <= 1 for e in job.events("snapshot_restored")), job.events("snapshot_restored")
+    adopted = {r["step"] for r in worlds(job) if r["rank"] == 0 and r["how"] == "recovered"}
     steps: list[int] = []
     for step in (p["step"] for p in job.progress()):
+        if steps and step == steps[-1] + 2 and step - 1 in adopted:
+            steps.append(step - 1)  # committed by the peer rank 0 resumed from
         if steps and step <= steps[-1]:
             assert rollbacks, f"step {step} trained again after step {steps[-1]} without a snapshot restore"
             restored = rollbacks.pop(0)
