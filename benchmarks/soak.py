@@ -23,9 +23,10 @@ its checkpoint and the soak goes on.
 Per path (the default in-place reconfiguration, and ``--restart-mode process``) the run trains
 a fixed number of steps; goodput = time to reach them in a run of the same 3 nodes without
 events / time with events. That run without events is also the fixed-size reference for the
-final parameters (``--save-final``).
+final parameters (``--save-final``). The example runs with ``--deterministic-reduce``, so the final
+parameters of a run with events must equal that reference bit for bit (``--all-reduce``: DDP's order).
 
-    python benchmarks/soak.py [--quick | --smoke] [--seed N] [--events N] [--gap-steps LO,HI] [--paths in-process,process]
+    python benchmarks/soak.py [--quick | --smoke] [--seed N] [--events N] [--gap-steps LO,HI] [--paths in-process,process] [--all-reduce]
 """
 
 from __future__ import annotations
@@ -349,8 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--kinds", default=None, help=f"event kinds to draw from [{','.join(ledger.KINDS)}]")
         parser.add_argument("--step-time", type=float, default=0.3, help="fixed step time, s [0.3]")
         parser.add_argument("--ckpt-every", type=int, default=5, help="periodic checkpoint interval, steps [5]")
-        parser.add_argument("--dtype", choices=("fp64", "fp32"), default="fp64",
-                            help="the example's --dtype; float64 keeps short runs' final parameters within 1e-4 of the reference [fp64]")  # fmt: skip
+        parser.add_argument("--dtype", choices=("fp64", "fp32"), default="fp32", help="the example's --dtype [fp32]")
+        parser.add_argument("--all-reduce", action="store_true",
+                            help="the example's DDP all-reduce instead of --deterministic-reduce: final parameters then "
+                            "drift from the reference by the float order of each world size (fp64 starts it at 1e-16)")  # fmt: skip
         parser.add_argument("--gap-steps", default=None, metavar="LO,HI",
                             help="steps between an event's recovery and the next event (smoke 2,4; quick 6,14; full 20,40)")  # fmt: skip
         parser.add_argument("--include-skipped", action="store_true",
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     # that would fall into the tail is not injected (the run says so).
     steps = 8 + events * (sum(gap) // 2 + 9) + 10
     settings = SoakSettings(steps=steps, step_time_s=args.step_time, ckpt_every=args.ckpt_every, dtype=args.dtype,
-                            data_cache=args.out / "data-cache")  # fmt: skip
+                            deterministic_reduce=not args.all_reduce, data_cache=args.out / "data-cache")  # fmt: skip
     result = BenchmarkResult(
         name=NAME, mode=args.mode,
         params={"seed": args.seed, "events": events, "paths": list(paths), "kinds": list(kinds),
@@ -410,11 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     result.notes += [
         "All nodes, their ranks and etcd share this machine's CPUs: a restart (Python + torch import, DCP load) "
         "is slower here than on a node of its own, and recovery times move with the machine's load.",
-        "Final parameters: runs at different world sizes sum gradients in another order; over hundreds of AdamW "
-        "steps those last-bit differences grow (~10x every 10 steps on this model, to ~0.5; fp64 by default "
-        "starts them at ~1e-16, which keeps short runs such as the smoke run within 1e-4). "
+        "Final parameters: the example sums each step's per-sample gradients in an order fixed by their batch "
+        "positions (--deterministic-reduce), so every world size trains the same bits: any difference from the "
+        "reference is an event's doing. With --all-reduce, runs at different world sizes sum in another order and "
+        "over hundreds of AdamW steps those last-bit differences grow (~10x every 10 steps on this model, to ~0.5). "
         "noise_floor_max_abs_diff (the reference at world 3 against one process, neither with events) is what "
-        "that alone produces for the same steps.",
+        "the summation order alone produces for the same steps: 0 with the deterministic reduction.",
         f"Event kinds left out: {skipped or 'none'}.",
     ]
     plot(result, runs, reference, result.plot_path(args.out))

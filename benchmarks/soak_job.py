@@ -55,9 +55,11 @@ class SoakSettings:
     global_batch: int = 6  # 3, 2 or 1 ranks: 2, 3 or 6 samples each
     micro_batch: int = 2
     seed: int = 0
-    # float64: another world size's summation order moves the parameters by ~1e-16 instead of fp32's ~1e-7; this
-    # training grows that ~10x every 10 steps, so float64 keeps runs of ~150 steps (the smoke run) within 1e-4
-    dtype: str = "fp64"
+    # the example's --deterministic-reduce: gradients summed in an order fixed by batch positions, so every world
+    # size (and every event) trains the same bits as the reference; without it the all-reduce's order differs by
+    # world size, and this training grows those last-bit differences ~10x every 10 steps (fp64 starts them at 1e-16)
+    deterministic_reduce: bool = True
+    dtype: str = "fp32"
     lease_ttl_s: float = 6.0  # longer than an etcd pause (2-4 s): a pause must not cost the leases
     hang_timeout_s: float = 10.0
     event_timeout_s: float = 120.0
@@ -82,7 +84,8 @@ class SoakSettings:
             steps=self.steps, seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
             min_step_time=self.step_time_s, ckpt_every=self.ckpt_every,
             extra=("--seed", str(self.seed), "--dtype", self.dtype, "--sample-log", str(work / "samples.jsonl"),
-                   "--save-final", str(work / "final.pt"), "--keep-checkpoints", "2"),
+                   "--save-final", str(work / "final.pt"), "--keep-checkpoints", "2",
+                   *(("--deterministic-reduce",) if self.deterministic_reduce else ())),
         )  # fmt: skip
         return train.argv(run_dir=work / "run", data_cache=self.data_cache, metrics=work / "metrics.jsonl")
 

@@ -63,7 +63,7 @@ from hf_checkpoint import CONFIG_FILE, HFCheckpointError, config_from_hf, load_h
 from model import IGNORE_INDEX, Llama, LlamaConfig, LlamaConfigError
 
 from elastic_events import ElasticConfig, ElasticTraining, ElasticTrainingError, elastic_event_detected, restart_reason
-from elastic_events.batching import BatchPlan, global_token_count, loss_scale
+from elastic_events.batching import BatchPlan, global_token_count, loss_scale, sum_in_batch_order
 from elastic_events.checkpoint import CheckpointConfig, CheckpointError, Checkpointer
 from elastic_events.dataset import ByteTokenizer, DatasetError, Tokenizer, TokenDataset, build_token_dataset
 from elastic_events.sampler import ElasticSampler, ElasticSamplerError, GlobalStep
@@ -118,6 +118,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     fsdp: bool = False
+    deterministic_reduce: bool = False
     device: str = "auto"
     dtype: str = "auto"
     num_workers: int = 2
@@ -154,6 +155,8 @@ class TrainConfig:
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "fp32", "bf16", "fp64"):
             raise ConfigError(f"--dtype must be auto, fp32, bf16 or fp64, got {self.dtype!r}")
+        if self.deterministic_reduce and self.fsdp:
+            raise ConfigError("--deterministic-reduce needs DDP or one process: FSDP reduce-scatters in an order set by the world size")
         if self.model is not None and self.init_from is not None:
             raise ConfigError("--model and --init-from exclude each other: the model is --init-from's config.json")
         if self.init_from is not None and not (self.init_from / CONFIG_FILE).is_file():
@@ -198,6 +201,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "min_step_time", "timeout_s"):
         p.add_argument(f"--{_flag(name)}", dest=name, type=float, default=fields[name].default)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per block and root (default: DDP)")
+    p.add_argument("--deterministic-reduce", action="store_true",
+                   help="each sample's gradient alone, summed in an order fixed by its place in the global batch: the same bits "
+                        "at every world size (to compare elastic runs exactly; one forward per sample, a gather of partial sums)")
     p.add_argument("--async-checkpoint", action="store_true", help="periodic saves write in the background")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp64"),
@@ -258,6 +264,10 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    if cfg.deterministic_reduce:  # and the same kernels' choices on every rank (cuBLAS: before its first call)
+        if use_cuda:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group(
@@ -449,10 +459,25 @@ def train_step(
 
     Every micro-batch's summed token loss is scaled by ``world / global tokens`` (one
     scalar all-reduce counts them), so the averaged gradient is the mean over the whole
-    global batch, as in one process. Returns this rank's summed loss and the job's tokens.
+    global batch, as in one process (``--deterministic-reduce``: with the same bits).
+    Returns this rank's summed loss and the job's tokens.
     """
     local_tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in batch.micro_batches)
     global_tokens = global_token_count(local_tokens, device=rt.device)
+    if cfg.deterministic_reduce:
+        loss_sum = batch_order_gradients(model, batch, rt, global_tokens)
+    else:
+        loss_sum = accumulated_gradients(model, batch, rt, cfg, global_tokens)
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss_sum, global_tokens
+
+
+def accumulated_gradients(model, batch: GlobalStep, rt: Runtime, cfg: TrainConfig, global_tokens: int) -> torch.Tensor:
+    """Micro-batches accumulated into ``.grad``, reduced by DDP/FSDP at the last one; this rank's summed loss."""
     scale = loss_scale(1, global_tokens, world_size=rt.world_size, grad_averaged=rt.distributed)  # DDP/FSDP average
     autocast = rt.compute_dtype == torch.bfloat16 and not cfg.fsdp  # FSDP2 casts by its MixedPrecisionPolicy
     loss_sum = torch.zeros((), device=rt.device)
@@ -462,12 +487,33 @@ def train_step(
             out = model(mb["input_ids"].to(rt.device, non_blocking=True), mb["labels"].to(rt.device, non_blocking=True))
             (out.loss.loss_sum * scale).backward()
         loss_sum += out.loss.loss_sum.detach()
-    if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return loss_sum, global_tokens
+    return loss_sum
+
+
+def batch_order_gradients(model: torch.nn.Module, batch: GlobalStep, rt: Runtime, global_tokens: int) -> torch.Tensor:
+    """``--deterministic-reduce``: every sample's gradient alone, summed along a tree fixed by the samples'
+    positions in the global batch (``sum_in_batch_order``), then divided by the job's tokens: the same bits at
+    any world size, as long as every rank runs the same kernels (same device type, dtype and intra-op threads).
+    This rank's summed loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    autocast = rt.compute_dtype == torch.bfloat16
+    loss_sum = torch.zeros((), device=rt.device)
+    grads = []
+    for mb in batch.micro_batches:
+        for i in range(len(mb["input_ids"])):
+            cast = torch.autocast(rt.device.type, dtype=rt.compute_dtype) if autocast else contextlib.nullcontext()
+            with gradient_sync(model, False), cast:  # no DDP all-reduce: the samples' gradients are summed below
+                out = model(mb["input_ids"][i : i + 1].to(rt.device), mb["labels"][i : i + 1].to(rt.device))
+                out.loss.loss_sum.backward()
+            loss_sum += out.loss.loss_sum.detach()
+            grads.append([p.grad for p in params])
+            for p in params:
+                p.grad = None  # the next sample's gradient alone
+    total = sum_in_batch_order(grads, batch.plan, like=params)
+    torch._foreach_div_(total, global_tokens)
+    for p, grad in zip(params, total):
+        p.grad = grad
+    return loss_sum
 
 
 def train(cfg: TrainConfig) -> int:

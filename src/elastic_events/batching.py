@@ -42,10 +42,19 @@ Training-loop pattern (see :mod:`elastic_events.sampler` for the data side)::
                 (loss * loss_scale(n, step.global_count, world_size=W)).backward()
         optimizer.step(); optimizer.zero_grad()
         sampler.mark_step()
+
+Deterministic reduction. Floating-point addition is not associative: an all-reduce
+sums the ranks' gradients in an order that depends on the world size, so runs at two
+sizes (or one run across a resize) differ in the last bits, and training amplifies
+that. :func:`sum_in_batch_order` instead sums one row per sample (e.g. each sample's
+flattened gradient) along a binary tree fixed by the batch positions, whatever rank
+holds them: the same additions of the same values at every world size, so the sum
+has the same bits as one process adding the same rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +65,7 @@ __all__ = [
     "BatchPlanError",
     "global_mean_loss_factor",
     "global_token_count",
+    "sum_in_batch_order",
     "loss_scale",
     "max_world_size",
     "plan_global_batch",
@@ -238,3 +248,83 @@ def global_token_count(
     count = torch.tensor([local_count], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return int(count.item())
+
+
+def sum_in_batch_order(
+    samples: Sequence[Sequence[torch.Tensor]],
+    plan: BatchPlan,
+    *,
+    like: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+) -> list[torch.Tensor]:
+    """The sum of the global batch's per-sample values along a binary tree fixed by batch positions: the same bits
+    at every world size.
+
+    ``samples`` holds one value per sample of this rank's share (``plan.rank_slice()`` of the global batch), in
+    order; a value is a list of tensors shaped like ``like`` (e.g. one sample's gradients, ``like`` the parameters).
+    They are consumed (summed in place). The tree is pairwise summation over positions ``0 .. 2**k - 1``
+    (positions past the batch are absent): each node is its left child plus its right child. A rank sums the nodes
+    inside its contiguous share (one node when the share is an aligned power of two, at most ``2 log2(global_batch)``),
+    those partial sums are all-gathered as flat vectors, and every rank adds them up the rest of the tree. Each node is
+    the same additions of the same values whichever rank computes it, so the result equals one process summing all
+    values (torch.distributed not initialised, ``plan.world_size`` 1) bit for bit. Every rank of ``group`` must call it
+    at the same step.
+    """
+    if len(samples) != plan.local_samples():
+        raise BatchPlanError(f"{len(samples)} sample values for the {plan.local_samples()} samples of this rank's share")
+    for value in samples:
+        if [t.shape for t in value] != [t.shape for t in like]:
+            raise BatchPlanError("every sample's value must be tensors shaped like `like`")
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if distributed else 1
+    if world != plan.world_size:
+        raise BatchPlanError(f"the plan is for {plan.world_size} ranks, the group has {world}")
+    size, count = 1 << (plan.global_batch - 1).bit_length(), plan.global_batch
+    mine = plan.rank_slice()
+    leaves = {(mine.start + i, mine.start + i + 1): list(value) for i, value in enumerate(samples)}
+    nodes = _nodes_inside(mine.start, mine.stop, 0, size)
+    partial = [_tree_node(lo, hi, leaves, count) for lo, hi in nodes]
+    if world == 1:
+        return _tree_node(0, size, dict(zip(nodes, partial)), count)
+    shares = [_nodes_inside(s.start, s.stop, 0, size) for s in map(plan.rank_slice, range(world))]
+    width, numel = max(len(nodes) for nodes in shares), sum(t.numel() for t in like)
+    padded = like[0].new_zeros((width, numel))
+    for i, value in enumerate(partial):
+        torch.cat([t.reshape(-1) for t in value], out=padded[i])
+    gathered = like[0].new_empty((world * width, numel))
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    known = {node: _unflatten(gathered[r * width + i], like) for r, nodes in enumerate(shares) for i, node in enumerate(nodes)}
+    return _tree_node(0, size, known, count)
+
+
+def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for t in like:
+        views.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return views
+
+
+def _nodes_inside(start: int, stop: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The largest tree nodes ``[lo', hi')`` under ``[lo, hi)`` that lie inside ``[start, stop)``, left to right."""
+    if stop <= lo or hi <= start:
+        return []
+    if start <= lo and hi <= stop:
+        return [(lo, hi)]
+    mid = (lo + hi) // 2
+    return _nodes_inside(start, stop, lo, mid) + _nodes_inside(start, stop, mid, hi)
+
+
+def _tree_node(lo: int, hi: int, known: dict[tuple[int, int], list[torch.Tensor]], count: int) -> list[torch.Tensor] | None:
+    """Node ``[lo, hi)``'s sum from the ``known`` nodes below it (summed in place); None past the ``count`` positions."""
+    if lo >= count:
+        return None
+    if (lo, hi) in known:
+        return known[(lo, hi)]
+    if hi - lo == 1:
+        raise BatchPlanError(f"batch position {lo} has no value")
+    mid = (lo + hi) // 2
+    left, right = _tree_node(lo, mid, known, count), _tree_node(mid, hi, known, count)
+    if right is not None:
+        torch._foreach_add_(left, right)
+    return left

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from support.cluster import run_rank_scripts
 
 from elastic_events.batching import (
     BatchPlan,
@@ -18,6 +21,7 @@ from elastic_events.batching import (
     loss_scale,
     max_world_size,
     plan_global_batch,
+    sum_in_batch_order,
 )
 from elastic_events.scale_config import (
     DEFAULT_SCHEMA,
@@ -177,6 +181,50 @@ def test_global_token_count_without_process_group_is_local() -> None:
     assert global_token_count(17) == 17
     with pytest.raises(BatchPlanError, match="local_count"):
         global_token_count(-1)
+
+
+# ------------------------------------------------------------------ deterministic reduction
+SUM_WORKER = Path(__file__).resolve().parent / "workers" / "batch_order_sum.py"
+
+
+def batch_order_worker():
+    """The worker script as a module: its per-sample values and digest are what the ranks use."""
+    spec = importlib.util.spec_from_file_location("batch_order_sum", SUM_WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sum_in_batch_order_adds_along_the_pairwise_tree_in_one_process() -> None:
+    worker = batch_order_worker()
+    plan = plan_global_batch(global_batch=6, micro_batch=2, world_size=1, rank=0)
+    v = [values[0] for values in worker.sample_values(6)]
+    tree = ((v[0] + v[1]) + (v[2] + v[3])) + (v[4] + v[5])
+    left_fold = ((((v[0] + v[1]) + v[2]) + v[3]) + v[4]) + v[5]
+    assert not torch.equal(tree, left_fold)  # the data makes the order visible
+    (total,) = sum_in_batch_order([[x.clone()] for x in v], plan, like=[v[0]])
+    assert torch.equal(total, tree)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sum_in_batch_order_has_the_same_bits_at_every_world_size(world: int) -> None:
+    """7 samples (uneven shares, not a power of two) over gloo ranks: every rank's sum is one process's, bit for bit."""
+    worker = batch_order_worker()
+    alone = sum_in_batch_order(worker.sample_values(7), plan_global_batch(global_batch=7, micro_batch=7, world_size=1, rank=0),
+                               like=worker.sample_values(1)[0])  # fmt: skip
+    assert [r["digest"] for r in run_rank_scripts(SUM_WORKER, world, "7")] == [worker.digest(alone)] * world
+
+
+def test_sum_in_batch_order_rejects_values_that_do_not_match_the_plan() -> None:
+    like = [torch.zeros(2)]
+    plan = plan_global_batch(global_batch=4, micro_batch=2, world_size=1, rank=0)
+    with pytest.raises(BatchPlanError, match="3 sample values for the 4 samples"):
+        sum_in_batch_order([[torch.ones(2)]] * 3, plan, like=like)
+    with pytest.raises(BatchPlanError, match="shaped like"):
+        sum_in_batch_order([[torch.ones(3)]] * 4, plan, like=like)
+    two = plan_global_batch(global_batch=4, micro_batch=2, world_size=2, rank=0)
+    with pytest.raises(BatchPlanError, match="the plan is for 2 ranks, the group has 1"):
+        sum_in_batch_order([[torch.ones(2)]] * 2, two, like=like)
 
 
 # ------------------------------------------------------------------ scale_config

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from support.cluster import free_port
-from support.launch import clean_env
+from support.cluster import run_rank_scripts
 
 from elastic_events.transfer import plan_buckets
 
 WORKER = Path(__file__).resolve().parent / "workers" / "transfer_check.py"
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def covered(sizes: list[int], bucket: int) -> dict[int, list[tuple[int, int]]]:
@@ -63,18 +58,8 @@ def test_plan_rejects_an_empty_bucket() -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_receivers_get_every_tensor_bitwise_with_one_bucket_of_staging(world: int) -> None:
-    port, bucket = free_port(), 256
-    env = clean_env(PYTHONPATH=str(SRC))
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(bucket)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        for r in range(world)
-    ]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    bucket = 256
+    results = run_rank_scripts(WORKER, world, str(bucket))
     assert all(r["same"] for r in results), results
     nbytes = 15 * 4 + 7 * 2 + 4 * 8 + 9 + 8 + 24 * 4 + 1000 * 4 + 0 + 6 * 2
     assert {r["nbytes"] for r in results} == {nbytes}

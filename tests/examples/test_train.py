@@ -229,6 +229,19 @@ def test_fp64_runs_at_two_world_sizes_agree_to_float64_precision(tmp_path: Path,
         torch.testing.assert_close(two[name], plain[name], rtol=0, atol=1e-12, msg=f"parameter {name}")
 
 
+def test_deterministic_reduce_trains_the_bits_of_one_process_on_two_ranks(tmp_path: Path) -> None:
+    """--deterministic-reduce (fp32): each sample's gradient alone, summed along a tree fixed by batch positions,
+    so 2 ranks with uneven shares ([2, 1] each) end with exactly one process's parameters: the soak's check."""
+    args = (*SMALL, "--steps", "6", "--seed", "4", "--data-cache", str(tmp_path / "data"), "--dtype", "fp32",
+            "--deterministic-reduce")  # fmt: skip
+    plain, two = trained_by_one_and_two_ranks(tmp_path, *args, fsdp=False)
+    initial = Llama(LlamaConfig.from_name("tiny"))
+    initial.init_weights(seed=4)
+    for name, value in initial.state_dict().items():
+        assert (plain[name] - value).abs().max() > 1e-3, f"{name} barely trained"
+        assert torch.equal(two[name], plain[name]), f"parameter {name}: {(two[name] - plain[name]).abs().max()}"
+
+
 # --------------------------------------------------------------------------- init-from
 
 
@@ -270,6 +283,7 @@ def test_init_from_loads_hugging_face_weights(tmp_path: Path, parallelism: str) 
         (["--min-lr-ratio", "2"], "--min-lr-ratio"),
         (["--model", "tiny", "--init-from", "."], "--model and --init-from"),
         (["--data", "/nonexistent/corpus.jsonl"], "--data /nonexistent/corpus.jsonl"),
+        (["--deterministic-reduce", "--fsdp"], "--deterministic-reduce needs DDP or one process"),
     ],
 )
 def test_invalid_flags_name_the_flag(argv: list[str], flag: str) -> None:

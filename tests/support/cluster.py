@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +24,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_rank_scripts(script: Path, world: int, *args: str, timeout: float = 120) -> list[dict]:
+    """``world`` processes of ``script RANK WORLD PORT *args`` (rank 0 hosts the store on a free port, src/
+    importable); each rank's last line of output, parsed as JSON, in rank order."""
+    port, src = free_port(), Path(__file__).resolve().parents[2] / "src"
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(world), str(port), *args], env=clean_env(PYTHONPATH=str(src)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for r in range(world)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1) -> Any:

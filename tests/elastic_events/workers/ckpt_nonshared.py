@@ -9,7 +9,6 @@ error type and message of a load and of a save to ``BASE/result_rank<r>.json``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -42,7 +41,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)
+    from fast_exit import run_and_exit  # the script's own directory
+
+    run_and_exit(main)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 from pathlib import Path
 
@@ -127,7 +126,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)
+    from fast_exit import run_and_exit  # the script's own directory
+
+    run_and_exit(main)

@@ -18,8 +18,6 @@ after every step of this phase.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import argparse
 import contextlib
@@ -105,7 +103,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)
+    from fast_exit import run_and_exit  # the script's own directory
+
+    run_and_exit(main)

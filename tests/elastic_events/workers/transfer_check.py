@@ -6,7 +6,6 @@ Prints one JSON line: whether every received tensor is bitwise the sent one, and
 from __future__ import annotations
 
 import json
-import os
 import sys
 from datetime import timedelta
 
@@ -46,7 +45,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)
+    from fast_exit import run_and_exit  # the script's own directory
+
+    run_and_exit(main)
