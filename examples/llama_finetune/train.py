@@ -26,7 +26,9 @@ What makes it elastic (each piece from ``elastic_events``):
 * constant global batch: ``--global-batch`` samples per step at any world size, cut into
   micro-batches of at most ``--micro-batch`` per rank; each micro-batch's summed token
   loss is divided by the step's job-wide token count (one scalar all-reduce), so the
-  gradient is that of one process over the whole global batch; the LR does not change.
+  gradient is that of one process over the whole global batch; the LR does not change;
+  ``--deterministic-reduce`` makes it the same bits at any world size (each sample's gradient
+  summed in an order fixed by its place in the batch), to compare runs exactly.
 
 The default data is CPython's language reference (``corpus.py``), tokenised once into
 a memory-mapped file under ``--data-cache``. Under hyperpodrun, ``elastic_events`` adds the
