@@ -46,10 +46,10 @@ Training-loop pattern (see :mod:`elastic_events.sampler` for the data side)::
 Deterministic reduction. Floating-point addition is not associative: an all-reduce
 sums the ranks' gradients in an order that depends on the world size, so runs at two
 sizes (or one run across a resize) differ in the last bits, and training amplifies
-that. :func:`sum_in_batch_order` instead sums one row per sample (e.g. each sample's
-flattened gradient) along a binary tree fixed by the batch positions, whatever rank
+that. :func:`sum_in_batch_order` instead sums one value per sample (e.g. each
+sample's gradients) along a binary tree fixed by the batch positions, whatever rank
 holds them: the same additions of the same values at every world size, so the sum
-has the same bits as one process adding the same rows.
+has the same bits as one process adding the same values.
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ __all__ = [
     "BatchPlanError",
     "global_mean_loss_factor",
     "global_token_count",
-    "sum_in_batch_order",
     "loss_scale",
     "max_world_size",
     "plan_global_batch",
+    "sum_in_batch_order",
 ]
 
 
