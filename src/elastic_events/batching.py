@@ -282,11 +282,10 @@ def sum_in_batch_order(
     size, count = 1 << (plan.global_batch - 1).bit_length(), plan.global_batch
     mine = plan.rank_slice()
     leaves = {(mine.start + i, mine.start + i + 1): list(value) for i, value in enumerate(samples)}
-    nodes = _nodes_inside(mine.start, mine.stop, 0, size)
-    partial = [_tree_node(lo, hi, leaves, count) for lo, hi in nodes]
     if world == 1:
-        return _tree_node(0, size, dict(zip(nodes, partial)), count)
+        return _tree_node(0, size, leaves, count)
     shares = [_nodes_inside(s.start, s.stop, 0, size) for s in map(plan.rank_slice, range(world))]
+    partial = [_tree_node(lo, hi, leaves, count) for lo, hi in shares[plan.rank]]
     width, numel = max(len(nodes) for nodes in shares), sum(t.numel() for t in like)
     padded = like[0].new_zeros((width, numel))
     for i, value in enumerate(partial):
