@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench setup clean lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/llama_finetune/demo.py
 
-test: setup
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+test: setup lint
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

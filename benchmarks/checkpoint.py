@@ -36,6 +36,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
 from common import (
     REPO_ROOT,
     BenchmarkError,
@@ -48,9 +51,6 @@ from common import (
     run_to_completion,
     torchrun_cmd,
 )
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer
 
 NAME = "checkpoint"
@@ -274,10 +274,23 @@ def worker_main(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace, op: str, world: int, ckpt_dir: Path, step: int, work: Path) -> float:
     result = work / f"{op}-w{world}-{step}.json"
     cmd = torchrun_cmd(
-        "--standalone", "--nproc-per-node", str(world), str(Path(__file__).resolve()),
-        "--worker", op, "--dir", str(ckpt_dir), "--step", str(step), "--result", str(result),
-        "--model", args.model, "--device", args.device,
-    )  # fmt: skip
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        str(Path(__file__).resolve()),
+        "--worker",
+        op,
+        "--dir",
+        str(ckpt_dir),
+        "--step",
+        str(step),
+        "--result",
+        str(result),
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+    )
     env = bench_env(OMP_NUM_THREADS=str(args.threads))
     done = run_to_completion(cmd, name=f"{op}-w{world}", timeout=args.launch_timeout, env=env)
     if done.returncode != 0:
@@ -323,9 +336,17 @@ def plot(result: BenchmarkResult, states: list[dict[str, Any]], path: Path) -> N
     width = 0.2
     for ax, pairs, title in (
         (ax1, (("raw_write_gbps", "raw write+fsync"), ("dcp_save_gbps", "DCP save")), "write"),
-        (ax2, (("raw_read_cold_gbps", "raw read (cold)"), ("dcp_load_cold_gbps", "DCP load (cold)"),
-               ("raw_read_warm_gbps", "raw read (warm)"), ("dcp_load_warm_gbps", "DCP load (warm)")), "read"),
-    ):  # fmt: skip
+        (
+            ax2,
+            (
+                ("raw_read_cold_gbps", "raw read (cold)"),
+                ("dcp_load_cold_gbps", "DCP load (cold)"),
+                ("raw_read_warm_gbps", "raw read (warm)"),
+                ("dcp_load_warm_gbps", "DCP load (warm)"),
+            ),
+            "read",
+        ),
+    ):
         for i, (key, label) in enumerate(pairs):
             ax.bar([x + (i - (len(pairs) - 1) / 2) * width for x in xs], [s[key] for s in states], width, label=label)
         ax.set_xticks(list(xs), labels, fontsize=8)
@@ -369,8 +390,12 @@ def main(argv: list[str] | None = None) -> int:
             "--model", default="tiny", help="example model preset for the example state and the reshard"
         )
         parser.add_argument("--device", default="auto", help="auto, cpu or cuda (state is saved from this device)")
-        parser.add_argument("--sizes-mb", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
-                            help="synthetic state sizes in MB (default by mode)")  # fmt: skip
+        parser.add_argument(
+            "--sizes-mb",
+            type=lambda s: tuple(int(x) for x in s.split(",")),
+            default=None,
+            help="synthetic state sizes in MB (default by mode)",
+        )
         parser.add_argument("--launch-timeout", type=float, default=300.0, help="hard limit per torchrun launch, s")
         parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process [1]")
         # internal: the torch.distributed.run worker of the resharded load
@@ -432,14 +457,33 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, states, result.plot_path(args.out))
     path = result.write(args.out)
     rows = [
-        (s["state"], s["bytes"] / MB, s["raw_write_gbps"], s["dcp_save_gbps"], s["save_fraction_of_disk"],
-         s["raw_read_cold_gbps"], s["dcp_load_cold_gbps"], s["load_cold_fraction_of_disk"])
+        (
+            s["state"],
+            s["bytes"] / MB,
+            s["raw_write_gbps"],
+            s["dcp_save_gbps"],
+            s["save_fraction_of_disk"],
+            s["raw_read_cold_gbps"],
+            s["dcp_load_cold_gbps"],
+            s["load_cold_fraction_of_disk"],
+        )
         for s in states
-    ]  # fmt: skip
-    print(format_table(
-        ["state", "MB", "disk write GB/s", "DCP save GB/s", "save/disk", "disk read GB/s", "DCP load GB/s", "load/disk"],
-        rows,
-    ))  # fmt: skip
+    ]
+    print(
+        format_table(
+            [
+                "state",
+                "MB",
+                "disk write GB/s",
+                "DCP save GB/s",
+                "save/disk",
+                "disk read GB/s",
+                "DCP load GB/s",
+                "load/disk",
+            ],
+            rows,
+        )
+    )
     print(
         f"reshard ({reshard['model']}, {reshard['bytes'] / MB:.1f} MB): save@2 {reshard['save_w2_median_s']:.3f}s, "
         f"load@2 {reshard['load_w2_median_s']:.3f}s, load@1 (resharded) {reshard['load_w1_resharded_median_s']:.3f}s "

@@ -163,8 +163,38 @@ def summarize(values: Iterable[float]) -> dict[str, float | int]:
 
 
 #: Two-sided 95 % quantiles of Student's t by degrees of freedom (1 .. 30; normal beyond).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def ratio_ci(ratios: Sequence[float]) -> dict[str, float | int]:
@@ -453,9 +483,13 @@ class TrainArgs:
         import shlex
 
         return cls(
-            model=ns.model, seq_len=ns.seq_len, global_batch=ns.global_batch, micro_batch=ns.micro_batch,
-            extra=tuple(shlex.split(ns.train_args)), **fields,
-        )  # fmt: skip
+            model=ns.model,
+            seq_len=ns.seq_len,
+            global_batch=ns.global_batch,
+            micro_batch=ns.micro_batch,
+            extra=tuple(shlex.split(ns.train_args)),
+            **fields,
+        )
 
     @property
     def tokens_per_step(self) -> int:
@@ -464,12 +498,32 @@ class TrainArgs:
 
     def argv(self, *, run_dir: Path, data_cache: Path, metrics: Path) -> list[str]:
         return [
-            "--model", self.model, "--steps", str(self.steps), "--seq-len", str(self.seq_len),
-            "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
-            "--min-step-time", str(self.min_step_time), "--ckpt-every", str(self.ckpt_every),
-            "--log-every", "1", "--metrics", str(metrics), "--run-dir", str(run_dir),
-            "--data-cache", str(data_cache), "--num-workers", "0", *self.extra,
-        ]  # fmt: skip
+            "--model",
+            self.model,
+            "--steps",
+            str(self.steps),
+            "--seq-len",
+            str(self.seq_len),
+            "--global-batch",
+            str(self.global_batch),
+            "--micro-batch",
+            str(self.micro_batch),
+            "--min-step-time",
+            str(self.min_step_time),
+            "--ckpt-every",
+            str(self.ckpt_every),
+            "--log-every",
+            "1",
+            "--metrics",
+            str(metrics),
+            "--run-dir",
+            str(run_dir),
+            "--data-cache",
+            str(data_cache),
+            "--num-workers",
+            "0",
+            *self.extra,
+        ]
 
     def as_params(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "extra": list(self.extra), "tokens_per_step": self.tokens_per_step}
@@ -515,8 +569,18 @@ def single_node_cmd(
     """
     script = str(require_train_script())
     argv = train.argv(run_dir=work / "run", data_cache=data_cache, metrics=work / "metrics.jsonl")
-    rdzv = ["--nnodes", "1:1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"bench-{work.name}"]  # fmt: skip
+    rdzv = [
+        "--nnodes",
+        "1:1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        f"bench-{work.name}",
+    ]
     if launcher == "hyperpodrun":
         return hyperpodrun_cmd(*rdzv, "--log-dir", str(work / "logs"), *launcher_args, script, *argv)
     if launcher == "torchrun":
@@ -544,9 +608,13 @@ def run_training(
     work.mkdir(parents=True, exist_ok=True)
     cmd = single_node_cmd(launcher, nproc, train, work=work, data_cache=data_cache, launcher_args=launcher_args)
     done = run_to_completion(
-        cmd, name=f"{launcher}-{nproc}", timeout=timeout, env=env, log_path=work / "output.log",
+        cmd,
+        name=f"{launcher}-{nproc}",
+        timeout=timeout,
+        env=env,
+        log_path=work / "output.log",
         sample_interval=sample_interval,
-    )  # fmt: skip
+    )
     if done.returncode != 0:
         raise BenchmarkError(f"{launcher} with {nproc} rank(s) exited {done.returncode}; output tail:\n{done.tail()}")
     records = read_metrics(work / "metrics.jsonl")

@@ -38,7 +38,9 @@ def failure_plan(
     plan: list[tuple[str, int]] = []
     step = first
     for i in range(count * len(kinds)):
-        step += min_gap + rng.randrange(max(1, ckpt_every)) + (REJOIN_STEPS if plan and plan[-1][0] == "node_loss" else 0)
+        step += (
+            min_gap + rng.randrange(max(1, ckpt_every)) + (REJOIN_STEPS if plan and plan[-1][0] == "node_loss" else 0)
+        )
         if not at_checkpoints and ckpt_every and step % ckpt_every == 0:
             step += 1
         plan.append((kinds[i % len(kinds)], step))
@@ -101,9 +103,12 @@ def rejoin_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if joins:
             down = [j["downtime_s"] for j in joins if j["downtime_s"] is not None]
             lost = [j["steps_lost"] for j in joins if j["steps_lost"] is not None]
-            out[run["variant"]] = {"n": len(joins), "modes": [j["mode"] for j in joins],
-                                   "downtime_median_s": median(down) if down else None,
-                                   "steps_lost_median": median(lost) if lost else None}  # fmt: skip
+            out[run["variant"]] = {
+                "n": len(joins),
+                "modes": [j["mode"] for j in joins],
+                "downtime_median_s": median(down) if down else None,
+                "steps_lost_median": median(lost) if lost else None,
+            }
     return out
 
 
@@ -117,12 +122,16 @@ def target_report(summary: dict[str, Any], *, kind: str, baseline: str, hang_tim
     values = {
         "steps_lost_median": (ours.get("steps_lost_median"), TARGETS["steps_lost_median"]),
         "downtime_median_s": (ours.get("downtime_median_s"), TARGETS["downtime_median_s"]),
-        "lost_time_ratio": (summary["lost_time_ratio"].get("hyperpodrun", {}).get(baseline, {}).get(kind),
-                            TARGETS["lost_time_ratio"]),
-    }  # fmt: skip
+        "lost_time_ratio": (
+            summary["lost_time_ratio"].get("hyperpodrun", {}).get(baseline, {}).get(kind),
+            TARGETS["lost_time_ratio"],
+        ),
+    }
     if kind == "hang":
-        values = {"steps_lost_median": values["steps_lost_median"],
-                  "detect_median_s": (ours.get("detect_median_s"), hang_timeout_s + 1.0)}  # fmt: skip
+        values = {
+            "steps_lost_median": values["steps_lost_median"],
+            "detect_median_s": (ours.get("detect_median_s"), hang_timeout_s + 1.0),
+        }
     return {
         name: {"value": v, "target": target, "met": None if v is None else v <= target}
         for name, (v, target) in values.items()

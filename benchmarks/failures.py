@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from common import (
     BenchmarkResult,
     BenchmarkTimeoutError,
@@ -95,8 +96,11 @@ from scale_events import (
 NAME = "failures"
 KINDS = ("rank_crash", "hang", "node_loss")  # drawn in turn; a node loss is followed by a new node joining
 #: What each kind does to the non-master node: its rank, or its launcher's whole process tree.
-KIND_ACTION = {"rank_crash": "kill -9 of its rank", "node_loss": "kill -9 of its launcher's tree",
-               "hang": "SIGSTOP of its rank"}  # fmt: skip
+KIND_ACTION = {
+    "rank_crash": "kill -9 of its rank",
+    "node_loss": "kill -9 of its launcher's tree",
+    "hang": "SIGSTOP of its rank",
+}
 #: torchrun has no hang detection: a stopped rank blocks its peers until the collective timeout.
 NOT_DETECTED = {"torchrun": ("hang",), "torchrun-noshare": ("hang",)}
 HANG_TIMEOUT_S = 5.0
@@ -177,8 +181,11 @@ class FailureScenario(Scenario):
 
     def _failures(self, plan: list[tuple[str, int]]) -> Iterator[Callable[[int], dict[str, Any]]]:
         self.start_node("A")  # B once A hosts the store: agents started together race to host it
-        self.bus.wait_for(lambda _: self._check_job() or _listening(self.endpoint), timeout=STARTUP_TIMEOUT_S,
-                          what=f"{self.variant}: node A's store at {self.endpoint}")  # fmt: skip
+        self.bus.wait_for(
+            lambda _: self._check_job() or _listening(self.endpoint),
+            timeout=STARTUP_TIMEOUT_S,
+            what=f"{self.variant}: node A's store at {self.endpoint}",
+        )
         self.start_node("B")
         self.wait_steps_at(2, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: steps at world 2")
         for kind, step in plan:
@@ -200,8 +207,12 @@ class FailureScenario(Scenario):
         self.lost.discard(node)
         t_start = self.start_node(node)
         try:
-            self.wait_steps_at(2, self.settle_steps, timeout=self.event_timeout,
-                               what=f"{self.variant}: steps at world 2 after node {node} started again")  # fmt: skip
+            self.wait_steps_at(
+                2,
+                self.settle_steps,
+                timeout=self.event_timeout,
+                what=f"{self.variant}: steps at world 2 after node {node} started again",
+            )
         except BenchmarkTimeoutError as e:
             return {"outcome": "hang", "error": f"{e}; last output:\n{self._tails()}"}
         except ScenarioFailed as e:
@@ -211,8 +222,12 @@ class FailureScenario(Scenario):
         if self.variant in OURS:
             log = self.event_log()
             mode = event_mode(log, hyperpodrun_phases(log, t_start), t_start)
-        return {"outcome": "ok", "t_start": t_start, "mode": mode,
-                **{k: measured.get(k) for k in ("downtime_s", "steps_lost")}}  # fmt: skip
+        return {
+            "outcome": "ok",
+            "t_start": t_start,
+            "mode": mode,
+            **{k: measured.get(k) for k in ("downtime_s", "steps_lost")},
+        }
 
     def master_node(self) -> str | None:
         """The node whose launcher holds group rank 0 now (1 rank per node: global rank 0).
@@ -248,22 +263,37 @@ class FailureScenario(Scenario):
             pid = self.active_rank_pid(name) if master is not None else None
             if pid is not None:
                 return name, pid
-        raise ScenarioFailed("hang", f"no rank of a node without rank 0 (node {master}) found: "
-                             f"{ {name: self.rank_pids(name) for name in self.nodes} }")  # fmt: skip
+        raise ScenarioFailed(
+            "hang",
+            f"no rank of a node without rank 0 (node {master}) found: "
+            f"{ {name: self.rank_pids(name) for name in self.nodes} }",
+        )
 
     def _failure(self, index: int, *, kind: str, step: int) -> dict[str, Any]:
         node, pid = self._victim()
         world = 1 if kind == "node_loss" else 2
-        print(f"{NAME}: {self.variant}: event {index + 1} {kind} at step {step}: {KIND_ACTION[kind]} "
-              f"(node {node}, rank 1, pid {pid})", flush=True)  # fmt: skip
+        print(
+            f"{NAME}: {self.variant}: event {index + 1} {kind} at step {step}: {KIND_ACTION[kind]} "
+            f"(node {node}, rank 1, pid {pid})",
+            flush=True,
+        )
         t_event = time.time()
         if kind == "node_loss":
             self.lost.add(node)
             self.nodes[node].kill_tree()
         else:
             os.kill(pid, signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
-        ev: dict[str, Any] = {"index": index, "kind": kind, "node": node, "rank": 1, "pid": pid, "at_step": step,
-                              "t_event": t_event, "from_world": 2, "to_world": world}  # fmt: skip
+        ev: dict[str, Any] = {
+            "index": index,
+            "kind": kind,
+            "node": node,
+            "rank": 1,
+            "pid": pid,
+            "at_step": step,
+            "t_event": t_event,
+            "from_world": 2,
+            "to_world": world,
+        }
         grace = self.timers.step_time_s
 
         def recovered(_: object) -> dict[str, Any] | None:
@@ -278,8 +308,11 @@ class FailureScenario(Scenario):
             return m if len(after) >= self.settle_steps else None
 
         try:
-            measured = self.bus.wait_for(recovered, timeout=self.event_timeout,
-                                         what=f"{self.variant}: {self.settle_steps} steps after the {kind} at step {step}")  # fmt: skip
+            measured = self.bus.wait_for(
+                recovered,
+                timeout=self.event_timeout,
+                what=f"{self.variant}: {self.settle_steps} steps after the {kind} at step {step}",
+            )
         except BenchmarkTimeoutError as e:
             return {**ev, "outcome": "hang", "error": f"{e}; last output:\n{self._tails()}"}
         except ScenarioFailed as e:
@@ -319,15 +352,27 @@ def _listening(endpoint: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
-        add_scenario_arguments(parser, default_launchers=f"{', '.join(DEFAULT_VARIANTS['quick'])}; "
-                                                         f"smoke: {', '.join(DEFAULT_VARIANTS['smoke'])}")  # fmt: skip
-        parser.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=KINDS, help=f"from {', '.join(KINDS)}")
+        add_scenario_arguments(
+            parser,
+            default_launchers=f"{', '.join(DEFAULT_VARIANTS['quick'])}; smoke: {', '.join(DEFAULT_VARIANTS['smoke'])}",
+        )
+        parser.add_argument(
+            "--kinds", type=lambda s: tuple(s.split(",")), default=KINDS, help=f"from {', '.join(KINDS)}"
+        )
         parser.add_argument("--events", type=int, default=None, help="failures per kind (default by mode)")
-        parser.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S,
-                            help=f"hyperpodrun's --hang-timeout, s [{HANG_TIMEOUT_S:g}]")
+        parser.add_argument(
+            "--hang-timeout",
+            type=float,
+            default=HANG_TIMEOUT_S,
+            help=f"hyperpodrun's --hang-timeout, s [{HANG_TIMEOUT_S:g}]",
+        )
         parser.add_argument("--seed", type=int, default=0, help="seed of the failure steps [0]")
-        parser.add_argument("--at-checkpoints", choices=("yes", "no"), default=None,
-                            help="whether a failure may fall on a checkpoint step [yes; smoke: no]")
+        parser.add_argument(
+            "--at-checkpoints",
+            choices=("yes", "no"),
+            default=None,
+            help="whether a failure may fall on a checkpoint step [yes; smoke: no]",
+        )
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
     args.launchers = chosen_launchers(args, DEFAULT_VARIANTS)
@@ -341,8 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--events: must be >= 1, got {count}")
     settle = SETTLE_STEPS[args.mode]
     at_checkpoints = (args.at_checkpoints or ("no" if args.mode == "smoke" else "yes")) == "yes"
-    plan = failure_plan(args.kinds, count, seed=args.seed, first=settle, min_gap=settle + 1,
-                        ckpt_every=args.ckpt_every, at_checkpoints=at_checkpoints)  # fmt: skip
+    plan = failure_plan(
+        args.kinds,
+        count,
+        seed=args.seed,
+        first=settle,
+        min_gap=settle + 1,
+        ckpt_every=args.ckpt_every,
+        at_checkpoints=at_checkpoints,
+    )
     event_timeout = args.event_timeout or EVENT_TIMEOUT_S[args.mode]
     result = BenchmarkResult(
         name=NAME,
@@ -364,9 +416,16 @@ def main(argv: list[str] | None = None) -> int:
         "every worker restarts and resumes from the last periodic checkpoint",
     )
     runs = run_variants(
-        FailureScenario, args.launchers, lambda scenario: scenario.run_failures(plan), name=NAME, out=args.out,
-        train=train, timers=timers, event_timeout=event_timeout, settle_steps=settle,
-    )  # fmt: skip
+        FailureScenario,
+        args.launchers,
+        lambda scenario: scenario.run_failures(plan),
+        name=NAME,
+        out=args.out,
+        train=train,
+        timers=timers,
+        event_timeout=event_timeout,
+        settle_steps=settle,
+    )
     summary = summarize_events(runs)
     summary["phases_from_failure_median_s"] = phase_medians(runs)
     summary["rejoin_after_node_loss"] = rejoin_summary(runs)
@@ -376,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     baseline = next((v for v in ("torchrun-noshare", "torchrun") if v in args.launchers), None)
     if "hyperpodrun" in args.launchers:
         summary["targets"] = {
-            k: target_report(summary, kind=k, baseline=baseline or "torchrun-noshare", hang_timeout_s=timers.hang_timeout_s)
+            k: target_report(
+                summary, kind=k, baseline=baseline or "torchrun-noshare", hang_timeout_s=timers.hang_timeout_s
+            )
             for k in args.kinds
         }
     result.samples["runs"] = runs
@@ -401,33 +462,70 @@ def print_report(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     for run in runs:
         for ev in run["events"]:
             ph = ev.get("phases_s") or {}
-            rows.append((
-                run["variant"], ev["kind"], ev.get("last_old_step", ev["at_step"]), ev["outcome"], ev.get("mode", "-"), ev.get("downtime_s"),
-                ev.get("steps_lost"), ev.get("lost_time_s"), ev.get("detect_s"), ph.get("group_torn_down"),
-                ph.get("group_up"), ph.get("hydrated"), ph.get("first_step"),
-            ))  # fmt: skip
-    print(format_table(["launcher", "event", "step", "outcome", "mode", "downtime s", "steps lost", "lost time s",
-                        "detect s", "torn down", "group up", "hydrated", "first step"], rows))  # fmt: skip
+            rows.append(
+                (
+                    run["variant"],
+                    ev["kind"],
+                    ev.get("last_old_step", ev["at_step"]),
+                    ev["outcome"],
+                    ev.get("mode", "-"),
+                    ev.get("downtime_s"),
+                    ev.get("steps_lost"),
+                    ev.get("lost_time_s"),
+                    ev.get("detect_s"),
+                    ph.get("group_torn_down"),
+                    ph.get("group_up"),
+                    ph.get("hydrated"),
+                    ph.get("first_step"),
+                )
+            )
+    print(
+        format_table(
+            [
+                "launcher",
+                "event",
+                "step",
+                "outcome",
+                "mode",
+                "downtime s",
+                "steps lost",
+                "lost time s",
+                "detect s",
+                "torn down",
+                "group up",
+                "hydrated",
+                "first step",
+            ],
+            rows,
+        )
+    )
     for run in runs:
         for ev in run["events"]:
             if ev.get("rejoin", {}).get("outcome") == "ok":
                 r = ev["rejoin"]
-                print(f"{run['variant']}: node {ev['node']} started again after its loss at step {ev['last_old_step']}: "
-                      f"{r['mode']}, downtime {_fmt(r['downtime_s'])} s, steps lost {r['steps_lost']}")  # fmt: skip
+                print(
+                    f"{run['variant']}: node {ev['node']} started again after its loss at step {ev['last_old_step']}: "
+                    f"{r['mode']}, downtime {_fmt(r['downtime_s'])} s, steps lost {r['steps_lost']}"
+                )
     for kind, by_variant in summary["by_kind"].items():
         for variant, s in by_variant.items():
-            print(f"{kind} {variant}: {s['ok']}/{s['n']} ok, median downtime {_fmt(s['downtime_median_s'])} s, "
-                  f"steps lost {_fmt(s['steps_lost_median'])}, lost time {_fmt(s['lost_time_median_s'])} s, "
-                  f"detect {_fmt(s['detect_median_s'])} s")  # fmt: skip
+            print(
+                f"{kind} {variant}: {s['ok']}/{s['n']} ok, median downtime {_fmt(s['downtime_median_s'])} s, "
+                f"steps lost {_fmt(s['steps_lost_median'])}, lost time {_fmt(s['lost_time_median_s'])} s, "
+                f"detect {_fmt(s['detect_median_s'])} s"
+            )
     for ratio in ("downtime_ratio", "lost_time_ratio"):
         for ours, by_base in summary[ratio].items():
             for base, ratios in by_base.items():
                 print(f"{ratio} {ours} / {base}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     for kind, report in (summary.get("targets") or {}).items():
-        print(f"issue 11 targets, {kind}: " + ", ".join(
-            f"{name} {_fmt(t['value'])} (<= {t['target']:g}: {'met' if t['met'] else 'not met' if t['met'] is False else '-'})"
-            for name, t in report.items()
-        ))  # fmt: skip
+        print(
+            f"issue 11 targets, {kind}: "
+            + ", ".join(
+                f"{name} {_fmt(t['value'])} (<= {t['target']:g}: {'met' if t['met'] else 'not met' if t['met'] is False else '-'})"
+                for name, t in report.items()
+            )
+        )
 
 
 def _fmt(x: float | None) -> str:

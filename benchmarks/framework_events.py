@@ -63,8 +63,18 @@ REPS = {"smoke": 1, "quick": 2, "full": 4}
 HOLD_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 300.0
 GLOBAL_BATCH, PER_DEVICE = hf_client.GLOBAL_BATCH, hf_client.PER_DEVICE
-PHASES = ("scale_decided", "workers_signalled", "group_torn_down", "group_up", "hydrated", "checkpoint_saved",
-          "workers_stopped", "workers_started", "checkpoint_loaded", "first_step")  # fmt: skip
+PHASES = (
+    "scale_decided",
+    "workers_signalled",
+    "group_torn_down",
+    "group_up",
+    "hydrated",
+    "checkpoint_saved",
+    "workers_stopped",
+    "workers_started",
+    "checkpoint_loaded",
+    "first_step",
+)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -94,7 +104,12 @@ def worker_main(args: argparse.Namespace) -> int:
     class StepLog(TrainerCallback):
         def on_step_end(self, targs, state, control, **kwargs):
             if targs.process_index == 0:
-                record = {"ts": time.time(), "step": state.global_step, "world_size": targs.world_size, "pid": os.getpid()}
+                record = {
+                    "ts": time.time(),
+                    "step": state.global_step,
+                    "world_size": targs.world_size,
+                    "pid": os.getpid(),
+                }
                 with open(out / "steps.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
             holds = {HOLD_JOIN: 1, HOLD_LEAVE: 2}
@@ -103,19 +118,31 @@ def worker_main(args: argparse.Namespace) -> int:
                 deadline = time.monotonic() + HOLD_TIMEOUT_S
                 while current_event() is None:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"no scale event announced within {HOLD_TIMEOUT_S:g}s of holding at step {state.global_step}")
+                        raise TimeoutError(
+                            f"no scale event announced within {HOLD_TIMEOUT_S:g}s of holding at step {state.global_step}"
+                        )
                     time.sleep(0.02)
 
     training = TrainingArguments(
-        output_dir=str(out / "trainer"), per_device_train_batch_size=PER_DEVICE, max_steps=MAX_STEPS,
-        learning_rate=1e-3, report_to="none", use_cpu=True, save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, seed=0, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=str(out / "trainer"),
+        per_device_train_batch_size=PER_DEVICE,
+        max_steps=MAX_STEPS,
+        learning_rate=1e-3,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     set_global_batch(training, GLOBAL_BATCH)
     trainer = ElasticTrainer(
-        model=model, args=training, train_dataset=data,
+        model=model,
+        args=training,
+        train_dataset=data,
         callbacks=[ElasticCallback(global_batch=GLOBAL_BATCH), StepLog()],
-    )  # fmt: skip
+    )
     trainer.train(resume_from_checkpoint=elastic_resume_checkpoint(training.output_dir))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -144,10 +171,30 @@ def run_scenario(variant: str, work: Path, script: Path) -> dict[str, Any]:
     """Node A, then B joins, then B leaves; the events measured from rank 0's step log and the event log."""
     work.mkdir(parents=True, exist_ok=True)
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"bench-fw-{free_port()}"
-    flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-             "--rdzv-id", run_id, "--rdzv-conf", "lease_ttl=2,tick=0.1,propagation=0.05", "--scaling-timeout", "1",
-             "--min-stable-period", "1", "--graceful-shutdown-timeout", "60", "--monitor-interval", "0.05",
-             "--event-log", str(work / "events.jsonl")]  # fmt: skip
+    flags = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        "lease_ttl=2,tick=0.1,propagation=0.05",
+        "--scaling-timeout",
+        "1",
+        "--min-stable-period",
+        "1",
+        "--graceful-shutdown-timeout",
+        "60",
+        "--monitor-interval",
+        "0.05",
+        "--event-log",
+        str(work / "events.jsonl"),
+    ]
     if variant == "restart":
         flags += ["--restart-mode", "process"]
     env = bench_env(OMP_NUM_THREADS="1")
@@ -159,10 +206,17 @@ def run_scenario(variant: str, work: Path, script: Path) -> dict[str, Any]:
 
     t_events: dict[str, float] = {}
     with node("A") as a:
-        _wait_file(work / f"held-{HOLD_JOIN}-0", procs=[a], timeout=RUN_TIMEOUT_S, what="node A's rank to hold before the join")
+        _wait_file(
+            work / f"held-{HOLD_JOIN}-0", procs=[a], timeout=RUN_TIMEOUT_S, what="node A's rank to hold before the join"
+        )
         t_events["join"] = time.time()
         with node("B") as b:
-            _wait_file(work / f"held-{HOLD_LEAVE}-0", procs=[a, b], timeout=RUN_TIMEOUT_S, what="both ranks to hold before the leave")
+            _wait_file(
+                work / f"held-{HOLD_LEAVE}-0",
+                procs=[a, b],
+                timeout=RUN_TIMEOUT_S,
+                what="both ranks to hold before the leave",
+            )
             t_events["leave"] = time.time()
             b.signal(signal.SIGTERM)
             codes = {"A": a.wait(RUN_TIMEOUT_S), "B": b.wait(RUN_TIMEOUT_S)}
@@ -175,11 +229,16 @@ def run_scenario(variant: str, work: Path, script: Path) -> dict[str, Any]:
         if gap is None:
             raise BenchmarkError(f"{variant}: no step at world size {to_world} after the {kind}")
         phases = hyperpodrun_phases(events, t_events[kind])
-        measured.append({
-            "kind": kind, "to_world": to_world, **gap, "mode": event_mode(events, phases, t_events[kind]),
-            "phases_s": {k: round(v, 4) for k, v in phases.items() if k in PHASES or k.endswith("_s")},
-            "pid_kept": _pid_at(steps, gap["last_old_step"]) == _pid_at(steps, gap["first_new_step"]),
-        })  # fmt: skip
+        measured.append(
+            {
+                "kind": kind,
+                "to_world": to_world,
+                **gap,
+                "mode": event_mode(events, phases, t_events[kind]),
+                "phases_s": {k: round(v, 4) for k, v in phases.items() if k in PHASES or k.endswith("_s")},
+                "pid_kept": _pid_at(steps, gap["last_old_step"]) == _pid_at(steps, gap["first_new_step"]),
+            }
+        )
     return {"variant": variant, "events": measured}
 
 
@@ -189,13 +248,23 @@ def _pid_at(steps: list[dict[str, Any]], step: int) -> int | None:
 
 def run(args: argparse.Namespace) -> BenchmarkResult:
     result = BenchmarkResult(
-        name=NAME, mode=args.mode,
-        params={"ranks_per_node": 1, "nodes": "1 -> 2 -> 1", "global_batch": GLOBAL_BATCH, "per_device_batch": PER_DEVICE,
-                "block": hf_client.BLOCK, "max_steps": MAX_STEPS, "reps": REPS[args.mode], "omp_num_threads": 1,
-                "model": "GPT-2, 2 layers, 32 dims, byte vocabulary", "framework": "transformers.Trainer (ElasticTrainer)"},
+        name=NAME,
+        mode=args.mode,
+        params={
+            "ranks_per_node": 1,
+            "nodes": "1 -> 2 -> 1",
+            "global_batch": GLOBAL_BATCH,
+            "per_device_batch": PER_DEVICE,
+            "block": hf_client.BLOCK,
+            "max_steps": MAX_STEPS,
+            "reps": REPS[args.mode],
+            "omp_num_threads": 1,
+            "model": "GPT-2, 2 layers, 32 dims, byte vocabulary",
+            "framework": "transformers.Trainer (ElasticTrainer)",
+        },
         baseline="the same Trainer job and events with --restart-mode process (save checkpoint-<step>, restart every rank, "
-                 "resume from it), interleaved with the in-place runs",
-    )  # fmt: skip
+        "resume from it), interleaved with the in-place runs",
+    )
     work = args.out / "work" / NAME
     shutil.rmtree(work, ignore_errors=True)
     script = Path(__file__).resolve()
@@ -248,11 +317,20 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     path = result.write(args.out)
     s = result.summary
-    print(format_table(
-        ["event", "in place, s", "restart path, s", "ratio"],
-        [(kind, s[f"{kind}_in-place_downtime_s"], s[f"{kind}_restart_downtime_s"], s[f"{kind}_downtime_ratio_in_place_over_restart"])
-         for kind, _ in EVENTS],
-    ))  # fmt: skip
+    print(
+        format_table(
+            ["event", "in place, s", "restart path, s", "ratio"],
+            [
+                (
+                    kind,
+                    s[f"{kind}_in-place_downtime_s"],
+                    s[f"{kind}_restart_downtime_s"],
+                    s[f"{kind}_downtime_ratio_in_place_over_restart"],
+                )
+                for kind, _ in EVENTS
+            ],
+        )
+    )
     print(f"wrote {path}")
     return 0
 

@@ -69,10 +69,18 @@ def worker_main(args: argparse.Namespace) -> int:
             ends.append(time.perf_counter())
 
     training = TrainingArguments(
-        output_dir=str(Path(args.hf_worker_out) / "trainer"), per_device_train_batch_size=PER_DEVICE,
-        max_steps=args.hf_steps, learning_rate=1e-3, report_to="none", use_cpu=True, save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=str(Path(args.hf_worker_out) / "trainer"),
+        per_device_train_batch_size=PER_DEVICE,
+        max_steps=args.hf_steps,
+        learning_rate=1e-3,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     set_global_batch(training, GLOBAL_BATCH)
     set_seed(0)
     model = tiny_gpt2()
@@ -99,12 +107,21 @@ def _steps_per_s(ends: list[float], warmup: int) -> float:
 
 def run(args: argparse.Namespace, work: Path, script: Path) -> BenchmarkResult:
     result = BenchmarkResult(
-        name=NAME, mode=args.mode,
-        params={"ranks": RANKS, "global_batch": GLOBAL_BATCH, "per_device_batch": PER_DEVICE, "block": BLOCK,
-                "steps": STEPS[args.mode], "warmup_steps": WARMUP[args.mode], "reps": REPS[args.mode],
-                "omp_num_threads": 1, "model": "GPT-2, 2 layers, 32 dims, byte vocabulary"},
+        name=NAME,
+        mode=args.mode,
+        params={
+            "ranks": RANKS,
+            "global_batch": GLOBAL_BATCH,
+            "per_device_batch": PER_DEVICE,
+            "block": BLOCK,
+            "steps": STEPS[args.mode],
+            "warmup_steps": WARMUP[args.mode],
+            "reps": REPS[args.mode],
+            "omp_num_threads": 1,
+            "model": "GPT-2, 2 layers, 32 dims, byte vocabulary",
+        },
         baseline="the same Trainer job without ElasticCallback under torchrun (c10d, 1 node, 2 ranks), interleaved",
-    )  # fmt: skip
+    )
     env = bench_env(OMP_NUM_THREADS="1")
     runs: list[dict[str, Any]] = []
     for rep in range(REPS[args.mode]):
@@ -112,8 +129,18 @@ def run(args: argparse.Namespace, work: Path, script: Path) -> BenchmarkResult:
         for launcher in order:
             out = work / f"{launcher}-{rep}"
             out.mkdir(parents=True, exist_ok=True)
-            rdzv = ("--nnodes", "1:1", "--nproc-per-node", str(RANKS), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"bench-hf-{rep}")  # fmt: skip
+            rdzv = (
+                "--nnodes",
+                "1:1",
+                "--nproc-per-node",
+                str(RANKS),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{free_port()}",
+                "--rdzv-id",
+                f"bench-hf-{rep}",
+            )
             worker = [str(script), "--hf-worker-out", str(out), "--hf-steps", str(STEPS[args.mode])]
             if launcher == "hyperpodrun":
                 cmd = hyperpodrun_cmd(*rdzv, "--log-dir", str(out / "logs"), *worker, "--hf-elastic")
@@ -161,4 +188,3 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--hf-steps", type=int, default=STEPS["quick"], help=argparse.SUPPRESS)
     parser.add_argument("--hf-elastic", action="store_true", help=argparse.SUPPRESS)
-

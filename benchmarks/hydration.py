@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import os
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -129,10 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     mode_flag = {"smoke": ["--smoke"], "quick": ["--quick"], "full": []}[ns.mode]
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, *mode_flag, "--ranks", str(ns.ranks), "--bucket-mb", str(ns.bucket_mb),
-             "--worker", str(r), str(port), str(raw)],
+            [
+                sys.executable,
+                __file__,
+                *mode_flag,
+                "--ranks",
+                str(ns.ranks),
+                "--bucket-mb",
+                str(ns.bucket_mb),
+                "--worker",
+                str(r),
+                str(port),
+                str(raw),
+            ],
             env=bench_env(OMP_NUM_THREADS="1"),
-        )  # fmt: skip
+        )
         for r in range(ns.ranks)
     ]
     for proc in procs:
@@ -153,17 +164,29 @@ def main(argv: list[str] | None = None) -> int:
         "target": ">= 0.5",
     }
     result = BenchmarkResult(
-        name=NAME, mode=ns.mode,
+        name=NAME,
+        mode=ns.mode,
         params={"ranks": ns.ranks, "bucket_mb": ns.bucket_mb, "state_mb": state_mb, "reps": reps, "backend": "gloo"},
         baseline="one dist.broadcast of a flat byte tensor of the same size, same group, interleaved",
-        samples=data, summary=summary,
+        samples=data,
+        summary=summary,
         notes=["Loopback gloo on CPU: both sides copy through memory; on NCCL the staging copies run on the GPU."],
-    )  # fmt: skip
+    )
     plot(data, result.plot_path(ns.out))
     path = result.write(ns.out)
-    print(format_table(["state MB", "hydration MB/s", "broadcast MB/s", "ratio"],
-                       [[summary["state_mb"], summary["hydration_mb_per_s"], summary["broadcast_mb_per_s"],
-                         summary["ratio_to_broadcast"]]]))  # fmt: skip
+    print(
+        format_table(
+            ["state MB", "hydration MB/s", "broadcast MB/s", "ratio"],
+            [
+                [
+                    summary["state_mb"],
+                    summary["hydration_mb_per_s"],
+                    summary["broadcast_mb_per_s"],
+                    summary["ratio_to_broadcast"],
+                ]
+            ],
+        )
+    )
     print(f"wrote {path}")
     return 0
 

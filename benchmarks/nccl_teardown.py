@@ -1,6 +1,12 @@
 """NCCL teardown: sequential vs concurrent (one thread per backend) shutdown/abort, with 1 and 4 communicators."""
-import json, socket, sys, threading, time
+
+import json
+import socket
+import sys
+import threading
+import time
 from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -18,8 +24,14 @@ def port():
 
 def rnd(op, concurrent, n_sub):
     store = dist.TCPStore("127.0.0.1", port(), 1, True, timedelta(seconds=30), wait_for_workers=False)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=60),
-                            device_id=dev if dev.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+        device_id=dev if dev.type == "cuda" else None,
+    )
     x = torch.ones(1 << 16, device=dev)
     dist.all_reduce(x)
     groups = [dist.group.WORLD]
@@ -50,8 +62,14 @@ def rnd(op, concurrent, n_sub):
     t1 = time.perf_counter()
     dist.destroy_process_group()
     t2 = time.perf_counter()
-    return {"op": op, "concurrent": concurrent, "comms": len(bes), "total_s": round(t1 - t0, 3), "each_s": each,
-            "destroy_after_s": round(t2 - t1, 3)}
+    return {
+        "op": op,
+        "concurrent": concurrent,
+        "comms": len(bes),
+        "total_s": round(t1 - t0, 3),
+        "each_s": each,
+        "destroy_after_s": round(t2 - t1, 3),
+    }
 
 
 rows = []

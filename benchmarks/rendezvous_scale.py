@@ -43,11 +43,10 @@ from common import (
     pyplot,
     start_etcd,
 )
-
-from hyperpodrun.rendezvous.decider import DeciderContext
-from hyperpodrun.rendezvous.elastic import ElasticRendezvous
 from hyperpodrun.errors import HyperpodrunError
 from hyperpodrun.policy import ElasticPolicy
+from hyperpodrun.rendezvous.decider import DeciderContext
+from hyperpodrun.rendezvous.elastic import ElasticRendezvous
 from hyperpodrun.store import (
     EmbeddedStoreClient,
     EmbeddedStoreServer,
@@ -212,9 +211,14 @@ class SimulatedNode:
         self.rdzv = ElasticRendezvous(
             CountingStore(settings.open_store(), self.counter),
             context=DeciderContext(
-                policy=ElasticPolicy(min_replicas=settings.n, max_replicas=settings.n), nproc_per_node=1,
-                max_restarts=0, lease_ttl=settings.lease_ttl_s, ack_timeout=30.0, propagation=1.0, tick=0.2,
-            ),  # fmt: skip
+                policy=ElasticPolicy(min_replicas=settings.n, max_replicas=settings.n),
+                nproc_per_node=1,
+                max_restarts=0,
+                lease_ttl=settings.lease_ttl_s,
+                ack_timeout=30.0,
+                propagation=1.0,
+                tick=0.2,
+            ),
             local_addr="127.0.0.1",
             join_timeout=settings.limit_s,
             node_id=self.node_id,
@@ -251,9 +255,14 @@ class SimulatedNode:
 def client_main(args: argparse.Namespace) -> int:
     """A client process: build ``count`` nodes, say READY, run them on GO, report, stop on STOP."""
     settings = SimulationSettings(
-        backend=args.backend, endpoint=args.endpoint, run_id=args.run_id, n=args.n, limit_s=args.limit,
-        lease_ttl_s=args.lease_ttl, request_timeout_s=args.request_timeout,
-    )  # fmt: skip
+        backend=args.backend,
+        endpoint=args.endpoint,
+        run_id=args.run_id,
+        n=args.n,
+        limit_s=args.limit,
+        lease_ttl_s=args.lease_ttl,
+        request_timeout_s=args.request_timeout,
+    )
     nodes = [SimulatedNode(i, settings) for i in range(args.first, args.first + args.count)]
     go = threading.Event()
     threads = [threading.Thread(target=node.run, args=(go,), daemon=True) for node in nodes]
@@ -319,9 +328,12 @@ def run_one(
             endpoint = etcd.endpoint
         else:
             server = ManagedProcess(
-                [sys.executable, script, "--serve-embedded"], name="store", bus=bus, stdin=True,
+                [sys.executable, script, "--serve-embedded"],
+                name="store",
+                bus=bus,
+                stdin=True,
                 log_path=log_dir / "store.log",
-            )  # fmt: skip
+            )
             procs.append(server)
             endpoint = _wait_line(bus, server, "ENDPOINT ", timeout=60.0, what="the embedded store's endpoint")
         run_id = f"bench-{uuid.uuid4().hex[:8]}"
@@ -334,10 +346,28 @@ def run_one(
         clients = []
         for i, count in enumerate(share):
             cmd = [
-                sys.executable, script, "--client", "--backend", backend, "--endpoint", endpoint,
-                "--run-id", run_id, "--n", str(n), "--first", str(first), "--count", str(count),
-                "--limit", str(limit), "--lease-ttl", str(lease_ttl), "--request-timeout", str(request_timeout),
-            ]  # fmt: skip
+                sys.executable,
+                script,
+                "--client",
+                "--backend",
+                backend,
+                "--endpoint",
+                endpoint,
+                "--run-id",
+                run_id,
+                "--n",
+                str(n),
+                "--first",
+                str(first),
+                "--count",
+                str(count),
+                "--limit",
+                str(limit),
+                "--lease-ttl",
+                str(lease_ttl),
+                "--request-timeout",
+                str(request_timeout),
+            ]
             clients.append(
                 ManagedProcess(
                     cmd, name=f"client{i}", env=bench_env(), bus=bus, stdin=True, log_path=log_dir / f"client{i}.log"
@@ -475,19 +505,34 @@ def plot(result: BenchmarkResult, runs: list[dict[str, Any]], path: Path) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--sizes", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
-                            help="node counts, e.g. 8,64,256,1024 (default by mode)")  # fmt: skip
+        parser.add_argument(
+            "--sizes",
+            type=lambda s: tuple(int(x) for x in s.split(",")),
+            default=None,
+            help="node counts, e.g. 8,64,256,1024 (default by mode)",
+        )
         parser.add_argument("--backends", type=lambda s: tuple(s.split(",")), default=BACKENDS)
         parser.add_argument("--limit", type=float, default=None, help="hard limit per rendezvous, seconds")
-        parser.add_argument("--lease-ttl", type=float, default=LEASE_TTL_S,
-                            help=f"membership lease ttl, seconds [{LEASE_TTL_S:g}]")  # fmt: skip
-        parser.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
-                            help=f"timeout of one store request, seconds [{REQUEST_TIMEOUT_S:g}]")  # fmt: skip
+        parser.add_argument(
+            "--lease-ttl", type=float, default=LEASE_TTL_S, help=f"membership lease ttl, seconds [{LEASE_TTL_S:g}]"
+        )
+        parser.add_argument(
+            "--request-timeout",
+            type=float,
+            default=REQUEST_TIMEOUT_S,
+            help=f"timeout of one store request, seconds [{REQUEST_TIMEOUT_S:g}]",
+        )
         # internal roles of this script (client processes and the embedded store's host)
         parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
         parser.add_argument("--serve-embedded", action="store_true", help=argparse.SUPPRESS)
-        for flag, kind in (("--backend", str), ("--endpoint", str), ("--run-id", str), ("--n", int),
-                           ("--first", int), ("--count", int)):  # fmt: skip
+        for flag, kind in (
+            ("--backend", str),
+            ("--endpoint", str),
+            ("--run-id", str),
+            ("--n", int),
+            ("--first", int),
+            ("--count", int),
+        ):
             parser.add_argument(flag, type=kind, help=argparse.SUPPRESS)
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
@@ -557,16 +602,39 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, runs, result.plot_path(args.out))
     path = result.write(args.out)
     rows = [
-        (r["backend"], r["n"], "yes" if r["complete"] else "NO", r.get("time_to_all_ranks_s"),
-         r.get("latency_median_s"), r.get("latency_p99_s"), r.get("ops_per_node_mean"), r.get("ops_per_node_max"),
-         r.get("idle_get_median_ms"), r.get("store_cpu_s"), r.get("clients_cpu_s"))
+        (
+            r["backend"],
+            r["n"],
+            "yes" if r["complete"] else "NO",
+            r.get("time_to_all_ranks_s"),
+            r.get("latency_median_s"),
+            r.get("latency_p99_s"),
+            r.get("ops_per_node_mean"),
+            r.get("ops_per_node_max"),
+            r.get("idle_get_median_ms"),
+            r.get("store_cpu_s"),
+            r.get("clients_cpu_s"),
+        )
         for r in runs
-    ]  # fmt: skip
-    print(format_table(
-        ["backend", "N", "done", "all ranks s", "median s", "p99 s", "ops/node", "max ops", "idle get ms",
-         "store CPU s", "clients CPU s"],
-        rows,
-    ))  # fmt: skip
+    ]
+    print(
+        format_table(
+            [
+                "backend",
+                "N",
+                "done",
+                "all ranks s",
+                "median s",
+                "p99 s",
+                "ops/node",
+                "max ops",
+                "idle get ms",
+                "store CPU s",
+                "clients CPU s",
+            ],
+            rows,
+        )
+    )
     for backend, s in summary.items():
         print(f"{backend}: time ~ N^{_fmt(s['time_growth_exponent'])}, ops/node ~ N^{_fmt(s['ops_growth_exponent'])}")
     print(f"wrote {path}")

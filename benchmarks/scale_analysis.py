@@ -20,10 +20,26 @@ BASELINES = ("torchrun-noshare", "torchrun")
 VARIANTS = OURS + BASELINES
 
 #: Event-log records that mark the phases of a scale event, in the order they happen.
-INPLACE_PHASES = ("scale_decided", "workers_signalled", "group_torn_down", "rendezvous_done", "group_up",
-                  "hydrated", "workers_reconfigured", "first_step")  # fmt: skip
-RESTART_PHASES = ("scale_decided", "workers_signalled", "checkpoint_saved", "workers_stopped", "rendezvous_done",
-                  "workers_started", "checkpoint_loaded", "first_step")  # fmt: skip
+INPLACE_PHASES = (
+    "scale_decided",
+    "workers_signalled",
+    "group_torn_down",
+    "rendezvous_done",
+    "group_up",
+    "hydrated",
+    "workers_reconfigured",
+    "first_step",
+)
+RESTART_PHASES = (
+    "scale_decided",
+    "workers_signalled",
+    "checkpoint_saved",
+    "workers_stopped",
+    "rendezvous_done",
+    "workers_started",
+    "checkpoint_loaded",
+    "first_step",
+)
 
 
 def event_phase(index: int, ckpt_every: int) -> int:
@@ -196,8 +212,13 @@ def summarize_events(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 for m in _MEDIANS:
                     if ev.get(m) is not None:
                         slot[m].append(ev[m])
-    summary: dict[str, Any] = {"by_kind": {}, "downtime_ratio": {}, "pause_ratio": {}, "lost_time_ratio": {},
-                               "steps_lost_median": {}}  # fmt: skip
+    summary: dict[str, Any] = {
+        "by_kind": {},
+        "downtime_ratio": {},
+        "pause_ratio": {},
+        "lost_time_ratio": {},
+        "steps_lost_median": {},
+    }
     for kind, variants in samples.items():
         by_variant = {
             v: {
@@ -211,8 +232,11 @@ def summarize_events(runs: list[dict[str, Any]]) -> dict[str, Any]:
         }
         summary["by_kind"][kind] = by_variant
         summary["steps_lost_median"][kind] = {v: s["steps_lost_median"] for v, s in by_variant.items()}
-        for metric, ratio in (("downtime_median_s", "downtime_ratio"), ("pause_median_s", "pause_ratio"),
-                              ("lost_time_median_s", "lost_time_ratio")):  # fmt: skip
+        for metric, ratio in (
+            ("downtime_median_s", "downtime_ratio"),
+            ("pause_median_s", "pause_ratio"),
+            ("lost_time_median_s", "lost_time_ratio"),
+        ):
             for ours in OURS:
                 mine = by_variant.get(ours, {}).get(metric)
                 for theirs in (*BASELINES, *(o for o in OURS if o != ours)):
@@ -232,8 +256,14 @@ def plot(result: BenchmarkResult, runs: list[dict[str, Any]], summary: dict[str,
         t0 = tl[0][0]
         for world, marker in ((1, "."), (2, "^")):
             pts = [(t - t0, step) for t, step, w in tl if w == world]
-            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=f"C{i}", markersize=3,
-                     label=f"{run['variant']}, world {world}")  # fmt: skip
+            ax1.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker,
+                color=f"C{i}",
+                markersize=3,
+                label=f"{run['variant']}, world {world}",
+            )
         for ev in run["events"]:
             ax1.axvline(ev["t_event"] - t0, color=f"C{i}", alpha=0.3, linestyle=":")
     ax1.set_xlabel("seconds since the first logged step")
@@ -260,8 +290,10 @@ def plot(result: BenchmarkResult, runs: list[dict[str, Any]], summary: dict[str,
     ax2.set_title("downtime (solid) and + recomputed steps (light)", fontsize=10)
     ax2.legend(fontsize=8)
     ax2.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"{result.name} ({result.mode}, step time {result.params['timers']['step_time_s']} s, "
-                 f"checkpoint every {result.params['train']['ckpt_every']} steps)")  # fmt: skip
+    fig.suptitle(
+        f"{result.name} ({result.mode}, step time {result.params['timers']['step_time_s']} s, "
+        f"checkpoint every {result.params['train']['ckpt_every']} steps)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

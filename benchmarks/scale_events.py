@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torchft_peer
 from common import (
     BenchmarkError,
     BenchmarkResult,
@@ -73,7 +74,6 @@ from common import (
     require_train_script,
     torchrun_cmd,
 )
-import torchft_peer
 from scale_analysis import (
     OURS,
     VARIANTS,
@@ -129,19 +129,44 @@ class Timers:
 
     def launcher_args(self, variant: str, endpoint: str, run_id: str, work: Path, node: str) -> list[str]:
         """The launcher flags of ``node`` (every node of a job gets the same, but its own log folder)."""
-        common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                  "--rdzv-id", run_id, "--max-restarts", str(self.max_restarts)]  # fmt: skip
+        common = [
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            run_id,
+            "--max-restarts",
+            str(self.max_restarts),
+        ]
         if variant in OURS:
             mode = ["--restart-mode", "process"] if variant == "hyperpodrun-restart" else []
-            return common + mode + [
-                "--scaling-timeout", f"{self.scaling_timeout_s:g}",
-                "--min-stable-period", f"{self.min_stable_period_s:g}",
-                "--backoff-factor", "1",  # no anti-thrashing backoff: events come back to back here
-                "--faulty-scale-down-timeout", f"{self.faulty_scale_down_timeout_s:g}",
-                "--graceful-shutdown-timeout", f"{self.graceful_shutdown_timeout_s:g}",
-                "--rdzv-conf", f"lease_ttl={self.lease_ttl_s:g}",
-                "--event-log", str(work / "events.jsonl"), "--log-dir", str(work / "logs" / node),  # one per node: attempt folders would collide
-            ]  # fmt: skip
+            return (
+                common
+                + mode
+                + [
+                    "--scaling-timeout",
+                    f"{self.scaling_timeout_s:g}",
+                    "--min-stable-period",
+                    f"{self.min_stable_period_s:g}",
+                    "--backoff-factor",
+                    "1",  # no anti-thrashing backoff: events come back to back here
+                    "--faulty-scale-down-timeout",
+                    f"{self.faulty_scale_down_timeout_s:g}",
+                    "--graceful-shutdown-timeout",
+                    f"{self.graceful_shutdown_timeout_s:g}",
+                    "--rdzv-conf",
+                    f"lease_ttl={self.lease_ttl_s:g}",
+                    "--event-log",
+                    str(work / "events.jsonl"),
+                    "--log-dir",
+                    str(work / "logs" / node),  # one per node: attempt folders would collide
+                ]
+            )
         return common + ["--rdzv-conf", self.torchrun_rdzv_conf()]
 
     def torchrun_rdzv_conf(self) -> str:
@@ -292,7 +317,9 @@ class Scenario:
 
     def _scale_events(self, events: tuple[tuple[str, str], ...]) -> Iterator[Callable[[int], dict[str, Any]]]:
         self.start_node("A")
-        self.wait_steps_at(1, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: node A's first steps")
+        self.wait_steps_at(
+            1, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: node A's first steps"
+        )
         world = 1
         for index, (kind, node) in enumerate(events):
             target = world + KIND_WORLD[kind]
@@ -357,14 +384,28 @@ class Scenario:
         return t_event
 
     def hyperpodctl(self, *args: str) -> None:
-        cmd = [sys.executable, "-m", "hyperpodrun.ctl", *args, "--rdzv-id", self.run_id,
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "hyperpodrun.ctl",
+            *args,
+            "--rdzv-id",
+            self.run_id,
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            self.endpoint,
+        ]
         try:
             done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=CTL_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired:
-            raise ScenarioFailed("hang", f"hyperpodctl {' '.join(args)} did not return in {CTL_TIMEOUT_S:g} s") from None
+            raise ScenarioFailed(
+                "hang", f"hyperpodctl {' '.join(args)} did not return in {CTL_TIMEOUT_S:g} s"
+            ) from None
         if done.returncode != 0:
-            raise ScenarioFailed("exited", f"hyperpodctl {' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
+            raise ScenarioFailed(
+                "exited", f"hyperpodctl {' '.join(args)} exited {done.returncode}: {done.stderr.strip()}"
+            )
 
     def _tails(self) -> str:
         return "\n".join(node.tail(8) for node in self.nodes.values())
@@ -396,8 +437,12 @@ def torchft_ratios(summary: dict[str, Any], peer: dict[str, Any]) -> dict[str, f
 
 def add_scenario_arguments(parser: argparse.ArgumentParser, *, default_launchers: str) -> None:
     """The options of a launcher-variant scenario (also ``failures.py``'s)."""
-    parser.add_argument("--launchers", type=lambda s: tuple(s.split(",")), default=None,
-                        help=f"from {', '.join(VARIANTS)} (default: {default_launchers})")  # fmt: skip
+    parser.add_argument(
+        "--launchers",
+        type=lambda s: tuple(s.split(",")),
+        default=None,
+        help=f"from {', '.join(VARIANTS)} (default: {default_launchers})",
+    )
     parser.add_argument("--step-time", type=float, default=Timers.step_time_s, help="fixed step time, s")
     parser.add_argument("--ckpt-every", type=int, default=10, help="periodic checkpoint interval, steps [10]")
     parser.add_argument("--event-timeout", type=float, default=None, help="hard limit per event, s")
@@ -464,9 +509,16 @@ def main(argv: list[str] | None = None) -> int:
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (yield = SIGTERM of the newest node; rejoin = it starts again)",
     )
     runs = run_variants(
-        Scenario, args.launchers, lambda scenario: scenario.run(events), name=NAME, out=args.out, train=train,
-        timers=timers, event_timeout=event_timeout, settle_steps=SETTLE_STEPS[args.mode],
-    )  # fmt: skip
+        Scenario,
+        args.launchers,
+        lambda scenario: scenario.run(events),
+        name=NAME,
+        out=args.out,
+        train=train,
+        timers=timers,
+        event_timeout=event_timeout,
+        settle_steps=SETTLE_STEPS[args.mode],
+    )
     summary = summarize_events(runs)
     summary["hyperpodrun_phases"] = phase_breakdown(runs)
     summary["hyperpodrun_modes"] = {
@@ -477,12 +529,15 @@ def main(argv: list[str] | None = None) -> int:
     if torchft_peer.available():
         print(f"{NAME}: torchft {torchft_peer.CYCLES[args.mode]} join/leave cycle(s) ...", flush=True)
         try:
-            peer = torchft_peer.measure(args.mode, work_root / "torchft")
+            peer = torchft_peer.measure(args.mode, args.out / "work" / NAME / "torchft")
         except BenchmarkError as e:
             peer = {"failure": str(e), "summary": {}, "events": []}
         result.samples["torchft"] = peer
-        summary["torchft"] = {**peer["summary"], "failure": peer["failure"],
-                              "pause_ratio_hyperpodrun_over_torchft": torchft_ratios(summary, peer["summary"])}  # fmt: skip
+        summary["torchft"] = {
+            **peer["summary"],
+            "failure": peer["failure"],
+            "pause_ratio_hyperpodrun_over_torchft": torchft_ratios(summary, peer["summary"]),
+        }
     else:
         print(f"{NAME}: torchft is not installed (pip install -e .[torchft]): its peer scenario is skipped")
     result.notes += [
@@ -510,28 +565,59 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for run in runs:
         for ev in run["events"]:
-            rows.append((
-                run["variant"], f"{ev['kind']} {ev['node']}", f"{ev['from_world']}->{ev['to_world']}", ev["outcome"],
-                ev.get("mode", "-"), ev.get("downtime_s"), ev.get("pause_s"), ev.get("steps_lost"),
-                ev.get("lost_time_s"), ev.get("detect_s"),
-            ))  # fmt: skip
-    print(format_table(["launcher", "event", "world", "outcome", "mode", "downtime s", "pause s", "steps lost",
-                        "lost time s", "detect s"], rows))  # fmt: skip
+            rows.append(
+                (
+                    run["variant"],
+                    f"{ev['kind']} {ev['node']}",
+                    f"{ev['from_world']}->{ev['to_world']}",
+                    ev["outcome"],
+                    ev.get("mode", "-"),
+                    ev.get("downtime_s"),
+                    ev.get("pause_s"),
+                    ev.get("steps_lost"),
+                    ev.get("lost_time_s"),
+                    ev.get("detect_s"),
+                )
+            )
+    print(
+        format_table(
+            [
+                "launcher",
+                "event",
+                "world",
+                "outcome",
+                "mode",
+                "downtime s",
+                "pause s",
+                "steps lost",
+                "lost time s",
+                "detect s",
+            ],
+            rows,
+        )
+    )
     for ratio in ("downtime_ratio", "lost_time_ratio"):
         for ours, by_base in summary[ratio].items():
             for base, ratios in by_base.items():
                 print(f"{ratio} {ours} / {base}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     for variant, phases in summary["hyperpodrun_phases"].items():
-        print(f"{variant} phases, median s: " + ", ".join(
-            f"{k.removesuffix('_median_s')} {v:.2f}" for k, v in phases.items() if v is not None
-        ))  # fmt: skip
+        print(
+            f"{variant} phases, median s: "
+            + ", ".join(f"{k.removesuffix('_median_s')} {v:.2f}" for k, v in phases.items() if v is not None)
+        )
     if "torchft" in summary:
         ft = summary["torchft"]
-        print("torchft survivors' pause, median s: " + ", ".join(
-            f"{k} {ft[k]['pause_median_s']:.3f}" for k in ("join", "leave") if (ft.get(k) or {}).get("pause_median_s") is not None
-        ) + "; hyperpodrun in place / torchft: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in ft["pause_ratio_hyperpodrun_over_torchft"].items()
-        ) + (f"; stopped: {ft['failure'].splitlines()[0]}" if ft["failure"] else ""))  # fmt: skip
+        print(
+            "torchft survivors' pause, median s: "
+            + ", ".join(
+                f"{k} {ft[k]['pause_median_s']:.3f}"
+                for k in ("join", "leave")
+                if (ft.get(k) or {}).get("pause_median_s") is not None
+            )
+            + "; hyperpodrun in place / torchft: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in ft["pause_ratio_hyperpodrun_over_torchft"].items())
+            + (f"; stopped: {ft['failure'].splitlines()[0]}" if ft["failure"] else "")
+        )
     print(f"wrote {path}")
     return 0
 

@@ -23,7 +23,9 @@ VARIANTS = {"snapshots": ("--snapshot-every", "1"), "no-snapshots": ("--snapshot
 RANKS = 2
 
 
-def run(args: argparse.Namespace, work: Path, *, steps: int, reps: int, skip: int, steady_costs: Any) -> BenchmarkResult:
+def run(
+    args: argparse.Namespace, work: Path, *, steps: int, reps: int, skip: int, steady_costs: Any
+) -> BenchmarkResult:
     base = TrainArgs.from_namespace(args, steps=steps)
     train = TrainArgs(**{**base.__dict__, "extra": (*base.extra, "--fsdp")})
     env = bench_env(OMP_NUM_THREADS="1")
@@ -33,13 +35,28 @@ def run(args: argparse.Namespace, work: Path, *, steps: int, reps: int, skip: in
         for variant in order:
             print(f"{NAME}: {variant}, {RANKS} ranks (FSDP2), rep {rep + 1} ...", flush=True)
             done = run_training(
-                "hyperpodrun", RANKS, train, work=work / f"{variant}-{rep}", data_cache=args.out / "data-cache",
-                timeout=args.run_timeout, env=env, sample_interval=0.2, launcher_args=VARIANTS[variant],
-            )  # fmt: skip
+                "hyperpodrun",
+                RANKS,
+                train,
+                work=work / f"{variant}-{rep}",
+                data_cache=args.out / "data-cache",
+                timeout=args.run_timeout,
+                env=env,
+                sample_interval=0.2,
+                launcher_args=VARIANTS[variant],
+            )
             costs = steady_costs(done["metrics"], done["cpu_samples"], skip=skip)
             last = done["metrics"][-1]
-            runs.append({"variant": variant, "rep": rep, **costs, "state_bytes": last.get("snapshot_state_bytes"),
-                         "held_bytes": last.get("snapshot_held_bytes"), "wall_s": done["wall_s"]})  # fmt: skip
+            runs.append(
+                {
+                    "variant": variant,
+                    "rep": rep,
+                    **costs,
+                    "state_bytes": last.get("snapshot_state_bytes"),
+                    "held_bytes": last.get("snapshot_held_bytes"),
+                    "wall_s": done["wall_s"],
+                }
+            )
     on = sorted((r for r in runs if r["variant"] == "snapshots"), key=lambda r: r["rep"])
     off = sorted((r for r in runs if r["variant"] == "no-snapshots"), key=lambda r: r["rep"])
     if not on[0]["state_bytes"]:
@@ -47,14 +64,21 @@ def run(args: argparse.Namespace, work: Path, *, steps: int, reps: int, skip: in
     wall = [a["median_step_s"] / b["median_step_s"] for a, b in zip(off, on)]
     cpu = [a["cpu_per_step_s"] / b["cpu_per_step_s"] for a, b in zip(off, on)]
     result = BenchmarkResult(
-        name=NAME, mode=args.mode,
+        name=NAME,
+        mode=args.mode,
         params={"train": train.as_params(), "ranks": RANKS, "reps": reps, "warmup_steps": skip, "variants": VARIANTS},
         baseline="the same FSDP2 job under hyperpodrun with --snapshot-every 0, in interleaved pairs",
-    )  # fmt: skip
+    )
     result.samples["runs"] = runs
     result.summary = {
-        "median_step_s": {"snapshots": median(r["median_step_s"] for r in on), "no-snapshots": median(r["median_step_s"] for r in off)},
-        "cpu_per_step_s": {"snapshots": median(r["cpu_per_step_s"] for r in on), "no-snapshots": median(r["cpu_per_step_s"] for r in off)},
+        "median_step_s": {
+            "snapshots": median(r["median_step_s"] for r in on),
+            "no-snapshots": median(r["median_step_s"] for r in off),
+        },
+        "cpu_per_step_s": {
+            "snapshots": median(r["cpu_per_step_s"] for r in on),
+            "no-snapshots": median(r["cpu_per_step_s"] for r in off),
+        },
         "wall_step_ratios": wall,
         "cpu_step_ratios": cpu,
         "throughput_ratio": median(wall),
@@ -65,6 +89,8 @@ def run(args: argparse.Namespace, work: Path, *, steps: int, reps: int, skip: in
         "memory_ratio": on[0]["held_bytes"] / on[0]["state_bytes"],
         "target_throughput_ratio": 0.97,
     }
-    result.notes.append("Memory: each rank holds its peer's two newest copies and its own (3x its local state, padding "
-                        "aside); see elastic_events/snapshot.py for why two copies at the peer and one's own.")  # fmt: skip
+    result.notes.append(
+        "Memory: each rank holds its peer's two newest copies and its own (3x its local state, padding "
+        "aside); see elastic_events/snapshot.py for why two copies at the peer and one's own."
+    )
     return result

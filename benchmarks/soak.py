@@ -118,8 +118,18 @@ class Deck:
 # --------------------------------------------------------------------------- one path
 
 
-def run_path(path: str, settings: SoakSettings, *, events: int, seed: int, kinds: tuple[str, ...],
-             gap: tuple[int, int], etcd: Any, work: Path, expected: Any) -> dict[str, Any]:  # fmt: skip
+def run_path(
+    path: str,
+    settings: SoakSettings,
+    *,
+    events: int,
+    seed: int,
+    kinds: tuple[str, ...],
+    gap: tuple[int, int],
+    etcd: Any,
+    work: Path,
+    expected: Any,
+) -> dict[str, Any]:
     """Train ``settings.steps`` steps with ``events`` random events (0: the reference run)."""
     # One stream each for the kinds, the gaps and the targets, so that both paths get the same
     # sequence of kinds and gaps even where a target draw (a node, a pause) differs between them.
@@ -144,9 +154,12 @@ def run_path(path: str, settings: SoakSettings, *, events: int, seed: int, kinds
                 print(f"{NAME}: {path}: {out['failure']}", flush=True)
                 break
             out["events"].append(ev)
-            print(f"{NAME}: {path}: event {index + 1}/{events} {kind}: {ev['outcome']}, world {ev['to_world']}, "
-                  f"recovery {ev.get('recovery_s') or 0:.1f}s, redone {len(ev['check']['steps_redone'])}"
-                  + (f"; problems: {ev['check']['problems'][:2]}" if ev["check"]["problems"] else ""), flush=True)  # fmt: skip
+            print(
+                f"{NAME}: {path}: event {index + 1}/{events} {kind}: {ev['outcome']}, world {ev['to_world']}, "
+                f"recovery {ev.get('recovery_s') or 0:.1f}s, redone {len(ev['check']['steps_redone'])}"
+                + (f"; problems: {ev['check']['problems'][:2]}" if ev["check"]["problems"] else ""),
+                flush=True,
+            )
             if ev["outcome"] != "ok":
                 out["job_deaths"].append({"event": index, "kind": kind, "error": ev["error"]})
                 job.restart_after_death(state)
@@ -164,8 +177,14 @@ def run_path(path: str, settings: SoakSettings, *, events: int, seed: int, kinds
     starts = [ev["sample_line"] for ev in out["events"]] + [1 << 62]
     for ev, end in zip(out["events"], starts[1:]):
         committed = ev["check"]["committed_step"]
-        ev["check"] = ledger.check_window(by_step, first_line=ev["sample_line"], end_line=end, committed=committed,
-                                          graceful=ev["kind"] in ledger.GRACEFUL_KINDS, expected=expected).to_json()  # fmt: skip
+        ev["check"] = ledger.check_window(
+            by_step,
+            first_line=ev["sample_line"],
+            end_line=end,
+            committed=committed,
+            graceful=ev["kind"] in ledger.GRACEFUL_KINDS,
+            expected=expected,
+        ).to_json()
     out["missing_steps"] = ledger.missing_steps(by_step, settings.steps)
     final = ledger.check_window(by_step, first_line=0, end_line=1 << 62, graceful=False, committed=0, expected=expected)
     out["final_check"] = final.to_json()
@@ -175,27 +194,45 @@ def run_path(path: str, settings: SoakSettings, *, events: int, seed: int, kinds
     return out
 
 
-def one_event(job: SoakJob, index: int, kind: str, state: JobState, rng: random.Random,
-              settings: SoakSettings, expected: Any) -> dict[str, Any]:  # fmt: skip
+def one_event(
+    job: SoakJob, index: int, kind: str, state: JobState, rng: random.Random, settings: SoakSettings, expected: Any
+) -> dict[str, Any]:
     """Inject one event, wait for recovery, check the sample log since the event."""
     line0, round0, world0 = job.sample_lines(), job.round(), state.world
     target = expected_world(kind, state)
-    ev: dict[str, Any] = {"index": index, "kind": kind, "from_world": world0, "to_world": target,
-                          "at_step": job.last_step()}  # fmt: skip
+    ev: dict[str, Any] = {
+        "index": index,
+        "kind": kind,
+        "from_world": world0,
+        "to_world": target,
+        "at_step": job.last_step(),
+    }
     t_event = time.time()
     try:
         detail = job.inject(kind, rng)
         ev["detail"] = detail
         t_end = time.time()
         new_round = kind not in ("etcd_restart", "etcd_pause")
-        t_rec = job.wait_recovery(world=target, round_after=round0 if new_round else None, after=t_end,
-                                  settle=settings.settle_steps, timeout=settings.event_timeout_s, what=kind)  # fmt: skip
+        t_rec = job.wait_recovery(
+            world=target,
+            round_after=round0 if new_round else None,
+            after=t_end,
+            settle=settings.settle_steps,
+            timeout=settings.event_timeout_s,
+            what=kind,
+        )
         ev["recovery_s"] = t_rec - t_event
         if kind == "kill_node":  # a new machine replaces the lost one
             target, round1 = world0, job.round()
             job.start(1)
-            job.wait_recovery(world=target, round_after=round1, after=time.time(), settle=settings.settle_steps,
-                              timeout=settings.event_timeout_s, what="the replacement of a lost node")  # fmt: skip
+            job.wait_recovery(
+                world=target,
+                round_after=round1,
+                after=time.time(),
+                settle=settings.settle_steps,
+                timeout=settings.event_timeout_s,
+                what="the replacement of a lost node",
+            )
             ev["to_world"], ev["replaced_s"] = target, time.time() - t_event
         ev["outcome"] = "ok"
         ev["rounds"] = job.round() - round0
@@ -206,8 +243,14 @@ def one_event(job: SoakJob, index: int, kind: str, state: JobState, rng: random.
     state.world, state.nodes = target, job.alive_count()
     state.capped = (state.capped or kind == "yield") and kind != "uncap"
     committed = ledger.committed_step(job.events(), t_event)
-    check = ledger.check_window(ledger.attempts_of(job.samples()), first_line=line0, end_line=1 << 62,
-                                graceful=kind in ledger.GRACEFUL_KINDS, committed=committed, expected=expected)  # fmt: skip
+    check = ledger.check_window(
+        ledger.attempts_of(job.samples()),
+        first_line=line0,
+        end_line=1 << 62,
+        graceful=kind in ledger.GRACEFUL_KINDS,
+        committed=committed,
+        expected=expected,
+    )
     ev["check"] = ev["live_check"] = check.to_json()  # the final check replaces "check" at the end of the run
     ev["sample_line"] = line0
     return ev
@@ -226,9 +269,13 @@ def single_process_run(settings: SoakSettings, work: Path) -> Path:
     argv = settings.train_args(work)
     cut = argv.index("--min-step-time")
     argv = argv[:cut] + argv[cut + 2 :] + ["--min-step-time", "0"]
-    done = run_to_completion([sys.executable, str(require_train_script()), *argv], name="single-process",
-                             timeout=settings.steps * 2 + 120, env=bench_env(OMP_NUM_THREADS="1"),
-                             log_path=work / "output.log")  # fmt: skip
+    done = run_to_completion(
+        [sys.executable, str(require_train_script()), *argv],
+        name="single-process",
+        timeout=settings.steps * 2 + 120,
+        env=bench_env(OMP_NUM_THREADS="1"),
+        log_path=work / "output.log",
+    )
     if done.returncode != 0:
         raise BenchmarkError(f"the single-process run exited {done.returncode}:\n{done.tail()}")
     return work / "final.pt"
@@ -240,14 +287,29 @@ def summarize(runs: dict[str, dict[str, Any]], reference: dict[str, Any], single
 
     ref = torch.load(reference["final_params"]) if reference.get("final_params") else None
     one = torch.load(single) if single is not None else None
-    summary: dict[str, Any] = {"paths": {}, "reference_time_to_steps_s": reference.get("time_to_steps_s"),
-                               "noise_floor_max_abs_diff": max_abs_diff(ref, one) if ref is not None and one is not None else None}
+    summary: dict[str, Any] = {
+        "paths": {},
+        "reference_time_to_steps_s": reference.get("time_to_steps_s"),
+        "noise_floor_max_abs_diff": max_abs_diff(ref, one) if ref is not None and one is not None else None,
+    }
     for path, run in runs.items():
         by_kind: dict[str, Any] = {}
         for ev in run["events"]:
-            k = by_kind.setdefault(ev["kind"], {"n": 0, "survived": 0, "recovery_s": [], "steps_redone": 0,
-                                                "samples_lost": 0, "samples_repeated": 0, "samples_redone": 0,
-                                                "redone_committed": 0, "new_rounds": 0, "problems": []})  # fmt: skip
+            k = by_kind.setdefault(
+                ev["kind"],
+                {
+                    "n": 0,
+                    "survived": 0,
+                    "recovery_s": [],
+                    "steps_redone": 0,
+                    "samples_lost": 0,
+                    "samples_repeated": 0,
+                    "samples_redone": 0,
+                    "redone_committed": 0,
+                    "new_rounds": 0,
+                    "problems": [],
+                },
+            )
             c = ev["check"]
             k["new_rounds"] += ev.get("rounds") or 0
             k["n"] += 1
@@ -278,12 +340,18 @@ def summarize(runs: dict[str, dict[str, Any]], reference: dict[str, Any], single
             # A failure may leave a step without the failed rank's record: killed or stopped after the
             # all-reduce (the step trained, the ledger's "unlogged"; in place the job goes on from it)
             # or, on the restart path, before a redo whose records interleave with its own.
-            "steps_unlogged_at_failures": sum(len(ev["check"]["steps_unlogged"]) for ev in run["events"]
-                                              if ev["kind"] in ledger.FAILURE_KINDS),
-            "missing_steps_outside_failures": len(set(run["missing_steps"]) - {
-                step for ev in run["events"] if ev["kind"] in ledger.FAILURE_KINDS
-                for step in (*ev["check"]["steps_redone"], *ev["check"]["steps_unlogged"])
-            }),
+            "steps_unlogged_at_failures": sum(
+                len(ev["check"]["steps_unlogged"]) for ev in run["events"] if ev["kind"] in ledger.FAILURE_KINDS
+            ),
+            "missing_steps_outside_failures": len(
+                set(run["missing_steps"])
+                - {
+                    step
+                    for ev in run["events"]
+                    if ev["kind"] in ledger.FAILURE_KINDS
+                    for step in (*ev["check"]["steps_redone"], *ev["check"]["steps_unlogged"])
+                }
+            ),
             "final_samples_lost": run["final_check"]["samples_lost"],
             "final_samples_repeated": run["final_check"]["samples_repeated"],
             "launcher_exit_codes": run["exit_codes"],
@@ -325,8 +393,10 @@ def plot(result: BenchmarkResult, runs: dict[str, Any], reference: dict[str, Any
     ax2.set_ylabel("event to recovery, s (median)")
     ax2.legend(fontsize=8)
     ax2.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"soak ({result.mode}, seed {result.params['seed']}, {result.params['events']} events, "
-                 f"step time {result.params['step_time_s']} s, checkpoint every {result.params['ckpt_every']})")  # fmt: skip
+    fig.suptitle(
+        f"soak ({result.mode}, seed {result.params['seed']}, {result.params['events']} events, "
+        f"step time {result.params['step_time_s']} s, checkpoint every {result.params['ckpt_every']})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -351,16 +421,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--step-time", type=float, default=0.3, help="fixed step time, s [0.3]")
         parser.add_argument("--ckpt-every", type=int, default=5, help="periodic checkpoint interval, steps [5]")
         parser.add_argument("--dtype", choices=("fp64", "fp32"), default="fp32", help="the example's --dtype [fp32]")
-        parser.add_argument("--all-reduce", action="store_true",
-                            help="the example's DDP all-reduce instead of --deterministic-reduce: final parameters then "
-                            "drift from the reference by the float order of each world size (fp64 starts it at 1e-16)")  # fmt: skip
-        parser.add_argument("--gap-steps", default=None, metavar="LO,HI",
-                            help="steps between an event's recovery and the next event (smoke 2,4; quick 6,14; full 20,40)")  # fmt: skip
-        parser.add_argument("--include-skipped", action="store_true",
-                            help=f"draw the kinds left out for known bugs too ({', '.join(SKIPPED_KINDS)})")  # fmt: skip
-        parser.add_argument("--no-noise-floor", action="store_true",
-                            help="skip the single-process run of the same steps (the float-order noise floor; "
-                            "about as long as the reference)")  # fmt: skip
+        parser.add_argument(
+            "--all-reduce",
+            action="store_true",
+            help="the example's DDP all-reduce instead of --deterministic-reduce: final parameters then "
+            "drift from the reference by the float order of each world size (fp64 starts it at 1e-16)",
+        )
+        parser.add_argument(
+            "--gap-steps",
+            default=None,
+            metavar="LO,HI",
+            help="steps between an event's recovery and the next event (smoke 2,4; quick 6,14; full 20,40)",
+        )
+        parser.add_argument(
+            "--include-skipped",
+            action="store_true",
+            help=f"draw the kinds left out for known bugs too ({', '.join(SKIPPED_KINDS)})",
+        )
+        parser.add_argument(
+            "--no-noise-floor",
+            action="store_true",
+            help="skip the single-process run of the same steps (the float-order noise floor; "
+            "about as long as the reference)",
+        )
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
     events = args.events if args.events is not None else EVENTS[args.mode]
@@ -379,29 +462,63 @@ def main(argv: list[str] | None = None) -> int:
     # detection, the settle steps at the new size: ~9 in the quick run) and a short tail; an event
     # that would fall into the tail is not injected (the run says so).
     steps = 8 + events * (sum(gap) // 2 + 9) + 10
-    settings = SoakSettings(steps=steps, step_time_s=args.step_time, ckpt_every=args.ckpt_every, dtype=args.dtype,
-                            deterministic_reduce=not args.all_reduce, data_cache=args.out / "data-cache")  # fmt: skip
+    settings = SoakSettings(
+        steps=steps,
+        step_time_s=args.step_time,
+        ckpt_every=args.ckpt_every,
+        dtype=args.dtype,
+        deterministic_reduce=not args.all_reduce,
+        data_cache=args.out / "data-cache",
+    )
     result = BenchmarkResult(
-        name=NAME, mode=args.mode,
-        params={"seed": args.seed, "events": events, "paths": list(paths), "kinds": list(kinds),
-                "skipped_kinds": skipped, "gap_steps": list(gap), "step_time_s": args.step_time,
-                "ckpt_every": args.ckpt_every, "noise_floor": not args.no_noise_floor, "settings": settings.as_params()},
+        name=NAME,
+        mode=args.mode,
+        params={
+            "seed": args.seed,
+            "events": events,
+            "paths": list(paths),
+            "kinds": list(kinds),
+            "skipped_kinds": skipped,
+            "gap_steps": list(gap),
+            "step_time_s": args.step_time,
+            "ckpt_every": args.ckpt_every,
+            "noise_floor": not args.no_noise_floor,
+            "settings": settings.as_params(),
+        },
         baseline="the same 3 nodes training the same steps without events, in the same run (time to the step "
         "target, and the final parameters as the fixed-size reference)",
-    )  # fmt: skip
+    )
     work_root = args.out / "work" / NAME
     shutil.rmtree(work_root, ignore_errors=True)
     expected = settings.expected_batches()
     etcd = start_etcd()
     try:
         print(f"{NAME}: reference run, {steps} steps without events", flush=True)
-        reference = run_path("in-process", settings, events=0, seed=args.seed, kinds=kinds, gap=gap, etcd=etcd,
-                             work=work_root / "reference", expected=expected)  # fmt: skip
+        reference = run_path(
+            "in-process",
+            settings,
+            events=0,
+            seed=args.seed,
+            kinds=kinds,
+            gap=gap,
+            etcd=etcd,
+            work=work_root / "reference",
+            expected=expected,
+        )
         runs = {}
         for path in paths:
             print(f"{NAME}: {path}: {events} events over {steps} steps", flush=True)
-            runs[path] = run_path(path, settings, events=events, seed=args.seed, kinds=kinds, gap=gap, etcd=etcd,
-                                  work=work_root / path, expected=expected)  # fmt: skip
+            runs[path] = run_path(
+                path,
+                settings,
+                events=events,
+                seed=args.seed,
+                kinds=kinds,
+                gap=gap,
+                etcd=etcd,
+                work=work_root / path,
+                expected=expected,
+            )
     finally:
         etcd.stop()
     single = None
@@ -426,19 +543,35 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for path, s in result.summary["paths"].items():
         for kind, k in s["by_kind"].items():
-            rows.append((path, kind, f"{k['survived']}/{k['n']}", k["recovery_median_s"], k["steps_redone"],
-                         k["samples_lost"], k["samples_repeated"] + (k["samples_redone"] if kind in
-                         ledger.GRACEFUL_KINDS else 0), k["new_rounds"], len(k["problems"])))  # fmt: skip
-    print(format_table(["path", "event", "survived", "recovery s", "steps redone", "lost", "repeated", "rounds",
-                        "problems"],
-                       rows))  # fmt: skip
+            rows.append(
+                (
+                    path,
+                    kind,
+                    f"{k['survived']}/{k['n']}",
+                    k["recovery_median_s"],
+                    k["steps_redone"],
+                    k["samples_lost"],
+                    k["samples_repeated"] + (k["samples_redone"] if kind in ledger.GRACEFUL_KINDS else 0),
+                    k["new_rounds"],
+                    len(k["problems"]),
+                )
+            )
+    print(
+        format_table(
+            ["path", "event", "survived", "recovery s", "steps redone", "lost", "repeated", "rounds", "problems"], rows
+        )
+    )
     for path, s in result.summary["paths"].items():
-        print(f"{path}: {s['events_survived']}/{s['events_total']} events survived, {s['job_deaths']} job deaths, "
-              f"goodput {s['goodput'] if s['goodput'] is None else round(s['goodput'], 3)}, "
-              f"final parameters vs reference max |diff| {s['final_max_abs_diff']}, vs one process "
-              f"{s.get('final_vs_single_process_max_abs_diff')}")  # fmt: skip
-    print(f"noise floor (reference at world 3 vs one process, no events): max |diff| "
-          f"{result.summary['noise_floor_max_abs_diff']}")  # fmt: skip
+        print(
+            f"{path}: {s['events_survived']}/{s['events_total']} events survived, {s['job_deaths']} job deaths, "
+            f"goodput {s['goodput'] if s['goodput'] is None else round(s['goodput'], 3)}, "
+            f"final parameters vs reference max |diff| {s['final_max_abs_diff']}, vs one process "
+            f"{s.get('final_vs_single_process_max_abs_diff')}"
+        )
+    print(
+        f"noise floor (reference at world 3 vs one process, no events): max |diff| "
+        f"{result.summary['noise_floor_max_abs_diff']}"
+    )
     print(f"wrote {out_path}")
     return 0
 

@@ -81,12 +81,26 @@ class SoakSettings:
 
     def train_args(self, work: Path) -> list[str]:
         train = TrainArgs(
-            steps=self.steps, seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
-            min_step_time=self.step_time_s, ckpt_every=self.ckpt_every,
-            extra=("--seed", str(self.seed), "--dtype", self.dtype, "--sample-log", str(work / "samples.jsonl"),
-                   "--save-final", str(work / "final.pt"), "--keep-checkpoints", "2",
-                   *(("--deterministic-reduce",) if self.deterministic_reduce else ())),
-        )  # fmt: skip
+            steps=self.steps,
+            seq_len=self.seq_len,
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            min_step_time=self.step_time_s,
+            ckpt_every=self.ckpt_every,
+            extra=(
+                "--seed",
+                str(self.seed),
+                "--dtype",
+                self.dtype,
+                "--sample-log",
+                str(work / "samples.jsonl"),
+                "--save-final",
+                str(work / "final.pt"),
+                "--keep-checkpoints",
+                "2",
+                *(("--deterministic-reduce",) if self.deterministic_reduce else ()),
+            ),
+        )
         return train.argv(run_dir=work / "run", data_cache=self.data_cache, metrics=work / "metrics.jsonl")
 
     def expected_batches(self) -> Callable[[int], list[int]]:
@@ -99,8 +113,14 @@ class SoakSettings:
         from elastic_events.dataset import ByteTokenizer
         from elastic_events.sampler import epoch_permutation
 
-        rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
-                     compute_dtype=torch.float32, distributed=False)  # fmt: skip
+        rt = Runtime(
+            rank=0,
+            local_rank=0,
+            world_size=1,
+            device=torch.device("cpu"),
+            compute_dtype=torch.float32,
+            distributed=False,
+        )
         config = TrainConfig(data_cache=self.data_cache, seq_len=self.seq_len, num_workers=0)
         num_samples = len(prepare_dataset(config, ByteTokenizer(), rt))
         per_epoch = num_samples // self.global_batch * self.global_batch
@@ -133,13 +153,39 @@ class SoakJob:
         self.t_start = 0.0
         self.script = str(require_train_script())
         self.flags = [
-            "--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint,
-            "--rdzv-id", self.run_id, "--rdzv-conf", f"lease_ttl={settings.lease_ttl_s:g}",
-            "--scaling-timeout", "1", "--min-stable-period", "1", "--faulty-scale-down-timeout", "0",
-            "--backoff-factor", "1", "--graceful-shutdown-timeout", "60", "--max-restarts", "1000",
-            "--hang-timeout", f"{settings.hang_timeout_s:g}", "--monitor-interval", "0.1",
-            "--restart-mode", restart_mode, "--event-log", str(work / "events.jsonl"),
-        ]  # fmt: skip
+            "--nnodes",
+            "1:3",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            etcd.endpoint,
+            "--rdzv-id",
+            self.run_id,
+            "--rdzv-conf",
+            f"lease_ttl={settings.lease_ttl_s:g}",
+            "--scaling-timeout",
+            "1",
+            "--min-stable-period",
+            "1",
+            "--faulty-scale-down-timeout",
+            "0",
+            "--backoff-factor",
+            "1",
+            "--graceful-shutdown-timeout",
+            "60",
+            "--max-restarts",
+            "1000",
+            "--hang-timeout",
+            f"{settings.hang_timeout_s:g}",
+            "--monitor-interval",
+            "0.1",
+            "--restart-mode",
+            restart_mode,
+            "--event-log",
+            str(work / "events.jsonl"),
+        ]
         self.env = bench_env(OMP_NUM_THREADS="1")
 
     # -- logs
@@ -178,8 +224,9 @@ class SoakJob:
             name = f"node-{len(self.nodes)}"
             logs = ("--log-dir", str(self.work / "logs" / name))  # one per node: attempt folders would collide
             cmd = hyperpodrun_cmd(*self.flags, *logs, self.script, *self.settings.train_args(self.work))
-            self.nodes[name] = ManagedProcess(cmd, name=name, env=self.env, bus=self.bus,
-                                              log_path=self.work / f"{name}.log")  # fmt: skip
+            self.nodes[name] = ManagedProcess(
+                cmd, name=name, env=self.env, bus=self.bus, log_path=self.work / f"{name}.log"
+            )
             self.t_start = self.t_start or self.nodes[name].started_at
             names.append(name)
         return names
@@ -213,8 +260,18 @@ class SoakJob:
         return None
 
     def ctl(self, *args: str) -> str:
-        cmd = [sys.executable, "-m", "hyperpodrun.ctl", *args, "--rdzv-id", self.run_id, "--rdzv-backend", "etcd",
-               "--rdzv-endpoint", self.etcd.endpoint]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "hyperpodrun.ctl",
+            *args,
+            "--rdzv-id",
+            self.run_id,
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            self.etcd.endpoint,
+        ]
         done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60, check=False)
         if done.returncode != 0:
             raise BenchmarkError(f"hyperpodctl {' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
@@ -266,8 +323,9 @@ class SoakJob:
         self._poll(lambda: self.last_step() >= step, timeout=timeout, what=f"training to reach step {step}")
 
     def wait_progress(self, *, world: int | None, after: float, timeout: float, what: str) -> float:
-        return self.wait_recovery(world=world, round_after=None, after=after, settle=self.settings.settle_steps,
-                                  timeout=timeout, what=what)  # fmt: skip
+        return self.wait_recovery(
+            world=world, round_after=None, after=after, settle=self.settings.settle_steps, timeout=timeout, what=what
+        )
 
     def wait_recovery(
         self, *, world: int | None, round_after: int | None, after: float, settle: int, timeout: float, what: str
@@ -278,7 +336,9 @@ class SoakJob:
         def ready() -> float | None:
             t0 = after
             if round_after is not None:
-                rounds = [e["ts"] for e in self.events() if e["event"] == "rendezvous_done" and e["round"] > round_after]
+                rounds = [
+                    e["ts"] for e in self.events() if e["event"] == "rendezvous_done" and e["round"] > round_after
+                ]
                 if not rounds:
                     return None
                 t0 = max(t0, min(rounds))
@@ -300,8 +360,9 @@ class SoakJob:
         if state.capped:
             self.ctl("uncap")
         self.start(3)
-        self.wait_progress(world=None, after=time.time(), timeout=self.settings.startup_timeout_s,
-                           what="the restart of a dead job")  # fmt: skip
+        self.wait_progress(
+            world=None, after=time.time(), timeout=self.settings.startup_timeout_s, what="the restart of a dead job"
+        )
         state.nodes, state.world, state.capped = 3, 3, False
 
     def close(self, grace: float = 60.0) -> dict[str, int | None]:

@@ -88,7 +88,9 @@ def batch_problems(attempt: Attempt, expected: Sequence[int]) -> tuple[int, int,
     repeated = sum((got - want).values())
     problem = None
     if not attempt.complete:
-        problem = f"step {attempt.step}: logged by ranks {sorted(attempt.ids_by_rank)} of a world of {attempt.world_size}"
+        problem = (
+            f"step {attempt.step}: logged by ranks {sorted(attempt.ids_by_rank)} of a world of {attempt.world_size}"
+        )
     elif lost or repeated:
         problem = f"step {attempt.step}: {lost} sample(s) of its batch missing, {repeated} extra or twice"
     return lost, repeated, problem
@@ -115,9 +117,13 @@ class WindowCheck:
     problems: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "steps_redone": list(self.steps_redone),
-                "redone_committed": list(self.redone_committed), "steps_unlogged": list(self.steps_unlogged),
-                "problems": list(self.problems)}  # fmt: skip
+        return {
+            **dataclasses.asdict(self),
+            "steps_redone": list(self.steps_redone),
+            "redone_committed": list(self.redone_committed),
+            "steps_unlogged": list(self.steps_unlogged),
+            "problems": list(self.problems),
+        }
 
 
 def check_window(
@@ -151,15 +157,18 @@ def check_window(
                 redone.append(step)
                 samples_redone += len(attempt.sample_ids())
             if index == len(tries) - 1 and attempt.complete:
-                l, r, problem = batch_problems(attempt, expected(step))
-                lost, repeated = lost + l, repeated + r
+                lost_here, repeated_here, problem = batch_problems(attempt, expected(step))
+                lost, repeated = lost + lost_here, repeated + repeated_here
                 if problem:
                     problems.append(problem)
             elif index == len(tries) - 1 and step < last_step:
                 unlogged.append(step)
                 problem = unlogged_problem(attempt, expected(step))
                 if problem or graceful:
-                    problems.append(problem or f"step {attempt.step}: {unlogged_ranks(attempt)} left no record after a graceful event")
+                    problems.append(
+                        problem
+                        or f"step {attempt.step}: {unlogged_ranks(attempt)} left no record after a graceful event"
+                    )
     redone = sorted(set(redone))
     bad = tuple(s for s in redone if s <= committed)
     if graceful and redone:
@@ -167,10 +176,16 @@ def check_window(
     if bad:
         problems.append(f"steps {list(bad[:10])} were redone although checkpoint {committed} had committed them")
     return WindowCheck(
-        steps_trained=len(trained), steps_redone=tuple(redone), committed_step=committed, redone_committed=bad,
+        steps_trained=len(trained),
+        steps_redone=tuple(redone),
+        committed_step=committed,
+        redone_committed=bad,
         steps_unlogged=tuple(sorted(unlogged)),
-        samples_redone=samples_redone, samples_lost=lost, samples_repeated=repeated, problems=tuple(problems),
-    )  # fmt: skip
+        samples_redone=samples_redone,
+        samples_lost=lost,
+        samples_repeated=repeated,
+        problems=tuple(problems),
+    )
 
 
 def unlogged_ranks(attempt: Attempt) -> str:
@@ -184,8 +199,13 @@ def unlogged_problem(attempt: Attempt, expected: Sequence[int]) -> str | None:
     and leave out exactly the missing ranks' shares."""
     ids, share = attempt.sample_ids(), len(expected) // attempt.world_size
     missing = attempt.world_size - len(attempt.ids_by_rank)
-    if (len(set(ids)) != len(ids) or not set(ids) <= set(expected) or len(expected) % attempt.world_size
-            or any(len(v) != share for v in attempt.ids_by_rank.values()) or len(expected) - len(ids) != missing * share):  # fmt: skip
+    if (
+        len(set(ids)) != len(ids)
+        or not set(ids) <= set(expected)
+        or len(expected) % attempt.world_size
+        or any(len(v) != share for v in attempt.ids_by_rank.values())
+        or len(expected) - len(ids) != missing * share
+    ):
         return f"step {attempt.step}: {unlogged_ranks(attempt)} left no record, and the others' samples are not their share of the batch"
     return None
 

@@ -150,10 +150,23 @@ def micro(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for d in (inside, outside):
         d.mkdir(parents=True, exist_ok=True)
     launch = hyperpodrun_cmd(
-        "--nnodes", "1:1", "--nproc-per-node", str(RANKS), "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "bench-overhead", "--log-dir", str(work / "logs"),
-        script, "--worker-out", str(inside), *counts,
-    )  # fmt: skip
+        "--nnodes",
+        "1:1",
+        "--nproc-per-node",
+        str(RANKS),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "bench-overhead",
+        "--log-dir",
+        str(work / "logs"),
+        script,
+        "--worker-out",
+        str(inside),
+        *counts,
+    )
     plain = [sys.executable, script, "--worker-out", str(outside), *counts]
     env = bench_env(OMP_NUM_THREADS="1")
     for name, cmd in (("hyperpodrun", launch), ("plain", plain)):
@@ -237,13 +250,26 @@ def macro(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for launcher in order:
             print(f"{NAME}: {launcher}, {RANKS} ranks, rep {rep + 1} ...", flush=True)
             run = run_training(
-                launcher, RANKS, train, work=work / f"{launcher}-{rep}", data_cache=args.out / "data-cache",
-                timeout=args.run_timeout, env=env, sample_interval=CPU_SAMPLE_INTERVAL_S,
-            )  # fmt: skip
+                launcher,
+                RANKS,
+                train,
+                work=work / f"{launcher}-{rep}",
+                data_cache=args.out / "data-cache",
+                timeout=args.run_timeout,
+                env=env,
+                sample_interval=CPU_SAMPLE_INTERVAL_S,
+            )
             costs = steady_costs(run["metrics"], run["cpu_samples"], skip=skip)
             tokens_per_s = wall_tokens_per_s(run["metrics"], train.tokens_per_step, skip=skip)
-            runs.append({"rep": rep, "tokens_per_s": tokens_per_s, **costs,
-                         "step_tokens_per_s": train.tokens_per_step / costs["median_step_s"], **run})  # fmt: skip
+            runs.append(
+                {
+                    "rep": rep,
+                    "tokens_per_s": tokens_per_s,
+                    **costs,
+                    "step_tokens_per_s": train.tokens_per_step / costs["median_step_s"],
+                    **run,
+                }
+            )
     by = {name: sorted((r for r in runs if r["launcher"] == name), key=lambda r: r["rep"]) for name in LAUNCHERS}
     pairs = list(zip(by["hyperpodrun"], by["torchrun"]))
     wall = [theirs["median_step_s"] / ours["median_step_s"] for ours, theirs in pairs]
@@ -319,9 +345,13 @@ def plot(result: BenchmarkResult, m: dict[str, Any], t: dict[str, Any], path: Pa
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--run-timeout", type=float, default=600.0, help="hard limit per launched run, s")
-        parser.add_argument("--client", choices=("loop", "hf", "snapshot"), default="loop",
-                            help="loop: the hand-written example loop (default); hf: a Hugging Face Trainer job; "
-                                 "snapshot: the example with --fsdp, in-memory snapshots on and off")  # fmt: skip
+        parser.add_argument(
+            "--client",
+            choices=("loop", "hf", "snapshot"),
+            default="loop",
+            help="loop: the hand-written example loop (default); hf: a Hugging Face Trainer job; "
+            "snapshot: the example with --fsdp, in-memory snapshots on and off",
+        )
         add_train_arguments(parser)
         hf_client.add_worker_arguments(parser)
         # internal: the measuring worker
@@ -337,30 +367,51 @@ def main(argv: list[str] | None = None) -> int:
     work = args.out / "work" / NAME
     shutil.rmtree(work, ignore_errors=True)
     if args.client == "snapshot":
-        snap = snapshot_client.run(args, work / "snapshot", steps=TRAIN_STEPS[args.mode], reps=TRAIN_REPS[args.mode],
-                                   skip=WARMUP_STEPS[args.mode], steady_costs=steady_costs)  # fmt: skip
+        snap = snapshot_client.run(
+            args,
+            work / "snapshot",
+            steps=TRAIN_STEPS[args.mode],
+            reps=TRAIN_REPS[args.mode],
+            skip=WARMUP_STEPS[args.mode],
+            steady_costs=steady_costs,
+        )
         path = snap.write(args.out)
         s = snap.summary
-        print(format_table(["variant", "median step s", "CPU s per step"],
-                           [(v, s["median_step_s"][v], s["cpu_per_step_s"][v]) for v in ("snapshots", "no-snapshots")]))  # fmt: skip
+        print(
+            format_table(
+                ["variant", "median step s", "CPU s per step"],
+                [(v, s["median_step_s"][v], s["cpu_per_step_s"][v]) for v in ("snapshots", "no-snapshots")],
+            )
+        )
         ci = s["wall_step_ratio_ci"]
-        print(f"throughput with snapshots / without: {s['throughput_ratio']:.3f} (pairs {', '.join(f'{r:.3f}' for r in s['wall_step_ratios'])}"
-              + (f"; mean {ci['ratio']:.3f}, 95 % CI {ci['ci_low']:.3f}-{ci['ci_high']:.3f}" if ci else "") + "), target >= 0.97")
-        print(f"memory: {s['snapshot_bytes_per_rank']} bytes of snapshots per rank / {s['state_bytes_per_rank']} bytes of "
-              f"local state = {s['memory_ratio']:.2f}")
+        print(
+            f"throughput with snapshots / without: {s['throughput_ratio']:.3f} (pairs {', '.join(f'{r:.3f}' for r in s['wall_step_ratios'])}"
+            + (f"; mean {ci['ratio']:.3f}, 95 % CI {ci['ci_low']:.3f}-{ci['ci_high']:.3f}" if ci else "")
+            + "), target >= 0.97"
+        )
+        print(
+            f"memory: {s['snapshot_bytes_per_rank']} bytes of snapshots per rank / {s['state_bytes_per_rank']} bytes of "
+            f"local state = {s['memory_ratio']:.2f}"
+        )
         print(f"wrote {path}")
         return 0
     if args.client == "hf":
         hf = hf_client.run(args, work / "hf", Path(__file__).resolve())
         path = hf.write(args.out)
         s = hf.summary
-        print(format_table(
-            ["launcher", "optimizer steps/s (median)"],
-            [("hyperpodrun + ElasticCallback", s["hyperpodrun_callback_steps_per_s"]),
-             ("torchrun, no callback", s["torchrun_steps_per_s"])],
-        ))  # fmt: skip
-        print(f"throughput ratio: {s['throughput_ratio']:.3f} (paired runs: {s['throughput_ratio_paired_min']:.3f} "
-              f".. {s['throughput_ratio_paired_max']:.3f}; target >= 0.99)")  # fmt: skip
+        print(
+            format_table(
+                ["launcher", "optimizer steps/s (median)"],
+                [
+                    ("hyperpodrun + ElasticCallback", s["hyperpodrun_callback_steps_per_s"]),
+                    ("torchrun, no callback", s["torchrun_steps_per_s"]),
+                ],
+            )
+        )
+        print(
+            f"throughput ratio: {s['throughput_ratio']:.3f} (paired runs: {s['throughput_ratio_paired_min']:.3f} "
+            f".. {s['throughput_ratio_paired_max']:.3f}; target >= 0.99)"
+        )
         print(f"wrote {path}")
         return 0
     result = BenchmarkResult(
@@ -424,8 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     plot(result, m, t, result.plot_path(args.out))
     path = result.write(args.out)
-    rows = [("elastic_event_detected(), outside", m["check_outside_median_us"], m["check_outside_p99_us"]),
-            ("elastic_event_detected(), in hyperpodrun", m["check_inside_median_us"], m["check_inside_p99_us"])]  # fmt: skip
+    rows = [
+        ("elastic_event_detected(), outside", m["check_outside_median_us"], m["check_outside_p99_us"]),
+        ("elastic_event_detected(), in hyperpodrun", m["check_inside_median_us"], m["check_inside_p99_us"]),
+    ]
     for b in ("gloo", "nccl"):
         if f"allreduce_{b}_median_us" in m:
             rows.append(
@@ -436,18 +489,40 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
     print(format_table(["per-step call", "median µs", "p99 µs"], rows))
-    print(format_table(
-        ["launcher", "tokens/s end to end", "median step s", "CPU s/step, ranks", "CPU s/step, all", "agent CPU (cores)"],
-        [(name, t[f"{name}_tokens_per_s"], t[f"{name}_median_step_s"], t[f"{name}_rank_cpu_per_step_s"],
-          t[f"{name}_cpu_per_step_s"], t[f"{name}_agent_cpu_fraction"]) for name in LAUNCHERS],
-    ))  # fmt: skip
-    print(f"throughput ratio hyperpodrun/torchrun, end to end: {t['throughput_ratio']:.3f} "
-          f"(paired runs: {min(t['paired_ratios']):.3f} .. {max(t['paired_ratios']):.3f}; target >= 0.99)")  # fmt: skip
+    print(
+        format_table(
+            [
+                "launcher",
+                "tokens/s end to end",
+                "median step s",
+                "CPU s/step, ranks",
+                "CPU s/step, all",
+                "agent CPU (cores)",
+            ],
+            [
+                (
+                    name,
+                    t[f"{name}_tokens_per_s"],
+                    t[f"{name}_median_step_s"],
+                    t[f"{name}_rank_cpu_per_step_s"],
+                    t[f"{name}_cpu_per_step_s"],
+                    t[f"{name}_agent_cpu_fraction"],
+                )
+                for name in LAUNCHERS
+            ],
+        )
+    )
+    print(
+        f"throughput ratio hyperpodrun/torchrun, end to end: {t['throughput_ratio']:.3f} "
+        f"(paired runs: {min(t['paired_ratios']):.3f} .. {max(t['paired_ratios']):.3f}; target >= 0.99)"
+    )
     for key, label in (("wall_step", "wall time per step"), ("cpu_step", "CPU time per step (ranks + launcher)")):
         ci = t[f"{key}_ratio_ci"]
         if ci:
-            print(f"ratio by {label}: {ci['ratio']:.3f}, 95 % CI {ci['ci_low']:.3f} .. {ci['ci_high']:.3f} "
-                  f"({ci['n']} pairs)")  # fmt: skip
+            print(
+                f"ratio by {label}: {ci['ratio']:.3f}, 95 % CI {ci['ci_low']:.3f} .. {ci['ci_high']:.3f} "
+                f"({ci['n']} pairs)"
+            )
     print(f"wrote {path}")
     return 0
 

@@ -62,8 +62,10 @@ def plot(result: BenchmarkResult, rows: list[dict[str, Any]], path: Path) -> Non
     cores = result.machine["usable_cpus"]
     for ax in (ax1, ax2):
         ax.grid(True, alpha=0.3)
-    fig.suptitle(f"throughput ({result.mode}, {result.params['launcher']}, {result.params['train']['model']}, "
-                 f"{cores} CPU cores{', GPUs' if result.machine['gpus'] else ''})")  # fmt: skip
+    fig.suptitle(
+        f"throughput ({result.mode}, {result.params['launcher']}, {result.params['train']['model']}, "
+        f"{cores} CPU cores{', GPUs' if result.machine['gpus'] else ''})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -71,8 +73,12 @@ def plot(result: BenchmarkResult, rows: list[dict[str, Any]], path: Path) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--worlds", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
-                            help="rank counts on this node (default by mode)")  # fmt: skip
+        parser.add_argument(
+            "--worlds",
+            type=lambda s: tuple(int(x) for x in s.split(",")),
+            default=None,
+            help="rank counts on this node (default by mode)",
+        )
         parser.add_argument("--launcher", choices=LAUNCHERS, default="hyperpodrun")
         parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default by mode)")
         parser.add_argument("--threads-per-rank", type=int, default=1, help="OMP/intra-op threads per rank on CPU [1]")
@@ -109,9 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         for world in worlds:
             print(f"{NAME}: {world} rank(s), rep {rep + 1}/{reps} ...", flush=True)
             run = run_training(
-                args.launcher, world, train, work=work_root / f"w{world}-r{rep}", data_cache=data_cache,
-                timeout=args.run_timeout, env=env,
-            )  # fmt: skip
+                args.launcher,
+                world,
+                train,
+                work=work_root / f"w{world}-r{rep}",
+                data_cache=data_cache,
+                timeout=args.run_timeout,
+                env=env,
+            )
             run["tokens_per_s"] = wall_tokens_per_s(run["metrics"], train.tokens_per_step, skip=skip)
             run["trainer_tokens_per_s_median"] = median(m["tokens_per_s"] for m in run["metrics"] if m["step"] > skip)
             runs.append({"world": world, "rep": rep, **run})
@@ -135,11 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     plot(result, rows, result.plot_path(args.out))
     path = result.write(args.out)
-    print(format_table(
-        ["ranks", "tokens/s", "speedup", "efficiency", "oversubscribed"],
-        [(r["world"], r["tokens_per_s"], r["speedup"], r["efficiency"], "yes" if r["oversubscribed"] else "no")
-         for r in rows],
-    ))  # fmt: skip
+    print(
+        format_table(
+            ["ranks", "tokens/s", "speedup", "efficiency", "oversubscribed"],
+            [
+                (r["world"], r["tokens_per_s"], r["speedup"], r["efficiency"], "yes" if r["oversubscribed"] else "no")
+                for r in rows
+            ],
+        )
+    )
     print(f"wrote {path}")
     return 0
 

@@ -120,11 +120,20 @@ def replica_main(args: argparse.Namespace) -> int:
         optimizer.load_state_dict(state["optim"])
 
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
-        load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"group{args.replica}",
-        rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=args.lighthouse,
-        timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=30), hostname="127.0.0.1",
-    )  # fmt: skip
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"group{args.replica}",
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=args.lighthouse,
+        timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=30),
+        hostname="127.0.0.1",
+    )
     params = list(model.parameters())
     generator = torch.Generator().manual_seed(args.replica)
     with open(args.metrics, "a", buffering=1) as log:
@@ -146,8 +155,12 @@ def replica_main(args: argparse.Namespace) -> int:
             if committed:
                 optimizer.step()
             time.sleep(max(0.0, args.step_time - (time.perf_counter() - t0)))
-            record = {"ts": time.time(), "step": manager.current_step(), "committed": committed,
-                      "participants": manager.num_participants()}  # fmt: skip
+            record = {
+                "ts": time.time(),
+                "step": manager.current_step(),
+                "committed": committed,
+                "participants": manager.num_participants(),
+            }
             log.write(json.dumps(record) + "\n")
 
 
@@ -170,17 +183,27 @@ def inside_main(args: argparse.Namespace) -> int:
     env = bench_env(OMP_NUM_THREADS="1")
 
     def start(replica: int) -> None:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--replica", str(replica),
-               "--lighthouse", lighthouse.address(), "--metrics", str(work / f"group{replica}.jsonl"),
-               "--step-time", str(args.step_time)]  # fmt: skip
-        groups[replica] = ManagedProcess(cmd, name=f"group{replica}", env=env, bus=bus,
-                                         log_path=work / f"group{replica}.log")  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--replica",
+            str(replica),
+            "--lighthouse",
+            lighthouse.address(),
+            "--metrics",
+            str(work / f"group{replica}.jsonl"),
+            "--step-time",
+            str(args.step_time),
+        ]
+        groups[replica] = ManagedProcess(
+            cmd, name=f"group{replica}", env=env, bus=bus, log_path=work / f"group{replica}.log"
+        )
 
     def settled(participants: int) -> None:
         def ready(_: object) -> bool:
             if groups[0].poll() is not None:
                 raise BenchmarkError(f"torchft group 0 exited {groups[0].poll()}:\n{groups[0].tail(15)}")
-            tail = read_metrics(metrics)[-args.settle:]
+            tail = read_metrics(metrics)[-args.settle :]
             return len(tail) == args.settle and all(r["participants"] == participants and r["committed"] for r in tail)
 
         bus.wait_for(ready, timeout=EVENT_TIMEOUT_S, what=f"torchft: {args.settle} steps with {participants} group(s)")
@@ -213,9 +236,23 @@ def measure(mode: str, work: Path, *, timeout: float = 900.0) -> dict[str, Any]:
     """The torchft scenario of ``mode``, in its own network namespace; events, medians and failure."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    cmd = ["unshare", "--user", "--map-root-user", "--net", sys.executable, str(Path(__file__).resolve()),
-           "--inside", "--work", str(work), "--cycles", str(CYCLES[mode]), "--settle", str(SETTLE_STEPS[mode]),
-           "--step-time", str(STEP_TIME_S)]  # fmt: skip
+    cmd = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--net",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--inside",
+        "--work",
+        str(work),
+        "--cycles",
+        str(CYCLES[mode]),
+        "--settle",
+        str(SETTLE_STEPS[mode]),
+        "--step-time",
+        str(STEP_TIME_S),
+    ]
     done = subprocess.run(cmd, env=bench_env(), capture_output=True, text=True, timeout=timeout, check=False)
     result_path = work / "result.json"
     if done.returncode != 0 or not result_path.is_file():
@@ -229,9 +266,20 @@ def measure(mode: str, work: Path, *, timeout: float = 900.0) -> dict[str, Any]:
                 median(e[key] for e in evs) if evs else None
             )
         summary[kind]["n"] = len(evs)
-    return {"version": _torchft_version(), "params": {"cycles": CYCLES[mode], "step_time_s": STEP_TIME_S,
-            "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "join_timeout_ms": 100, "seq_len": SEQ_LEN,
-            "batch": BATCH, "model": "tiny"}, "summary": summary, **result}  # fmt: skip
+    return {
+        "version": _torchft_version(),
+        "params": {
+            "cycles": CYCLES[mode],
+            "step_time_s": STEP_TIME_S,
+            "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
+            "join_timeout_ms": 100,
+            "seq_len": SEQ_LEN,
+            "batch": BATCH,
+            "model": "tiny",
+        },
+        "summary": summary,
+        **result,
+    }
 
 
 def _torchft_version() -> str:
@@ -257,8 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     if not available():
         print(f"{NAME}: torchft is not installed (pip install -e .[torchft]): skipped")
         return 0
-    result = BenchmarkResult(name=NAME, mode=args.mode, params={"torchft": CYCLES[args.mode]},
-                             baseline="none: torchft is the peer; scale_events.py compares it with hyperpodrun")  # fmt: skip
+    result = BenchmarkResult(
+        name=NAME,
+        mode=args.mode,
+        params={"torchft": CYCLES[args.mode]},
+        baseline="none: torchft is the peer; scale_events.py compares it with hyperpodrun",
+    )
     peer = measure(args.mode, args.out / "work" / NAME)
     result.params, result.summary, result.samples = peer["params"], peer["summary"], {"events": peer["events"]}
     result.notes.append(f"torchft {peer['version']}")
@@ -276,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     fig.savefig(result.plot_path(args.out), dpi=120)
     plt.close(fig)
     path = result.write(args.out)
-    rows = [(e["kind"], e.get("pause_s"), e.get("longest_step_s"), e.get("steps_lost"), e.get("to_new_s"))
-            for e in peer["events"]]  # fmt: skip
+    rows = [
+        (e["kind"], e.get("pause_s"), e.get("longest_step_s"), e.get("steps_lost"), e.get("to_new_s"))
+        for e in peer["events"]
+    ]
     print(format_table(["event", "pause s", "longest step s", "steps lost", "to new size s"], rows))
     print(f"wrote {path}")
     return 0

@@ -74,15 +74,26 @@ def main() -> None:
     dataset = ByteBlocks(args.block)
     elastic_init()  # elastic: a pre-warmed joining rank waits here until the job admits it
     training = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch, max_steps=args.max_steps,
-        learning_rate=3e-3, warmup_steps=10, logging_steps=10, save_steps=100, save_total_limit=2, report_to="none", use_cpu=True,
-        seed=0, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.per_device_batch,
+        max_steps=args.max_steps,
+        learning_rate=3e-3,
+        warmup_steps=10,
+        logging_steps=10,
+        save_steps=100,
+        save_total_limit=2,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     set_global_batch(training, args.global_batch)  # elastic: accumulation for this world size
     trainer = ElasticTrainer(  # elastic: in-place scale events; each epoch in whole global batches
-        model=model, args=training, train_dataset=dataset,
+        model=model,
+        args=training,
+        train_dataset=dataset,
         callbacks=[ElasticCallback(global_batch=args.global_batch)],  # elastic
-    )  # fmt: skip
+    )
     result = trainer.train(resume_from_checkpoint=elastic_resume_checkpoint(training.output_dir))  # elastic
     if trainer.is_world_process_zero():
         print(f"done: {trainer.state.global_step} steps, final training loss {result.training_loss:.4f}", flush=True)

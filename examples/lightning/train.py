@@ -85,15 +85,22 @@ def main() -> None:
     L.seed_everything(0)
     model, dataset = ByteMLP(args.width), NextByte(args.width)
     elastic_init()  # elastic: a pre-warmed joining rank waits here until the job admits it
-    elastic = ElasticCallback(dirpath=args.ckpt_dir, global_batch=args.global_batch, micro_batch=args.micro_batch)  # elastic
+    elastic = ElasticCallback(
+        dirpath=args.ckpt_dir, global_batch=args.global_batch, micro_batch=args.micro_batch
+    )  # elastic
     distributed = "WORLD_SIZE" in os.environ  # under a launcher
     trainer = L.Trainer(
-        accelerator="cpu", devices=1 if distributed else "auto", strategy="ddp" if distributed else "auto",
-        num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")), max_steps=args.max_steps, logger=False,
-        enable_checkpointing=False, log_every_n_steps=10,
+        accelerator="cpu",
+        devices=1 if distributed else "auto",
+        strategy="ddp" if distributed else "auto",
+        num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        log_every_n_steps=10,
         callbacks=[elastic],  # elastic
         use_distributed_sampler=False,  # elastic: the elastic loader splits the data itself
-    )  # fmt: skip
+    )
     elastic.fit(  # elastic: trainer.fit, through in-place scale events
         trainer,
         model,

@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 import torch
+from train import Runtime, TrainConfig, prepare_dataset
 
 from elastic_events import names
 from elastic_events.dataset import ByteTokenizer
 from elastic_events.sampler import epoch_permutation
-from train import Runtime, TrainConfig, prepare_dataset
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 STORE_HOST = "node-1"  # the first launcher hosts the embedded store: the job cannot outlive it
@@ -146,12 +146,22 @@ class DemoConfig:
     def train_command(self) -> list[str]:
         d = self.run_dir
         args = {
-            "--steps": self.steps, "--global-batch": self.global_batch, "--micro-batch": self.micro_batch,
-            "--seq-len": self.seq_len, "--lr": self.lr, "--warmup-steps": self.warmup_steps, "--seed": self.seed,
-            "--num-workers": self.num_workers, "--min-step-time": self.min_step_time, "--ckpt-every": self.ckpt_every,
-            "--log-every": 1, "--data-cache": self.data_cache, "--run-dir": d, "--metrics": d / "metrics.jsonl",
+            "--steps": self.steps,
+            "--global-batch": self.global_batch,
+            "--micro-batch": self.micro_batch,
+            "--seq-len": self.seq_len,
+            "--lr": self.lr,
+            "--warmup-steps": self.warmup_steps,
+            "--seed": self.seed,
+            "--num-workers": self.num_workers,
+            "--min-step-time": self.min_step_time,
+            "--ckpt-every": self.ckpt_every,
+            "--log-every": 1,
+            "--data-cache": self.data_cache,
+            "--run-dir": d,
+            "--metrics": d / "metrics.jsonl",
             "--sample-log": d / "samples.jsonl",
-        }  # fmt: skip
+        }
         return [str(TRAIN_SCRIPT), *(str(x) for kv in args.items() for x in kv), *self.train_args]
 
 
@@ -214,7 +224,9 @@ class Summary:
         for e in self.scale_events:
             phases = ", ".join(f"{k} {v:.1f}s" for k, v in e.phases.items())
             downtime = f"{e.downtime_s:.1f}s" if e.downtime_s is not None else "unknown"
-            lines.append(f"    {e.from_world} -> {e.to_world} after step {e.at_step}, {e.mode}: downtime {downtime} ({phases})")
+            lines.append(
+                f"    {e.from_world} -> {e.to_world} after step {e.at_step}, {e.mode}: downtime {downtime} ({phases})"
+            )
             lines.append(f"        why: {e.reason}")
         verdict = "each seen exactly once" if self.exactly_once else "NOT exactly once"
         lines.append(f"  data: {self.samples_seen} samples in {self.steps_trained} steps, {verdict} (sample log)")
@@ -277,7 +289,14 @@ def _scale_event(
     last_ts = step_end.get(before.last_step) if before.last_step is not None else None
 
     def first(kind: str, rnd: int, *, after_last: bool = False) -> float | None:
-        return min((e["ts"] for e in _records(events, kind, rnd) if not after_last or (last_ts is not None and e["ts"] >= last_ts)), default=None)
+        return min(
+            (
+                e["ts"]
+                for e in _records(events, kind, rnd)
+                if not after_last or (last_ts is not None and e["ts"] >= last_ts)
+            ),
+            default=None,
+        )
 
     in_place = bool(_records(events, "group_torn_down", after.round))
     if in_place:  # ranks kept their processes: the trainer's records of the reconfiguration
@@ -308,10 +327,14 @@ def _scale_event(
         for name, ts in marks.items():
             phases[name], previous = ts - previous, ts
     event = ScaleEvent(
-        from_world=before.world_size, to_world=after.world_size, at_step=before.last_step,
-        reason=names(decided[0].get("reason", "")) if decided else "", mode="in place" if in_place else "restart",
-        downtime_s=None if problem else marks["first step"] - last_ts, phases=phases,
-    )  # fmt: skip
+        from_world=before.world_size,
+        to_world=after.world_size,
+        at_step=before.last_step,
+        reason=names(decided[0].get("reason", "")) if decided else "",
+        mode="in place" if in_place else "restart",
+        downtime_s=None if problem else marks["first step"] - last_ts,
+        phases=phases,
+    )
     return event, problem
 
 
@@ -342,9 +365,20 @@ def summarize(
     for rnd in sorted(starts):
         end = min((ts for r, ts in starts.items() if r > rnd), default=float("inf"))
         steps = [m["step"] for m in metrics if starts[rnd] <= m["ts"] < end]
-        world = next(e["world_size"] for e in events if e["event"] in ("rendezvous_done", "group_torn_down") and e["round"] == rnd)
-        rounds.append(Round(round=rnd, world_size=world, started_s=starts[rnd] - started,
-                            first_step=min(steps, default=None), last_step=max(steps, default=None)))  # fmt: skip
+        world = next(
+            e["world_size"]
+            for e in events
+            if e["event"] in ("rendezvous_done", "group_torn_down") and e["round"] == rnd
+        )
+        rounds.append(
+            Round(
+                round=rnd,
+                world_size=world,
+                started_s=starts[rnd] - started,
+                first_step=min(steps, default=None),
+                last_step=max(steps, default=None),
+            )
+        )
     scale_events = []
     for before, after in zip(rounds, rounds[1:], strict=False):
         event, problem = _scale_event(before, after, events, step_end, names)
@@ -372,12 +406,18 @@ def summarize(
         if code != 0:
             problems.append(f"launcher {name} exited with {code} (log: {config.run_dir / f'{name}.log'})")
     return Summary(
-        run_dir=config.run_dir, rounds=tuple(rounds), scale_events=tuple(scale_events),
-        steps_trained=len({s["step"] for s in samples}), samples_seen=sum(len(s["sample_ids"]) for s in samples),
+        run_dir=config.run_dir,
+        rounds=tuple(rounds),
+        scale_events=tuple(scale_events),
+        steps_trained=len({s["step"] for s in samples}),
+        samples_seen=sum(len(s["sample_ids"]) for s in samples),
         exactly_once=not sample_problems,
-        first_loss=first_loss, final_loss=final_loss, exit_codes=exit_codes, elapsed_s=time.time() - started,
+        first_loss=first_loss,
+        final_loss=final_loss,
+        exit_codes=exit_codes,
+        elapsed_s=time.time() - started,
         problems=tuple(problems),
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------------------- running
@@ -415,12 +455,33 @@ class _Launchers:
         port = _free_port()
         d = config.run_dir
         self.flags = [
-            "--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"demo-{port}", "--rdzv-conf", "lease_ttl=3",
-            "--scaling-timeout", str(SCALING_TIMEOUT_S), "--min-stable-period", "2", "--faulty-scale-down-timeout", "5",
-            "--graceful-shutdown-timeout", "60", "--monitor-interval", "0.1",
-            "--event-log", str(d / "events.jsonl"), "--log-dir", str(d / "logs"),
-        ]  # fmt: skip
+            "--nnodes",
+            "1:3",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            f"demo-{port}",
+            "--rdzv-conf",
+            "lease_ttl=3",
+            "--scaling-timeout",
+            str(SCALING_TIMEOUT_S),
+            "--min-stable-period",
+            "2",
+            "--faulty-scale-down-timeout",
+            "5",
+            "--graceful-shutdown-timeout",
+            "60",
+            "--monitor-interval",
+            "0.1",
+            "--event-log",
+            str(d / "events.jsonl"),
+            "--log-dir",
+            str(d / "logs"),
+        ]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV_PREFIXES)}
         self.env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -574,8 +635,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", type=Path, help="where everything is written (default: a new temporary folder)")
     p.add_argument("--steps", type=int, default=DemoConfig.steps)
-    p.add_argument("--schedule", help="comma-separated ACTION:NODE@STEP, default "
-                   + ",".join(f"{c.action}:{c.node}@{c.at_step}" for c in DEFAULT_SCHEDULE))  # fmt: skip
+    p.add_argument(
+        "--schedule",
+        help="comma-separated ACTION:NODE@STEP, default "
+        + ",".join(f"{c.action}:{c.node}@{c.at_step}" for c in DEFAULT_SCHEDULE),
+    )
     p.add_argument("--min-step-time", type=float, default=0.0, help="pad every step to this many seconds")
     p.add_argument("--timeout", type=float, default=DemoConfig.timeout_s, help="give up after this many seconds")
     args = p.parse_args(argv)

@@ -41,11 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from model import Llama, LlamaConfig, LlamaConfigError, RopeScaling
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-
-from model import Llama, LlamaConfig, LlamaConfigError, RopeScaling
 
 __all__ = [
     "CONFIG_FILE",
@@ -153,8 +152,7 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = CONFIG_FILE) -> Llama
     model_type = hf.get("model_type", "llama")
     if model_type != "llama":
         raise fail("model_type", f"expected 'llama', got {model_type!r}")
-    for field in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "vocab_size"):
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if field not in hf:
             raise fail(field, "missing")
     if hf.get("hidden_act", "silu") != "silu":
@@ -165,8 +163,11 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = CONFIG_FILE) -> Llama
     n_heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim * n_heads != hf["hidden_size"]:
-        raise fail("head_dim", f"{head_dim} x {n_heads} heads != hidden_size "
-                   f"{hf['hidden_size']}; only head_dim = hidden_size / heads is implemented")
+        raise fail(
+            "head_dim",
+            f"{head_dim} x {n_heads} heads != hidden_size "
+            f"{hf['hidden_size']}; only head_dim = hidden_size / heads is implemented",
+        )
 
     # transformers 5 nests rope_theta and the scaling in rope_parameters.
     rope = dict(hf.get("rope_parameters") or {})
@@ -178,7 +179,8 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = CONFIG_FILE) -> Llama
     elif rope_type == "llama3":
         try:
             rope_scaling = RopeScaling(
-                factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                factor=rope["factor"],
+                low_freq_factor=rope["low_freq_factor"],
                 high_freq_factor=rope["high_freq_factor"],
                 original_max_seq_len=rope["original_max_position_embeddings"],
             )
@@ -187,8 +189,7 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = CONFIG_FILE) -> Llama
         except LlamaConfigError as exc:
             raise fail("rope_scaling", str(exc)) from None
     else:
-        raise fail("rope_scaling", f"rope_type {rope_type!r} is not implemented "
-                   "(only 'default' and 'llama3')")
+        raise fail("rope_scaling", f"rope_type {rope_type!r} is not implemented (only 'default' and 'llama3')")
     try:
         return LlamaConfig(
             dim=hf["hidden_size"],
@@ -223,7 +224,9 @@ def config_to_hf(config: LlamaConfig, *, dtype: torch.dtype = torch.float32) -> 
         "vocab_size": config.vocab_size,
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_scaling": None if scaling is None else {
+        "rope_scaling": None
+        if scaling is None
+        else {
             "rope_type": "llama3",
             "factor": scaling.factor,
             "low_freq_factor": scaling.low_freq_factor,
@@ -276,7 +279,9 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def load_hf_llama(
-    path: str | os.PathLike[str], *, device: torch.device | str = "cpu",
+    path: str | os.PathLike[str],
+    *,
+    device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """Config and ``Llama`` state dict of the Hugging Face checkpoint in ``path``.
@@ -306,8 +311,7 @@ def load_hf_llama(
                 shape = tuple(reader.get_slice(key).get_shape())
                 if shape != tuple(expected[name]):
                     raise HFTensorError(
-                        f"{file}: tensor {key!r} has shape {shape}, {config_path} "
-                        f"implies {tuple(expected[name])}"
+                        f"{file}: tensor {key!r} has shape {shape}, {config_path} implies {tuple(expected[name])}"
                     )
                 tensor = reader.get_tensor(key)
                 state_dict[name] = tensor if dtype is None else tensor.to(dtype)
@@ -320,7 +324,9 @@ def load_hf_llama(
 
 
 def load_hf_llama_model(
-    path: str | os.PathLike[str], *, device: torch.device | str = "cpu",
+    path: str | os.PathLike[str],
+    *,
+    device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> Llama:
     """A ``Llama`` holding the checkpoint in ``path``, without a throw-away init."""
@@ -334,9 +340,7 @@ def load_hf_llama_model(
 # --------------------------------------------------------------------------- save
 
 
-def _shards(
-    tensors: dict[str, torch.Tensor], max_shard_bytes: int
-) -> list[dict[str, torch.Tensor]]:
+def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
@@ -364,8 +368,11 @@ def _write_atomic(target: Path, write: Callable[[Path], object]) -> None:
 
 
 def save_hf_llama(
-    model: nn.Module | Mapping[str, torch.Tensor], config: LlamaConfig,
-    path: str | os.PathLike[str], *, max_shard_bytes: int | None = None,
+    model: nn.Module | Mapping[str, torch.Tensor],
+    config: LlamaConfig,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int | None = None,
     overwrite: bool = False,
 ) -> list[Path]:
     """Write ``model`` (a ``Llama`` or its full state dict) as a Hugging Face checkpoint.
@@ -383,10 +390,7 @@ def save_hf_llama(
     unexpected = sorted(set(state) - set(expected))
     missing = sorted(set(expected) - set(state))
     if unexpected or missing:
-        raise HFTensorError(
-            f"state dict does not match the config: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
+        raise HFTensorError(f"state dict does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     tensors: dict[str, torch.Tensor] = {}
     for name in expected:  # canonical order: embeddings, layer by layer, norm, head
         tensor = state[name]
@@ -397,19 +401,16 @@ def save_hf_llama(
             )
         if tensor.shape != expected[name]:
             raise HFTensorError(
-                f"{name}: shape {tuple(tensor.shape)} does not match the config's "
-                f"{tuple(expected[name])}"
+                f"{name}: shape {tuple(tensor.shape)} does not match the config's {tuple(expected[name])}"
             )
         tensors[hf_name(name)] = tensor.detach().to("cpu").contiguous()
 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    existing = [p for p in directory.iterdir()
-                if p.name in (CONFIG_FILE, INDEX_FILE) or p.suffix == ".safetensors"]
+    existing = [p for p in directory.iterdir() if p.name in (CONFIG_FILE, INDEX_FILE) or p.suffix == ".safetensors"]
     if existing and not overwrite:
         raise HFCheckpointError(
-            f"{directory}: already holds a checkpoint ({existing[0].name}); "
-            "pass overwrite=True to replace it"
+            f"{directory}: already holds a checkpoint ({existing[0].name}); pass overwrite=True to replace it"
         )
     for stale in existing:
         stale.unlink()

@@ -90,14 +90,11 @@ class RopeScaling:
     original_max_seq_len: int
 
     def __post_init__(self) -> None:
-        _require_positive(
-            self, "factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"
-        )
+        _require_positive(self, "factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
         if self.high_freq_factor <= self.low_freq_factor:
             raise LlamaConfigError(
                 "high_freq_factor",
-                f"must be greater than low_freq_factor ({self.high_freq_factor} <= "
-                f"{self.low_freq_factor})",
+                f"must be greater than low_freq_factor ({self.high_freq_factor} <= {self.low_freq_factor})",
             )
 
 
@@ -120,31 +117,24 @@ class LlamaConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim",
-                     "max_seq_len"):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise LlamaConfigError(name, f"must be a positive integer, got {value!r}")
         _require_positive(self, "norm_eps", "rope_theta", "init_std")
         if self.dim % self.n_heads:
-            raise LlamaConfigError(
-                "dim", f"must be divisible by n_heads ({self.dim} % {self.n_heads} != 0)"
-            )
+            raise LlamaConfigError("dim", f"must be divisible by n_heads ({self.dim} % {self.n_heads} != 0)")
         if self.n_heads % self.n_kv_heads:
             raise LlamaConfigError(
                 "n_kv_heads",
                 f"must divide n_heads ({self.n_heads} % {self.n_kv_heads} != 0)",
             )
         if self.head_dim % 2:
-            raise LlamaConfigError(
-                "n_heads", f"dim / n_heads must be even for rotary embeddings, got {self.head_dim}"
-            )
+            raise LlamaConfigError("n_heads", f"dim / n_heads must be even for rotary embeddings, got {self.head_dim}")
         if not isinstance(self.tie_embeddings, bool):
             raise LlamaConfigError("tie_embeddings", f"must be a bool, got {self.tie_embeddings!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise LlamaConfigError(
-                "rope_scaling", f"must be a RopeScaling or None, got {self.rope_scaling!r}"
-            )
+            raise LlamaConfigError("rope_scaling", f"must be a RopeScaling or None, got {self.rope_scaling!r}")
 
     @property
     def head_dim(self) -> int:
@@ -156,9 +146,7 @@ class LlamaConfig:
         try:
             preset = PRESETS[name]
         except KeyError:
-            raise LlamaConfigError(
-                "name", f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}"
-            ) from None
+            raise LlamaConfigError("name", f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
         return dataclasses.replace(preset, **overrides)
 
     def num_params(self) -> int:
@@ -170,33 +158,60 @@ class LlamaConfig:
         return self.n_layers * block + embeddings + self.dim
 
 
-_LLAMA3_1_SCALING = RopeScaling(
-    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192
-)
+_LLAMA3_1_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
 
 PRESETS: dict[str, LlamaConfig] = {
     # ~2.9M parameters for the byte tokenizer (256 bytes + eos + pad); a micro batch of
     # 8 x 256 tokens takes well under a second per step on two CPU cores.
     "tiny": LlamaConfig(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=258, hidden_dim=704,
-        rope_theta=10_000.0, max_seq_len=256, tie_embeddings=True,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=2,
+        vocab_size=258,
+        hidden_dim=704,
+        rope_theta=10_000.0,
+        max_seq_len=256,
+        tie_embeddings=True,
     ),
     "llama3.2-1b": LlamaConfig(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128_256,
-        hidden_dim=8192, max_seq_len=131_072, tie_embeddings=True,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        hidden_dim=8192,
+        max_seq_len=131_072,
+        tie_embeddings=True,
         rope_scaling=dataclasses.replace(_LLAMA3_1_SCALING, factor=32.0),
     ),
     "llama3-8b": LlamaConfig(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128_256,
-        hidden_dim=14_336, max_seq_len=8192,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        hidden_dim=14_336,
+        max_seq_len=8192,
     ),
     "llama3.1-8b": LlamaConfig(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128_256,
-        hidden_dim=14_336, max_seq_len=131_072, rope_scaling=_LLAMA3_1_SCALING,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        hidden_dim=14_336,
+        max_seq_len=131_072,
+        rope_scaling=_LLAMA3_1_SCALING,
     ),
     "llama3-70b": LlamaConfig(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128_256,
-        hidden_dim=28_672, max_seq_len=8192,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        hidden_dim=28_672,
+        max_seq_len=8192,
     ),
 }
 
@@ -223,7 +238,10 @@ def _inverse_frequencies(config: LlamaConfig, device: torch.device) -> torch.Ten
 
 
 def rotary_tables(
-    config: LlamaConfig, seq_len: int, *, device: torch.device | str = "cpu",
+    config: LlamaConfig,
+    seq_len: int,
+    *,
+    device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` of shape ``(seq_len, head_dim)`` for positions ``0..seq_len-1``.
@@ -243,9 +261,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def apply_rotary_embedding(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
+def apply_rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` of shape ``(..., seq, head_dim)`` in the rotate-half convention.
 
     Dimension ``j`` and ``j + head_dim/2`` form one complex number rotated by the
@@ -297,9 +313,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary_embedding(q, cos, sin)
         k = apply_rotary_embedding(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -341,9 +355,7 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
         if isinstance(param, DTensor):
             # Every rank holds the same `full`, so slicing needs no communication.
-            local = distribute_tensor(
-                full, param.device_mesh, param.placements, src_data_rank=None
-            ).to_local()
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param.to_local().copy_(local)
             return
     param.copy_(full)
@@ -372,14 +384,13 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> TokenLoss
     the gradient is the mean over exactly that batch whatever the world size.
     """
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"labels shape {tuple(labels.shape)} does not match logits "
-            f"{tuple(logits.shape[:-1])}"
-        )
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits {tuple(logits.shape[:-1])}")
     flat_labels = labels.reshape(-1)
     loss_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).to(_at_least_fp32(logits.dtype)), flat_labels,
-        ignore_index=IGNORE_INDEX, reduction="sum",
+        logits.reshape(-1, logits.shape[-1]).to(_at_least_fp32(logits.dtype)),
+        flat_labels,
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
     return TokenLoss(loss_sum, (flat_labels != IGNORE_INDEX).sum())
 
@@ -399,10 +410,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         # Tied embeddings reuse tok_embeddings.weight in forward rather than sharing a
         # Parameter object, which `to_empty` and state-dict loading would silently untie.
-        self.output = (
-            None if config.tie_embeddings
-            else nn.Linear(config.dim, config.vocab_size, bias=False)
-        )
+        self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights(seed=0)
 
@@ -432,18 +440,14 @@ class Llama(nn.Module):
                 full.normal_(0.0, std, generator=generator)
             _copy_full_into(param, full)
 
-    def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
-    ) -> LlamaOutput:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> LlamaOutput:
         """Logits for ``input_ids`` of shape ``(batch, seq)``, plus the summed loss
         against aligned ``labels`` when they are given."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         seq_len = input_ids.shape[1]
         if seq_len > self.config.max_seq_len:
-            raise ValueError(
-                f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}"
-            )
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
         h = self.tok_embeddings(input_ids)
         cos, sin = rotary_tables(self.config, seq_len, device=h.device, dtype=h.dtype)
         for layer in self.layers:

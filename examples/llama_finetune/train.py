@@ -57,17 +57,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torchdata.stateful_dataloader import StatefulDataLoader
-
 from corpus import write_default_corpus
 from hf_checkpoint import CONFIG_FILE, HFCheckpointError, config_from_hf, load_hf_llama
 from model import IGNORE_INDEX, Llama, LlamaConfig, LlamaConfigError
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from elastic_events import ElasticConfig, ElasticTraining, ElasticTrainingError, elastic_event_detected, restart_reason
 from elastic_events.batching import BatchPlan, global_token_count, loss_scale, sum_in_batch_order
-from elastic_events.checkpoint import CheckpointConfig, CheckpointError, Checkpointer
-from elastic_events.dataset import ByteTokenizer, DatasetError, Tokenizer, TokenDataset, build_token_dataset
+from elastic_events.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
+from elastic_events.dataset import ByteTokenizer, DatasetError, TokenDataset, Tokenizer, build_token_dataset
 from elastic_events.sampler import ElasticSampler, ElasticSamplerError, GlobalStep
 from elastic_events.scale_config import DEFAULT_SCHEMA, ScaleConfigError, load_scale_config
 
@@ -158,7 +157,9 @@ class TrainConfig:
         if self.dtype not in ("auto", "fp32", "bf16", "fp64"):
             raise ConfigError(f"--dtype must be auto, fp32, bf16 or fp64, got {self.dtype!r}")
         if self.deterministic_reduce and self.fsdp:
-            raise ConfigError("--deterministic-reduce needs DDP or one process: FSDP reduce-scatters in an order set by the world size")
+            raise ConfigError(
+                "--deterministic-reduce needs DDP or one process: FSDP reduce-scatters in an order set by the world size"
+            )
         if self.model is not None and self.init_from is not None:
             raise ConfigError("--model and --init-from exclude each other: the model is --init-from's config.json")
         if self.init_from is not None and not (self.init_from / CONFIG_FILE).is_file():
@@ -197,19 +198,37 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         p.add_argument(
             f"--{_flag(name)}", dest=name, type=Path, default=fields[name].default if name != "data_cache" else None
         )
-    for name in ("seq_len", "global_batch", "micro_batch", "steps", "warmup_steps", "seed", "num_workers",
-                 "prefetch_factor", "ckpt_every", "keep_checkpoints", "log_every"):  # fmt: skip
+    for name in (
+        "seq_len",
+        "global_batch",
+        "micro_batch",
+        "steps",
+        "warmup_steps",
+        "seed",
+        "num_workers",
+        "prefetch_factor",
+        "ckpt_every",
+        "keep_checkpoints",
+        "log_every",
+    ):
         p.add_argument(f"--{_flag(name)}", dest=name, type=int, default=fields[name].default)
     for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "min_step_time", "timeout_s"):
         p.add_argument(f"--{_flag(name)}", dest=name, type=float, default=fields[name].default)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per block and root (default: DDP)")
-    p.add_argument("--deterministic-reduce", action="store_true",
-                   help="each sample's gradient alone, summed in an order fixed by its place in the global batch: the same bits "
-                        "at every world size (to compare elastic runs exactly; one forward per sample, a gather of partial sums)")
+    p.add_argument(
+        "--deterministic-reduce",
+        action="store_true",
+        help="each sample's gradient alone, summed in an order fixed by its place in the global batch: the same bits "
+        "at every world size (to compare elastic runs exactly; one forward per sample, a gather of partial sums)",
+    )
     p.add_argument("--async-checkpoint", action="store_true", help="periodic saves write in the background")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp64"),
-                   help="compute dtype [bf16 on CUDA]; fp64: weights and math in float64 (to compare runs closely)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "fp32", "bf16", "fp64"),
+        help="compute dtype [bf16 on CUDA]; fp64: weights and math in float64 (to compare runs closely)",
+    )
     args = vars(p.parse_args(argv))
     args["data"] = tuple(args["data"])
     args["data_cache"] = args["data_cache"] or default_data_cache()
@@ -381,7 +400,9 @@ def parallelize(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime) -> torch.
         if not distributed:
             raise ConfigError("--fsdp needs a process group: launch with torchrun or hyperpodrun")
         bf16 = rt.compute_dtype == torch.bfloat16
-        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+        kwargs = (
+            {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+        )
         for block in model.layers:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)  # the root keeps tok_embeddings, shared by tied embeddings
@@ -539,18 +560,24 @@ def train(cfg: TrainConfig) -> int:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {config.max_seq_len}")
     dataset = prepare_dataset(cfg, tokenizer, rt)
     sampler = ElasticSampler(
-        len(dataset), global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
-        rank=rt.rank, world_size=rt.world_size, seed=cfg.seed,
-    )  # fmt: skip
+        len(dataset),
+        global_batch=cfg.global_batch,
+        micro_batch=cfg.micro_batch,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        seed=cfg.seed,
+    )
 
     # Model, optimizer, schedule, owned by ElasticTraining: built for this world and loaded from
     # the newest checkpoint (resharded), or, for a parked joiner, received from its peers.
     ckpt = Checkpointer(
         CheckpointConfig(
-            dir=cfg.checkpoint_dir(run_id), keep_last=cfg.keep_checkpoints,
-            async_save=cfg.async_checkpoint, timeout_s=cfg.timeout_s,
+            dir=cfg.checkpoint_dir(run_id),
+            keep_last=cfg.keep_checkpoints,
+            async_save=cfg.async_checkpoint,
+            timeout_s=cfg.timeout_s,
         )
-    )  # fmt: skip
+    )
 
     def bare_model() -> torch.nn.Module:
         with torch.device("meta"):  # fp64: weights and optimizer state in float64 too (--dtype)
@@ -561,9 +588,10 @@ def train(cfg: TrainConfig) -> int:
         wrap=lambda model: parallelize(cfg, model, rt),
         optimizer_fn=lambda model: build_optimizer(cfg, model, rt),
         scheduler_fn=lambda optimizer: build_scheduler(cfg, optimizer),
-        sampler=sampler, checkpointer=ckpt,
+        sampler=sampler,
+        checkpointer=ckpt,
         config=ElasticConfig(timeout_s=cfg.timeout_s, device=str(rt.device)),
-    ).start()  # fmt: skip
+    ).start()
     rt = rt.resized(elastic)
     say = print if rt.is_main else (lambda *a, **k: None)
     if elastic.resumed_from == "fresh" and cfg.init_from is not None:
@@ -573,15 +601,21 @@ def train(cfg: TrainConfig) -> int:
         f"{'FSDP2' if cfg.fsdp else 'DDP' if rt.distributed else 'single process'}), "
         f"{config.num_params() / 1e6:.1f}M parameters, {len(dataset)} samples of {cfg.seq_len} tokens; "
         f"batch {describe_plan(sampler.plan)}; checkpoints in {ckpt.config.dir}; "
-        + (f"resumed at step {elastic.step} from {elastic.resumed_from} ({restart_reason()})"
-           if elastic.resumed_from != "fresh" else "fresh start"),
+        + (
+            f"resumed at step {elastic.step} from {elastic.resumed_from} ({restart_reason()})"
+            if elastic.resumed_from != "fresh"
+            else "fresh start"
+        ),
         flush=True,
-    )  # fmt: skip
+    )
 
     loader = StatefulDataLoader(
-        dataset, batch_sampler=sampler, num_workers=cfg.num_workers, pin_memory=rt.device.type == "cuda",
+        dataset,
+        batch_sampler=sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=rt.device.type == "cuda",
         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
-    )  # fmt: skip
+    )
     left = False
     while elastic.step < cfg.steps and not left:
         # Log the first step of every loader iterator (a start, a new world, an epoch): the same step on
@@ -590,7 +624,9 @@ def train(cfg: TrainConfig) -> int:
         for batch in sampler.steps(loader):
             try:  # a peer that dies mid-step fails a collective of it: repaired in place, nothing committed is lost
                 t0 = time.perf_counter()
-                loss_sum, global_tokens = train_step(elastic.model, elastic.optimizer, elastic.scheduler, batch, rt, cfg)
+                loss_sum, global_tokens = train_step(
+                    elastic.model, elastic.optimizer, elastic.scheduler, batch, rt, cfg
+                )
                 sampler.mark_step()
                 elastic.step += 1
                 step = elastic.step
@@ -606,10 +642,13 @@ def train(cfg: TrainConfig) -> int:
                     if rt.distributed:
                         dist.all_reduce(loss_sum)  # the global batch's loss, for the log only
                     metrics = {
-                        "ts": time.time(), "step": step, "loss": loss_sum.item() / global_tokens,
-                        "world_size": rt.world_size, "tokens_per_s": global_tokens / step_time,
+                        "ts": time.time(),
+                        "step": step,
+                        "loss": loss_sum.item() / global_tokens,
+                        "world_size": rt.world_size,
+                        "tokens_per_s": global_tokens / step_time,
                         "lr": elastic.scheduler.get_last_lr()[0],
-                    }  # fmt: skip
+                    }
                     if (snap := elastic.snapshot_stats())["state_bytes"]:  # --fsdp: in-memory snapshots (bytes)
                         metrics.update(snapshot_state_bytes=snap["state_bytes"], snapshot_held_bytes=snap["held_bytes"])
                     say(
@@ -624,13 +663,17 @@ def train(cfg: TrainConfig) -> int:
                 resized = False
                 if elastic_event_detected():  # once per optimizer step, on every rank
                     if not elastic.reconfigure():  # this node leaves, or a restart: the state was saved
-                        say(f"elastic event at step {step}: leaving (a restart resumes from the checkpoint)", flush=True)
+                        say(
+                            f"elastic event at step {step}: leaving (a restart resumes from the checkpoint)", flush=True
+                        )
                         left = True
                         break
                     rt, resized = rt.resized(elastic), True
                     say = print if rt.is_main else (lambda *a, **k: None)
-                    say(f"elastic event at step {step}: world {rt.world_size} in place, batch {describe_plan(sampler.plan)}",
-                        flush=True)  # fmt: skip
+                    say(
+                        f"elastic event at step {step}: world {rt.world_size} in place, batch {describe_plan(sampler.plan)}",
+                        flush=True,
+                    )
             except RuntimeError as exc:  # anything but a failed peer is raised again by recover()
                 if not elastic.recover(exc):
                     left = True

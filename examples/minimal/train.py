@@ -44,8 +44,11 @@ def main() -> None:
             print(f"rank {rank}: elastic event at step {step}, exiting for a restart", flush=True)
             break
     if rank == 0:
-        print(f"done: {step} steps at world size {world} in {time.perf_counter() - start:.1f}s "
-              f"(restart reason: {os.environ.get('HYPERPODRUN_RESTART_REASON', 'n/a')})", flush=True)
+        print(
+            f"done: {step} steps at world size {world} in {time.perf_counter() - start:.1f}s "
+            f"(restart reason: {os.environ.get('HYPERPODRUN_RESTART_REASON', 'n/a')})",
+            flush=True,
+        )
     # Free DDP before its group: a group still held at interpreter exit makes torch 2.13's gloo
     # abort about one exit in six (SIGABRT) after training succeeded.
     del model, opt

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elastic_events import eventlog, names
-from elastic_events.names import CONTROL_FILE_ENV, RESTART_REASON_ENV
 from elastic_events.control import ControlChannelError, ControlReader, Event, EventKind
+from elastic_events.names import CONTROL_FILE_ENV, RESTART_REASON_ENV
 
 # Heavier parts load on first use (PEP 562), so `from elastic_events import elastic_event_detected`
 # stays cheap; `from elastic_events import Checkpointer` works all the same.
@@ -76,7 +76,6 @@ __all__ = [
     "is_elastic",
     "restart_reason",
 ]
-
 
 
 class _FirstStep:

@@ -183,9 +183,13 @@ class RepairWatch:
         event = self._reader.event()
         current = _round
         if (
-            event is None or event.kind is not EventKind.RECONFIGURE or not event.repair or current is None
-            or event.round <= current or slot.acked_event == event.event_id
-        ):  # fmt: skip
+            event is None
+            or event.kind is not EventKind.RECONFIGURE
+            or not event.repair
+            or current is None
+            or event.round <= current
+            or slot.acked_event == event.event_id
+        ):
             self._repair = None
             return 0
         if self._repair is None or self._repair[0] != event.event_id:
@@ -195,8 +199,9 @@ class RepairWatch:
             print(
                 f"rank {os.environ.get('RANK', '?')}: the launcher repairs round {current} (event {event.event_id}): "
                 f"shut down {shut} socket(s) of its process groups so that no collective waits on them",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+                file=sys.stderr,
+                flush=True,
+            )
         if self._on_blocked is not None and not self._blocked_done and now - self._repair[1] >= self.blocked_after_s():
             self._blocked_done = True
             self._on_blocked(event)

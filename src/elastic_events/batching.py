@@ -118,9 +118,7 @@ class BatchPlan:
                 f"at least one sample per step (at most {max_world_size(self.global_batch)} ranks)"
             )
         if self.rank is not None and (
-            isinstance(self.rank, bool)
-            or not isinstance(self.rank, int)
-            or not 0 <= self.rank < self.world_size
+            isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size
         ):
             raise BatchPlanError(f"rank must be in [0, world_size={self.world_size}), got {self.rank!r}")
         samples = _split_evenly(self.global_batch, self.world_size)
@@ -271,7 +269,9 @@ def sum_in_batch_order(
     at the same step.
     """
     if len(samples) != plan.local_samples():
-        raise BatchPlanError(f"{len(samples)} sample values for the {plan.local_samples()} samples of this rank's share")
+        raise BatchPlanError(
+            f"{len(samples)} sample values for the {plan.local_samples()} samples of this rank's share"
+        )
     for value in samples:
         if [t.shape for t in value] != [t.shape for t in like]:
             raise BatchPlanError("every sample's value must be tensors shaped like `like`")
@@ -292,7 +292,11 @@ def sum_in_batch_order(
         torch.cat([t.reshape(-1) for t in value], out=padded[i])
     gathered = like[0].new_empty((world * width, numel))
     dist.all_gather_into_tensor(gathered, padded, group=group)
-    known = {node: _unflatten(gathered[r * width + i], like) for r, nodes in enumerate(shares) for i, node in enumerate(nodes)}
+    known = {
+        node: _unflatten(gathered[r * width + i], like)
+        for r, nodes in enumerate(shares)
+        for i, node in enumerate(nodes)
+    }
     return _tree_node(0, size, known, count)
 
 
@@ -314,7 +318,9 @@ def _nodes_inside(start: int, stop: int, lo: int, hi: int) -> list[tuple[int, in
     return _nodes_inside(start, stop, lo, mid) + _nodes_inside(start, stop, mid, hi)
 
 
-def _tree_node(lo: int, hi: int, known: dict[tuple[int, int], list[torch.Tensor]], count: int) -> list[torch.Tensor] | None:
+def _tree_node(
+    lo: int, hi: int, known: dict[tuple[int, int], list[torch.Tensor]], count: int
+) -> list[torch.Tensor] | None:
     """Node ``[lo, hi)``'s sum from the ``known`` nodes below it (summed in place); None past the ``count`` positions."""
     if lo >= count:
         return None

@@ -84,13 +84,13 @@ from elastic_events.checkpoint_layout import (
     _fsync_dir,
     _read_metadata,
     _scan,
-    recover_interrupted,
     _shard_problems,
     _to_bytes,
     _write_marker,
     list_checkpoints,
     prepare_directory,
     prune,
+    recover_interrupted,
     verify_checkpoint,
 )
 from elastic_events.rng import (
@@ -347,7 +347,9 @@ class Checkpointer:
             self._pending = None
         elif self._pending is not None:
             self.wait()
-        self._comm = self._comm_world = None  # holding a gloo group keeps its sockets open: peers blocked on them never fail
+        self._comm = self._comm_world = (
+            None  # holding a gloo group keeps its sockets open: peers blocked on them never fail
+        )
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -404,7 +406,9 @@ class Checkpointer:
                 else:
                     rng = self._apply(info, comm, targets, state)
                     extra = state[_GLOBAL_KEY]["extra"] or {}
-                    eventlog.emit(names.CHECKPOINT_LOADED, step=info.step, path=str(info.path), saved_world_size=info.world_size)
+                    eventlog.emit(
+                        names.CHECKPOINT_LOADED, step=info.step, path=str(info.path), saved_world_size=info.world_size
+                    )
                     skipped = tuple(p for p, _ in failures)
                     self._warn_all(comm, warned + failures)
                     return LoadedState(

@@ -220,7 +220,9 @@ class ControlWriter:
         _store(self._mm, HEADER_SIZE + SLOT_SIZE * self.spare_slot(spare) + _ASSIGN_OFFSET, _ASSIGN, local_rank + 1)
 
     def spare_phase(self, spare: int) -> RankPhase:
-        return RankPhase(_PHASE.unpack_from(self._mm, HEADER_SIZE + SLOT_SIZE * self.spare_slot(spare) + _PHASE_OFFSET)[0])
+        return RankPhase(
+            _PHASE.unpack_from(self._mm, HEADER_SIZE + SLOT_SIZE * self.spare_slot(spare) + _PHASE_OFFSET)[0]
+        )
 
     def reset_rank(self, local_rank: int, *, acked_event: int) -> None:
         """Reset one rank's slot (a replacement process takes it over); events up to ``acked_event`` count as seen."""
@@ -258,9 +260,23 @@ class ControlWriter:
         if kind is EventKind.RECONFIGURE and group_rank >= 0 and not (addr and master_port):
             raise ValueError("a RECONFIGURE event for a node in the new round needs master_addr and master_port")
         _store(
-            self._mm, 0, _HEADER, MAGIC, VERSION, event_id, NO_TARGET, kind, FLAG_REPAIR if repair else 0, round, world_size,
-            group_rank, group_world_size, master_port, 0, addr,
-        )  # fmt: skip
+            self._mm,
+            0,
+            _HEADER,
+            MAGIC,
+            VERSION,
+            event_id,
+            NO_TARGET,
+            kind,
+            FLAG_REPAIR if repair else 0,
+            round,
+            world_size,
+            group_rank,
+            group_world_size,
+            master_port,
+            0,
+            addr,
+        )
         _store(self._mm, _TARGET_OFFSET, _TARGET, target_step)
         self._event_id = event_id
 
@@ -390,9 +406,14 @@ class ControlReader:
         :class:`AdmissionTimeoutError` after ``timeout_s``.
         """
         return self.wait_for_reconfigure(
-            RankPhase.PARKED, timeout_s=timeout_s, poll_s=poll_s, clock=clock, sleep=sleep, placed_only=True,
+            RankPhase.PARKED,
+            timeout_s=timeout_s,
+            poll_s=poll_s,
+            clock=clock,
+            sleep=sleep,
+            placed_only=True,
             what="parked rank was not admitted into a round",
-        )  # fmt: skip
+        )
 
     def wait_for_reconfigure(
         self,

@@ -25,7 +25,6 @@ from elastic_events.errors import ElasticTrainingError, GroupError, PeerFailureE
 from elastic_events.names import ROUND_ENV
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class RoundSpec:
     """Everything a rank needs to join one round's process group."""
@@ -126,7 +125,9 @@ def wait_for_listener(addr: str, port: int, *, timeout_s: float) -> None:
             return
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise GroupError(f"nothing listens on {addr}:{port} for the new round's store after {timeout_s:.0f}s: {exc}") from None
+                raise GroupError(
+                    f"nothing listens on {addr}:{port} for the new round's store after {timeout_s:.0f}s: {exc}"
+                ) from None
             time.sleep(LISTENER_POLL_S)
 
 
@@ -142,17 +143,26 @@ def init_round_group(spec: RoundSpec, *, device: torch.device, backend: str, tim
         if spec.rank == 0:
             sock = _listen_socket(spec.master_addr, spec.master_port)
             store = dist.TCPStore(
-                spec.master_addr, spec.master_port, spec.world_size, True, timeout,
-                wait_for_workers=False, master_listen_fd=sock.detach(),
-            )  # fmt: skip
+                spec.master_addr,
+                spec.master_port,
+                spec.world_size,
+                True,
+                timeout,
+                wait_for_workers=False,
+                master_listen_fd=sock.detach(),
+            )
         else:
             wait_for_listener(spec.master_addr, spec.master_port, timeout_s=timeout_s)
             store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
         prefixed = dist.PrefixStore(f"hyperpodrun/round-{spec.round}/", store)
         dist.init_process_group(
-            backend, store=prefixed, rank=spec.rank, world_size=spec.world_size, timeout=timeout,
+            backend,
+            store=prefixed,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
-        )  # fmt: skip
+        )
     except (RuntimeError, OSError) as exc:  # c10d reports store timeouts as RuntimeError subclasses
         raise GroupError(
             f"rank {spec.rank}: forming round {spec.round}'s group of {spec.world_size} ranks at "
@@ -189,9 +199,18 @@ def teardown_group(*, broken: bool = False) -> None:
 
 #: What gloo and NCCL put in the error of a collective whose peer died or stopped answering.
 _PEER_FAILURE_MARKERS = (
-    "connection closed by peer", "connection reset by peer", "read error", "write error", "broken pipe",
-    "timed out", "timeout", "nccl", "gloo", "socket", "remote worker",
-)  # fmt: skip
+    "connection closed by peer",
+    "connection reset by peer",
+    "read error",
+    "write error",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "nccl",
+    "gloo",
+    "socket",
+    "remote worker",
+)
 
 
 def is_peer_failure(exc: BaseException) -> bool:

@@ -62,7 +62,9 @@ def write_handoff(local_rank: int, *, round: int, step: int, control_step: int, 
     discard_handoff(local_rank)
     torch.save(state, state_path.with_suffix(".pt.tmp"))
     os.replace(state_path.with_suffix(".pt.tmp"), state_path)
-    meta_path.with_suffix(".json.tmp").write_text(json.dumps({"step": step, "round": round, "control_step": control_step}))
+    meta_path.with_suffix(".json.tmp").write_text(
+        json.dumps({"step": step, "round": round, "control_step": control_step})
+    )
     os.replace(meta_path.with_suffix(".json.tmp"), meta_path)
     return state_path
 

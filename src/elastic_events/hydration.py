@@ -74,7 +74,9 @@ class HydrationPlan:
     handoff: bool = False  # the source sends the state its predecessor handed off, not a live one
 
 
-def plan_hydration(reports: Sequence[RankReport], *, recovering: bool = False, local_world_size: int = 1) -> HydrationPlan:
+def plan_hydration(
+    reports: Sequence[RankReport], *, recovering: bool = False, local_world_size: int = 1
+) -> HydrationPlan:
     """Who sends the state to whom; raises :class:`StateMismatchError` when the state disagrees.
 
     A replicated state is sent by a survivor on the newcomers' node when they are all on one
@@ -97,10 +99,19 @@ def plan_hydration(reports: Sequence[RankReport], *, recovering: bool = False, l
                 "of them was reported (the job restarts from its checkpoint)"
             )
         reports = [
-            r if not r.survivor or r.step == furthest
-            else RankReport(rank=r.rank, survivor=False, source_ready=False, step=-1, structure=r.structure, checksum=None, sharded=None)
+            r
+            if not r.survivor or r.step == furthest
+            else RankReport(
+                rank=r.rank,
+                survivor=False,
+                source_ready=False,
+                step=-1,
+                structure=r.structure,
+                checksum=None,
+                sharded=None,
+            )
             for r in reports
-        ]  # fmt: skip
+        ]
     first = reports[0]
     for r in reports[1:]:
         if r.structure != first.structure:
@@ -153,7 +164,9 @@ def plan_from_handoff(plan: HydrationPlan, reports: Sequence[RankReport]) -> Hyd
         return plan
     best = max(holders, key=lambda r: (r.handoff_step, -r.rank))
     others = tuple(r.rank for r in sorted(reports, key=lambda r: r.rank) if r.rank != best.rank)
-    return HydrationPlan(source=best.rank, newcomers=others, survivors=(), sharded=False, step=best.handoff_step, handoff=True)
+    return HydrationPlan(
+        source=best.rank, newcomers=others, survivors=(), sharded=False, step=best.handoff_step, handoff=True
+    )
 
 
 # --------------------------------------------------------------------------- digests
@@ -251,7 +264,9 @@ def _full_tree(tree: Any, keep: bool) -> Any:
     return tree
 
 
-def gather_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, holder: int) -> FullState | None:
+def gather_full_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, holder: int
+) -> FullState | None:
     """On the old group: every rank takes part, only ``holder`` keeps the full state (one tensor at a time)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -268,7 +283,9 @@ def nonpersistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def collective_failures(error: type[Exception], *, rank: int, round: int, world_size: int, timeout_s: float) -> Iterator[None]:
+def collective_failures(
+    error: type[Exception], *, rank: int, round: int, world_size: int, timeout_s: float
+) -> Iterator[None]:
     """Turn what gloo/NCCL raise while a round's ranks are brought to one state (a ``RuntimeError`` for a
     dead peer or a timeout) into ``error``, naming the rank, the round and the limit; our own errors pass."""
     try:

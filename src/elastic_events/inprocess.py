@@ -57,7 +57,6 @@ from elastic_events.names import PARKED_ENV, ROUND_ENV
 from elastic_events.snapshot import Captured, Piece, Replicator, SnapshotError, capture, optimizer_state_count
 from elastic_events.snapshot_restore import SnapshotReport
 
-
 ModelFn = Callable[[], torch.nn.Module]
 WrapFn = Callable[[torch.nn.Module], torch.nn.Module]
 OptimizerFn = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -118,7 +117,9 @@ class ElasticTraining(RoundJoining):
         self._repair_watch: abort.RepairWatch | None = None
         self._optimizer_steps = [0, 0]  # optimizer steps begun, ended (hooks of the optimizer)
         self._snapshot_every = self.config.snapshot_interval
-        self._replicator: Replicator | None = None  # a sharded model's snapshots of this round (elastic_events.snapshot)
+        self._replicator: Replicator | None = (
+            None  # a sharded model's snapshots of this round (elastic_events.snapshot)
+        )
         self._captured: Captured | None = None  # its local state's live tensors
         self._side: tuple[Any, Any, set[int]] | None = None  # this round's gloo groups for snapshots, their sockets
         self._started = False
@@ -238,8 +239,11 @@ class ElasticTraining(RoundJoining):
             ) from exc
         rank, t0 = self.rank, time.monotonic()
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        print(f"rank {rank}: a collective failed during step {self.step + 1} ({reason}); waiting for the repaired group",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"rank {rank}: a collective failed during step {self.step + 1} ({reason}); waiting for the repaired group",
+            file=sys.stderr,
+            flush=True,
+        )
         eventlog.emit(names.PEER_FAILED, rank=rank, step=self.step, error=reason)
         self._reader.fired = None
         if self.optimizer is not None:
@@ -247,14 +251,29 @@ class ElasticTraining(RoundJoining):
         if sharded:  # its live shards, and the copies of its neighbour's it holds, go into the repaired round
             replicator = self._stop_snapshots(broken=True)
             kept = Kept(
-                step=self.step, sharded=True, structure=structure_digest(self.module), checksum=None, failed=True,
-                captured=self._captured, replicator=replicator,
-                snapshot=SnapshotReport(round=self.round, world_size=self.world_size, rank=rank, live_step=self.step,
-                                        replicas=replicator.holdings()),
-            )  # fmt: skip
+                step=self.step,
+                sharded=True,
+                structure=structure_digest(self.module),
+                checksum=None,
+                failed=True,
+                captured=self._captured,
+                replicator=replicator,
+                snapshot=SnapshotReport(
+                    round=self.round,
+                    world_size=self.world_size,
+                    rank=rank,
+                    live_step=self.step,
+                    replicas=replicator.holdings(),
+                ),
+            )
         else:
-            kept = Kept(step=self.step, sharded=False, structure=structure_digest(self.module),
-                        checksum=value_checksum(self.module), failed=True)  # fmt: skip
+            kept = Kept(
+                step=self.step,
+                sharded=False,
+                structure=structure_digest(self.module),
+                checksum=value_checksum(self.module),
+                failed=True,
+            )
         # A gloo group closes its sockets only once nothing references it, and a peer blocked on this rank
         # learns of the failure only then: the failed step's frames (holding the DDP wrapper) must go too.
         traceback.clear_frames(exc.__traceback__)
@@ -268,9 +287,11 @@ class ElasticTraining(RoundJoining):
         torn_down = time.monotonic() - t0
         try:
             event = self._reader.wait_for_reconfigure(
-                RankPhase.RECOVERING, timeout_s=self.config.recover_timeout_s, poll_s=self.config.poll_s,
+                RankPhase.RECOVERING,
+                timeout_s=self.config.recover_timeout_s,
+                poll_s=self.config.poll_s,
                 what=f"rank {rank} (its collective failed at step {self.step + 1}) was not carried into a repaired group",
-            )  # fmt: skip
+            )
         except AdmissionTimeoutError as timeout:
             self._phase(RankPhase.FAILED)
             raise RecoveryError(str(timeout)) from exc
@@ -281,15 +302,19 @@ class ElasticTraining(RoundJoining):
             self._join(event, kept=kept, fresh_module=None, torn_down_s=torn_down)
         except BaseException as failed:
             self._phase(RankPhase.FAILED)
-            raise RecoveryError(f"rank {rank}: the repaired group of round {event.round} could not be joined: {failed}") from failed
+            raise RecoveryError(
+                f"rank {rank}: the repaired group of round {event.round} could not be joined: {failed}"
+            ) from failed
         return True
 
     def _save_and_exit(self, event: Event) -> bool:
         if self.checkpointer is None:
             print(
                 f"rank {self.rank}: restart event {event.event_id} at step {self.step} and no checkpointer: "
-                "the restarted job starts without this state", file=sys.stderr, flush=True,
-            )  # fmt: skip
+                "the restarted job starts without this state",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             if self._saved_step != self.step:  # the loop may have saved this very step already
                 self.save_checkpoint()
@@ -415,8 +440,14 @@ class ElasticTraining(RoundJoining):
 
         Collective (two gloo groups of the round's ranks): every rank decides the same way. The
         round's first state is snapshotted at once, so a failure in its first step is covered too."""
-        if (self._snapshot_every == 0 or self._reader is None or not self.distributed or self.world_size < 2
-                or self.module is None or not is_sharded(self.module)):  # fmt: skip
+        if (
+            self._snapshot_every == 0
+            or self._reader is None
+            or not self.distributed
+            or self.world_size < 2
+            or self.module is None
+            or not is_sharded(self.module)
+        ):
             return
         try:
             self._captured = capture(self.model, self.optimizer)
@@ -425,9 +456,16 @@ class ElasticTraining(RoundJoining):
             return
         group, acks, sockets = self._side_group()
         self._replicator = Replicator(
-            group=group, acks=acks, sockets=sockets, round=self.round, rank=self.rank, world_size=self.world_size,
-            local_world_size=self.local_world_size, bucket_bytes=self.config.bucket_bytes, timeout_s=self.config.timeout_s,
-        )  # fmt: skip
+            group=group,
+            acks=acks,
+            sockets=sockets,
+            round=self.round,
+            rank=self.rank,
+            world_size=self.world_size,
+            local_world_size=self.local_world_size,
+            bucket_bytes=self.config.bucket_bytes,
+            timeout_s=self.config.timeout_s,
+        )
         elastic_events._set_step_hook(self._snapshot)
         self._snapshot(every=1)
 
@@ -436,7 +474,9 @@ class ElasticTraining(RoundJoining):
         their sockets are the round's too (:mod:`.abort`)."""
         if self._side is None:
             sockets: set[int] = set()
-            timeout = timedelta(seconds=max(self.config.timeout_s, 86_400))  # idle between snapshots: only failures end waits
+            timeout = timedelta(
+                seconds=max(self.config.timeout_s, 86_400)
+            )  # idle between snapshots: only failures end waits
             with abort.tracking(sockets):
                 group = dist.new_group(backend="gloo", timeout=timeout)
                 acks = dist.new_group(backend="gloo", timeout=timeout)
@@ -449,10 +489,18 @@ class ElasticTraining(RoundJoining):
         if replicator is None or replicator.failed is not None or self.step % (every or self._snapshot_every):
             return
         c = self._captured
-        replicator.snapshot(Piece(
-            owner=self.rank, round=self.round, world_size=self.world_size, step=self.step, layout=c.layout,
-            small=self._small_state(), param_groups=c.param_groups(self.optimizer), tensors=c.tensors,
-        ))  # fmt: skip
+        replicator.snapshot(
+            Piece(
+                owner=self.rank,
+                round=self.round,
+                world_size=self.world_size,
+                step=self.step,
+                layout=c.layout,
+                small=self._small_state(),
+                param_groups=c.param_groups(self.optimizer),
+                tensors=c.tensors,
+            )
+        )
 
     def _recapture(self) -> None:
         """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here)."""
@@ -481,16 +529,23 @@ class ElasticTraining(RoundJoining):
         if broken:
             replicator.abort()
         elif not replicator.close(timeout_s=self.config.timeout_s):
-            print(f"rank {self.rank}: snapshot threads of round {replicator.round} did not end within "
-                  f"{self.config.timeout_s:.0f}s; their group was shut down", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"rank {self.rank}: snapshot threads of round {replicator.round} did not end within "
+                f"{self.config.timeout_s:.0f}s; their group was shut down",
+                file=sys.stderr,
+                flush=True,
+            )
         return replicator
 
     def snapshot_stats(self) -> dict[str, int]:
         """Bytes of this rank's local state, bytes of snapshots it holds (its neighbour's two and its own),
         snapshots completed this round."""
         c, r = self._captured, self._replicator
-        return {"state_bytes": c.layout.state_bytes if c is not None else 0, "held_bytes": r.held_bytes() if r is not None else 0,
-                "snapshots": r.completed if r is not None else 0}  # fmt: skip
+        return {
+            "state_bytes": c.layout.state_bytes if c is not None else 0,
+            "held_bytes": r.held_bytes() if r is not None else 0,
+            "snapshots": r.completed if r is not None else 0,
+        }
 
     def _set_world(self) -> None:
         if self.sampler is not None and hasattr(self.sampler, "set_world"):
@@ -508,9 +563,13 @@ class ElasticTraining(RoundJoining):
         """Save the state at :attr:`step` through the checkpointer (collective)."""
         self._saved_step = self.step
         self.checkpointer.save(
-            self.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            data=self.sampler, extra=self.extra,
-        )  # fmt: skip
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            data=self.sampler,
+            extra=self.extra,
+        )
 
     def _load_checkpoint(self) -> None:
         loaded = self.checkpointer.load(

@@ -90,7 +90,6 @@ def on_meta(module: torch.nn.Module) -> bool:
     return any(t.is_meta for _, t in model_tensors(module))
 
 
-
 class RoundJoining:
     """Mixed into :class:`~elastic_events.inprocess.ElasticTraining`, whose state it brings into each round."""
 
@@ -108,7 +107,9 @@ class RoundJoining:
         t0 = time.monotonic()
         eventlog.emit(names.GROUP_TORN_DOWN, event_id=event.event_id, step=self.step, seconds=torn_down_s)
         with abort.forming(event.round):
-            self._store = init_round_group(spec, device=self.device, backend=self.backend, timeout_s=self.config.timeout_s)
+            self._store = init_round_group(
+                spec, device=self.device, backend=self.backend, timeout_s=self.config.timeout_s
+            )
         self.round = event.round
         self._watch_repairs()
         eventlog.emit(names.GROUP_UP, event_id=event.event_id, seconds=time.monotonic() - t0)
@@ -123,7 +124,11 @@ class RoundJoining:
             try:  # before the plan: a hand-off that cannot be read is not offered
                 handed = load_handoff(handoff)
             except Exception as exc:  # noqa: BLE001 - storage is the fallback; say why
-                print(f"rank {spec.rank}: cannot read its predecessor's hand-off {handoff.path}: {exc}", file=sys.stderr, flush=True)
+                print(
+                    f"rank {spec.rank}: cannot read its predecessor's hand-off {handoff.path}: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 handoff = None
         report = RankReport(
             rank=spec.rank,
@@ -139,7 +144,13 @@ class RoundJoining:
             failed=survivor and kept.failed,
         )
         reports: list[Any] = [None] * spec.world_size
-        with collective_failures(HydrationError, rank=spec.rank, round=spec.round, world_size=spec.world_size, timeout_s=self.config.timeout_s):
+        with collective_failures(
+            HydrationError,
+            rank=spec.rank,
+            round=spec.round,
+            world_size=spec.world_size,
+            timeout_s=self.config.timeout_s,
+        ):
             dist.all_gather_object(reports, report)
             # A failure repaired by this event, or by a scale event it met on its way (its survivors took that
             # event's group, pending before they failed): the survivors may be a step apart.
@@ -148,12 +159,17 @@ class RoundJoining:
                 plan, received = self._restore_from_snapshots(reports, kept, fresh_module), True
                 control_step = max(r.control_step for r in reports)  # never back: events target these counts
             else:
-                plan = plan_from_handoff(plan_hydration(reports, recovering=repairing, local_world_size=self.local_world_size), reports)
+                plan = plan_from_handoff(
+                    plan_hydration(reports, recovering=repairing, local_world_size=self.local_world_size), reports
+                )
                 received = spec.rank in plan.newcomers  # a newcomer, or a survivor a step behind the others
                 self._hydrate(plan, kept, handed, fresh_module, received)
                 # a rank that failed after committing a step may not have counted it: agree on the source's count
-                control_step = (next(r.control_step for r in reports if r.rank == plan.source)
-                                if repairing and plan.source is not None else self._control_step)  # fmt: skip
+                control_step = (
+                    next(r.control_step for r in reports if r.rank == plan.source)
+                    if repairing and plan.source is not None
+                    else self._control_step
+                )
         self._set_world()
         seed_all(derive_rank_seed(self._base_seed, self.step, self.rank))
         if self._reader is not None and ((repairing and plan.source is not None) or received):
@@ -162,12 +178,23 @@ class RoundJoining:
         self._phase(RankPhase.READY)
         elastic_events._new_round("recovered" if repairing else "reconfigure" if survivor else "admitted")
         eventlog.emit(
-            names.HYDRATED, event_id=event.event_id, step=self.step, seconds=time.monotonic() - t1,
-            newcomers=len(plan.newcomers), from_rank=plan.source, sharded=plan.sharded,
-        )  # fmt: skip
+            names.HYDRATED,
+            event_id=event.event_id,
+            step=self.step,
+            seconds=time.monotonic() - t1,
+            newcomers=len(plan.newcomers),
+            from_rank=plan.source,
+            sharded=plan.sharded,
+        )
 
-    def _hydrate(self, plan: HydrationPlan, kept: Kept | None, handed: dict[str, Any] | None,
-                 fresh_module: torch.nn.Module | None, received: bool) -> None:  # fmt: skip
+    def _hydrate(
+        self,
+        plan: HydrationPlan,
+        kept: Kept | None,
+        handed: dict[str, Any] | None,
+        fresh_module: torch.nn.Module | None,
+        received: bool,
+    ) -> None:
         """Bring this rank to ``plan``'s state: from a hand-off, storage, a full sharded state or a replica."""
         if plan.handoff and plan.source == self.rank:
             self._load_handoff(handed, fresh_module)
@@ -180,7 +207,9 @@ class RoundJoining:
             if not received:
                 self.model = self._rewrap()  # DDP over the new group (receivers wrapped in _replicate)
 
-    def _restore_from_snapshots(self, reports: list[RankReport], kept: Kept | None, fresh_module: torch.nn.Module | None) -> HydrationPlan:
+    def _restore_from_snapshots(
+        self, reports: list[RankReport], kept: Kept | None, fresh_module: torch.nn.Module | None
+    ) -> HydrationPlan:
         """A sharded model after a failure: the newest step every shard survived at, put back on the new mesh
         (each piece to its own rank when the world size is the broken round's, else assembled on rank 0)."""
         t0 = time.monotonic()
@@ -204,10 +233,15 @@ class RoundJoining:
         self.resumed_from = "snapshot"
         live = sum(1 for _, from_live in restore.sources if from_live)
         eventlog.emit(
-            names.SNAPSHOT_RESTORED, step=restore.step, redone=restore.furthest - restore.step, from_live=live,
-            from_copies=len(restore.sources) - live, broken_round=restore.round, seconds=time.monotonic() - t0,
+            names.SNAPSHOT_RESTORED,
+            step=restore.step,
+            redone=restore.furthest - restore.step,
+            from_live=live,
+            from_copies=len(restore.sources) - live,
+            broken_round=restore.round,
+            seconds=time.monotonic() - t0,
             resharded=not in_place,
-        )  # fmt: skip
+        )
         return HydrationPlan(source=0, newcomers=everyone, survivors=(), sharded=True, step=restore.step)
 
     def _own_piece(self, restore: RestorePlan, kept: Kept | None, group: Any) -> Piece:
@@ -232,7 +266,9 @@ class RoundJoining:
         load_local_state(self.model, self.optimizer, piece)
         self._finish_sharded(piece.small if self.rank == 0 else None)  # owner 0's small state, as when assembled
 
-    def _assemble_on_rank0(self, restore: RestorePlan, kept: Kept | None, group: Any, fresh_module: torch.nn.Module | None) -> None:
+    def _assemble_on_rank0(
+        self, restore: RestorePlan, kept: Kept | None, group: Any, fresh_module: torch.nn.Module | None
+    ) -> None:
         """Another world size: the full state assembled on rank 0 from every piece, re-sharded onto the new mesh."""
         pieces = self._pieces_to_rank0(restore, kept, group)
         full = small = None
@@ -243,7 +279,9 @@ class RoundJoining:
             for _ in pieces:  # the sends
                 pass
         self._drop_state(kept)
-        self._reshard(0, Kept(step=restore.step, sharded=True, structure="", checksum=None, full=full, small=small), fresh_module)
+        self._reshard(
+            0, Kept(step=restore.step, sharded=True, structure="", checksum=None, full=full, small=small), fresh_module
+        )
 
     def _pieces_to_rank0(self, restore: RestorePlan, kept: Kept | None, group: Any) -> Iterator[Piece]:
         """Every shard of the broken round at ``restore.step``, in its rank order: rank 0 yields each piece
@@ -268,8 +306,16 @@ class RoundJoining:
 
     def _live_piece(self, kept: Kept) -> Piece:
         snap, c = kept.snapshot, kept.captured
-        return Piece(owner=snap.rank, round=snap.round, world_size=snap.world_size, step=kept.step, layout=c.layout,
-                     small=self._small_state(), param_groups=c.param_groups(self.optimizer), tensors=c.tensors)  # fmt: skip
+        return Piece(
+            owner=snap.rank,
+            round=snap.round,
+            world_size=snap.world_size,
+            step=kept.step,
+            layout=c.layout,
+            small=self._small_state(),
+            param_groups=c.param_groups(self.optimizer),
+            tensors=c.tensors,
+        )
 
     def _drop_state(self, kept: Kept | None) -> None:
         """A survivor's old sharded objects and the copies it held: not needed once the state is on rank 0."""
@@ -327,8 +373,10 @@ class RoundJoining:
         reader.set_snapshot_step(self.step)
         print(
             f"rank {self.rank}: its training loop has not returned since the launcher published the repair of round "
-            f"{self.round} (blocked); handed its state at step {self.step} to its replacement", file=sys.stderr, flush=True,
-        )  # fmt: skip
+            f"{self.round} (blocked); handed its state at step {self.step} to its replacement",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _load_handoff(self, state: dict[str, Any], fresh_module: torch.nn.Module) -> None:
         """The source of a round no rank survived: take the state its predecessor handed off."""
@@ -370,9 +418,12 @@ class RoundJoining:
             optim_state, optim_tensors = allocate_tensors(skeleton, self.device)
         tensors = [t for _, t in model_tensors(self.module)]
         broadcast_tensors(
-            [*tensors, *optim_tensors], src=source, group=group, device=self._comm_device(),
+            [*tensors, *optim_tensors],
+            src=source,
+            group=group,
+            device=self._comm_device(),
             bucket_bytes=self.config.bucket_bytes,
-        )  # fmt: skip
+        )
         if not sending:
             self.model = self._rewrap()
             self._build_optimizer()
@@ -421,4 +472,3 @@ class RoundJoining:
         self._control_step = 0
         if self.checkpointer is not None and self.checkpointer.latest() is not None:
             self._load_checkpoint()
-

@@ -63,13 +63,22 @@ def capture_rng_state() -> RngState:
 def rng_to_plain(state: RngState) -> dict[str, Any]:
     """``state`` as tensors, numbers and tuples only, so it loads with ``weights_only=True``."""
     kind, keys, pos, has_gauss, cached = state.numpy
-    return {**vars(state), "numpy": (kind, torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)), pos, has_gauss, cached)}
+    return {
+        **vars(state),
+        "numpy": (kind, torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)), pos, has_gauss, cached),
+    }
 
 
 def rng_from_plain(plain: dict[str, Any]) -> RngState:
     """The inverse of :func:`rng_to_plain`."""
     kind, keys, pos, has_gauss, cached = plain["numpy"]
-    numpy_state = (kind, np.asarray(keys.numpy() if isinstance(keys, torch.Tensor) else keys, dtype=np.uint32), pos, has_gauss, cached)
+    numpy_state = (
+        kind,
+        np.asarray(keys.numpy() if isinstance(keys, torch.Tensor) else keys, dtype=np.uint32),
+        pos,
+        has_gauss,
+        cached,
+    )
     return RngState(**{**plain, "numpy": numpy_state})
 
 

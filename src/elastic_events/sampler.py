@@ -377,9 +377,7 @@ class ElasticSampler(Sampler[list[int]]):
                 f"state shuffle={state['shuffle']} does not match this sampler's shuffle={self._shuffle}"
             )
         if state["consumed"] > self._num_samples:
-            raise SamplerStateError(
-                f"state consumed={state['consumed']} exceeds num_samples={self._num_samples}"
-            )
+            raise SamplerStateError(f"state consumed={state['consumed']} exceeds num_samples={self._num_samples}")
         self._seed = state["seed"]
         self._set_position(state["epoch"], state["consumed"])
         self._generation += 1

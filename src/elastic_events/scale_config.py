@@ -178,9 +178,7 @@ def parse_scale_config(
     return ScaleConfig(by_world_size=by_world_size, default=default, source=source, schema=schema)
 
 
-def load_scale_config(
-    path: str | os.PathLike[str], *, schema: Mapping[str, Validator] = DEFAULT_SCHEMA
-) -> ScaleConfig:
+def load_scale_config(path: str | os.PathLike[str], *, schema: Mapping[str, Validator] = DEFAULT_SCHEMA) -> ScaleConfig:
     """Read a scale config from a YAML file (``.json`` files are read as JSON)."""
     path = Path(path)
     try:

@@ -174,8 +174,10 @@ class Captured:
         """The optimizer's hyperparameters now (the scheduler moves them), with parameters by name."""
         if optimizer is None:
             return []
-        return [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
-                for g, names in zip(optimizer.param_groups, self.group_params)]  # fmt: skip
+        return [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+            for g, names in zip(optimizer.param_groups, self.group_params)
+        ]
 
 
 def optimizer_state_count(optimizer: torch.optim.Optimizer | None) -> int:
@@ -233,7 +235,9 @@ class Piece:
 
     @staticmethod
     def from_header(data: bytes) -> Piece:
-        return Piece(**pickle.loads(data))  # from a rank of this job, over the job's own group (as broadcast_object_list)
+        return Piece(
+            **pickle.loads(data)
+        )  # from a rank of this job, over the job's own group (as broadcast_object_list)
 
 
 def send_piece(piece: Piece, *, dst: int, group: Any, bucket_bytes: int, header: bytes | None = None) -> None:
@@ -375,11 +379,17 @@ class Replicator:
             if reason is not None:
                 self._stop_for(PeerFailureError(reason))
             elif time.monotonic() > deadline:
-                self._stop_for(SnapshotError(f"rank {self.rank}: the snapshot of step {job.piece.step} was not "
-                                             f"complete on every rank within {self.timeout_s:.0f}s"))  # fmt: skip
+                self._stop_for(
+                    SnapshotError(
+                        f"rank {self.rank}: the snapshot of step {job.piece.step} was not "
+                        f"complete on every rank within {self.timeout_s:.0f}s"
+                    )
+                )
                 raise self.failed
         if self.failed is not None:
-            raise PeerFailureError(f"rank {self.rank}: the snapshot of step {job.piece.step} did not complete: {self.failed}")
+            raise PeerFailureError(
+                f"rank {self.rank}: the snapshot of step {job.piece.step} did not complete: {self.failed}"
+            )
 
     def holdings(self) -> tuple[tuple[int, int], ...]:
         """``(owner, step)`` of every complete copy held: the owner's two, and this rank's own."""
@@ -417,9 +427,12 @@ class Replicator:
             if thread.is_alive():  # a wait its group's shut-down sockets did not end: say where, and go on
                 frame = sys._current_frames().get(thread.ident)
                 where = "".join(traceback.format_stack(frame)[-4:]) if frame is not None else "?"
-                print(f"rank {self.rank}: {thread.name} of round {self.round} still runs {ABORT_JOIN_S} s after the "
-                      f"abort (left behind: it writes only into its round's incomplete slot):\n{where}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"rank {self.rank}: {thread.name} of round {self.round} still runs {ABORT_JOIN_S} s after the "
+                    f"abort (left behind: it writes only into its round's incomplete slot):\n{where}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _stop_for(self, exc: BaseException) -> None:
         with self._lock:
@@ -503,8 +516,11 @@ class Replicator:
             self._lock.notify_all()
         if first:
             detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-            print(f"rank {self.rank}: snapshot replication of round {self.round} stopped ({doing}: {detail})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"rank {self.rank}: snapshot replication of round {self.round} stopped ({doing}: {detail})",
+                file=sys.stderr,
+                flush=True,
+            )
         # Queued snapshots are let go by the sender (it sends nothing more once failed), never drained here:
         # the queue may hold the sentinel that ends the sender.
 

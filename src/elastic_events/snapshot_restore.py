@@ -74,8 +74,9 @@ def plan_restore(reports: dict[int, SnapshotReport]) -> RestorePlan | None:
         return None
     step = max(common)
     furthest = max((r.live_step for r in mine.values()), default=-1)
-    return RestorePlan(round=broken, world_size=world, step=step, sources=tuple(h[step] for h in have),
-                       furthest=max(furthest, step))  # fmt: skip
+    return RestorePlan(
+        round=broken, world_size=world, step=step, sources=tuple(h[step] for h in have), furthest=max(furthest, step)
+    )
 
 
 def assemble(pieces: Iterator[Piece]) -> tuple[dict[str, torch.Tensor], dict[str, Any], Piece]:
@@ -151,8 +152,12 @@ def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     _load_optimizer(model, optimizer, state, piece.param_groups)
 
 
-def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, dict[str, Any]],
-                    param_groups: list[dict[str, Any]]) -> None:  # fmt: skip
+def _load_optimizer(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, dict[str, Any]],
+    param_groups: list[dict[str, Any]],
+) -> None:
     """``optimizer.load_state_dict`` with the parameters named as the snapshot names them.
 
     Not DCP's ``set_optimizer_state_dict``: on an optimizer without state it first runs a step
@@ -160,9 +165,13 @@ def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
     """
     names = group_names(model, optimizer)
     if [list(g["params"]) for g in param_groups] != names:
-        raise SnapshotError(f"the optimizer's param groups {names} are not the snapshot's {[g['params'] for g in param_groups]}")
+        raise SnapshotError(
+            f"the optimizer's param groups {names} are not the snapshot's {[g['params'] for g in param_groups]}"
+        )
     index = {fqn: i for i, fqn in enumerate(fqn for group in names for fqn in group)}
-    groups = [{**saved, "params": [index[fqn] for fqn in group]} for saved, group in zip(param_groups, names, strict=True)]
+    groups = [
+        {**saved, "params": [index[fqn] for fqn in group]} for saved, group in zip(param_groups, names, strict=True)
+    ]
     optimizer.load_state_dict({"state": {index[fqn]: s for fqn, s in state.items()}, "param_groups": groups})
 
 
@@ -180,7 +189,15 @@ def _like(entry: Entry, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tenso
     shape, offsets = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
     at = int(offsets[entry.shard_dim]) if entry.shard_dim is not None else 0
     if (tuple(shape), at) != (entry.local_shape, entry.offset):
-        raise SnapshotError(f"{name}: the new mesh holds {tuple(shape)} at {at} here, the snapshot {entry.local_shape} at "
-                            f"{entry.offset} (another world size, or another rank's piece)")  # fmt: skip
-    return DTensor.from_local(tensor.to(like.device, copy=True), like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())  # fmt: skip
+        raise SnapshotError(
+            f"{name}: the new mesh holds {tuple(shape)} at {at} here, the snapshot {entry.local_shape} at "
+            f"{entry.offset} (another world size, or another rank's piece)"
+        )
+    return DTensor.from_local(
+        tensor.to(like.device, copy=True),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )

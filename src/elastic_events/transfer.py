@@ -95,7 +95,9 @@ class TransferStats:
 Post = Callable[[torch.Tensor], "dist.Work | None"]
 
 
-def _move(views: list[torch.Tensor], plan: list[Bucket], staging: torch.Tensor | None, *, sending: bool, post: Post) -> None:
+def _move(
+    views: list[torch.Tensor], plan: list[Bucket], staging: torch.Tensor | None, *, sending: bool, post: Post
+) -> None:
     """Run ``plan``: ``post`` moves one buffer (a broadcast, a send or a receive) and returns its work.
 
     In-place slices are queued back to back (no staging to reuse: the backend pipelines
@@ -123,7 +125,9 @@ def _move(views: list[torch.Tensor], plan: list[Bucket], staging: torch.Tensor |
             work.wait()
 
 
-def _staging(views: list[torch.Tensor], plan: list[Bucket], device: torch.device, *, every: bool) -> torch.Tensor | None:
+def _staging(
+    views: list[torch.Tensor], plan: list[Bucket], device: torch.device, *, every: bool
+) -> torch.Tensor | None:
     size = max((b.nbytes for b in plan if every or not b.direct), default=0)
     if not size:
         return None
@@ -131,8 +135,11 @@ def _staging(views: list[torch.Tensor], plan: list[Bucket], device: torch.device
 
 
 def _stats(views: list[torch.Tensor], plan: list[Bucket], staging: torch.Tensor | None) -> TransferStats:
-    return TransferStats(nbytes=sum(v.numel() for v in views), broadcasts=len(plan),
-                         staging_bytes=staging.numel() if staging is not None else 0)  # fmt: skip
+    return TransferStats(
+        nbytes=sum(v.numel() for v in views),
+        broadcasts=len(plan),
+        staging_bytes=staging.numel() if staging is not None else 0,
+    )
 
 
 @torch.no_grad()
@@ -152,13 +159,15 @@ def broadcast_tensors(
     through a contiguous copy on ``device``.
     """
     sending = dist.get_rank() == src
-    work = [t.detach() if t.is_contiguous() and t.device == device else t.detach().contiguous().to(device)
-            for t in tensors]  # fmt: skip
+    work = [
+        t.detach() if t.is_contiguous() and t.device == device else t.detach().contiguous().to(device) for t in tensors
+    ]
     views = [_bytes(t) for t in work]
     plan = plan_buckets([v.numel() for v in views], bucket_bytes)
     staging = _staging(views, plan, device, every=False)
-    _move(views, plan, staging, sending=sending,
-          post=lambda buf: dist.broadcast(buf, src=src, group=group, async_op=True))  # fmt: skip
+    _move(
+        views, plan, staging, sending=sending, post=lambda buf: dist.broadcast(buf, src=src, group=group, async_op=True)
+    )
     if not sending:
         for original, copy in zip(tensors, work):
             if copy is not original and copy.data_ptr() != original.data_ptr():

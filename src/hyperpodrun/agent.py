@@ -20,8 +20,8 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,23 +29,22 @@ from enum import Enum
 from pathlib import Path
 from types import FrameType
 
+from elastic_events.control import ControlWriter, EventKind, RankPhase
 from hyperpodrun.config import LaunchConfig, RestartMode
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
-from hyperpodrun.logs import LogDirectory, RankLogs
 from hyperpodrun.hang import HangPolicy, hung_ranks
+from hyperpodrun.logs import LogDirectory, RankLogs
 from hyperpodrun.netif import choose_gloo_interface
-from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
-from hyperpodrun.reaper import Reaper
-from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
 from hyperpodrun.progress import LateRanks, StepRates, missed_target
+from hyperpodrun.reaper import Reaper
+from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
+from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
 from hyperpodrun.worker_env import base_env, parked_env, parked_round, worker_env
-from elastic_events.control import ControlWriter, EventKind, RankPhase
 
 log = logging.getLogger(__name__)
-
 
 
 class AgentState(str, Enum):
@@ -85,7 +84,9 @@ class Agent:
         # Node-local, private to this agent: memory-backed where /dev/shm exists.
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self._control_dir = Path(tempfile.mkdtemp(prefix="hyperpodrun-", dir=shm))
-        self._control = ControlWriter(self._control_dir / "control.bin", config.nproc_per_node, spares=spares_for(config))
+        self._control = ControlWriter(
+            self._control_dir / "control.bin", config.nproc_per_node, spares=spares_for(config)
+        )
         self._group: WorkerGroup | None = None
         self._reaper: Reaper | None = None
         self._signal: int | None = None
@@ -94,9 +95,14 @@ class Agent:
         self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
         self._hang: str | None = None  # why the running group was declared hung
         self._repair = InPlaceRepair(
-            config, control=self._control, events=events, new_attempt=self._new_attempt,
-            rank_setup=lambda directory, local_rank: self._rank_setup(directory, local_rank, None, RestartReason.FAILURE),
-        )  # fmt: skip
+            config,
+            control=self._control,
+            events=events,
+            new_attempt=self._new_attempt,
+            rank_setup=lambda directory, local_rank: self._rank_setup(
+                directory, local_rank, None, RestartReason.FAILURE
+            ),
+        )
         self._hang_policy = HangPolicy(timeout=config.hang_timeout)
         self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
 
@@ -163,14 +169,19 @@ class Agent:
                     rnd = rdzv.entered_in_place(directive)  # a member's ranks moved rounds in place
                 group.assignment = rnd.assignment
                 self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
-                self.events.emit(EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value, in_place=True)
+                self.events.emit(
+                    EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value, in_place=True
+                )
                 _say(
                     f"round {rnd.round}: ranks reconfigured in place, world size {rnd.assignment.world_size}, "
                     f"this node is group rank {rnd.assignment.group_rank}"
                 )
             if directive.kind == DirectiveKind.EXIT:
                 if not rdzv.elastic:  # an elastic job's outcome is logged once, by its decider
-                    self.events.emit(EventType.JOB_SUCCEEDED if directive.exit_code == 0 else EventType.JOB_FAILED, reason=directive.reason)
+                    self.events.emit(
+                        EventType.JOB_SUCCEEDED if directive.exit_code == 0 else EventType.JOB_FAILED,
+                        reason=directive.reason,
+                    )
                 self._finish_closed(directive.reason, succeeded=directive.exit_code == 0)
                 return
 
@@ -190,7 +201,9 @@ class Agent:
         published = 0.0  # when the pending event was put on the control channel
         while True:
             state = group.poll()
-            rescued = pending is not None and pending.repair and self._repair.hung_killed is not None  # we killed a stuck rank
+            rescued = (
+                pending is not None and pending.repair and self._repair.hung_killed is not None
+            )  # we killed a stuck rank
             # A scale event in place that a local rank's failure met on its way: its replacement, parked, is
             # admitted by that event, as the survivors (their collective failed) take its group at once.
             scaling = pending is not None and pending.kind == DirectiveKind.RECONFIGURE and not pending.repair
@@ -218,18 +231,28 @@ class Agent:
                     self.on_progress(steps, step_times)
                 failures = group.failures() if state == WorkerState.FAILED else []
                 status = LocalStatus(
-                    group_state=WorkerState.FAILED if self._hang else state, steps=steps,
+                    group_state=WorkerState.FAILED if self._hang else state,
+                    steps=steps,
                     step_times=step_times,  # a rank replaced to be repaired in place declares again once it runs
                     reconfigurable=all(p.reconfigurable for p in progress) or self._repair.repairing is not None,
                     failure=self._repair.repairing or self._hang or (failures[0].summary() if failures else None),
                     repairing=self._repair.repairing is not None,
                     peer_failed=any(p.phase == RankPhase.RECOVERING for p in progress),
-                )  # fmt: skip
-                next_poll = now + poll_interval(repairing=status.repairing, peer_failed=status.peer_failed, pending=pending is not None, tick=rdzv.tick)
+                )
+                next_poll = now + poll_interval(
+                    repairing=status.repairing,
+                    peer_failed=status.peer_failed,
+                    pending=pending is not None,
+                    tick=rdzv.tick,
+                )
                 directive = self._poll_riding_out_outages(status, group)
-                if directive is not None and (directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None):
+                if directive is not None and (
+                    directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None
+                ):
                     if directive.kind in (DirectiveKind.SAVE_AND_EXIT, DirectiveKind.RECONFIGURE):
-                        late = LateRanks.after_publish(directive.event_id, self._publish(directive), now=now, slowest_step_s=rates.slowest)
+                        late = LateRanks.after_publish(
+                            directive.event_id, self._publish(directive), now=now, slowest_step_s=rates.slowest
+                        )
                         pending, published, deadline = directive, now, now + rdzv.graceful_timeout
                         continue
                     return self._stop_now(group, directive), False
@@ -238,25 +261,50 @@ class Agent:
                     if stuck:  # some rank acted at the target in time: the late one waits in a collective for it
                         self._control.clear()
                         reason = f"{pending.reason}; local rank(s) {stuck} had passed step {pending.target_step} when it was published"
-                        return self._stop_now(group, dataclasses.replace(pending, kind=DirectiveKind.STOP, reason=reason)), False
-                if pending is not None and pending.repair and state == WorkerState.HEALTHY and self._repair.hung_killed is None:
-                    stuck = stuck_in_broken_group(progress, next_round=pending.next_round, waited=now - published, slowest_step_s=rates.slowest)
+                        return self._stop_now(
+                            group, dataclasses.replace(pending, kind=DirectiveKind.STOP, reason=reason)
+                        ), False
+                if (
+                    pending is not None
+                    and pending.repair
+                    and state == WorkerState.HEALTHY
+                    and self._repair.hung_killed is None
+                ):
+                    stuck = stuck_in_broken_group(
+                        progress, next_round=pending.next_round, waited=now - published, slowest_step_s=rates.slowest
+                    )
                     if stuck:
                         why = f"local rank(s) {stuck} still blocked in the broken group {now - published:.1f}s after the repair was published"
-                        _say(f"{why}; their Python stacks go to their logs, then they are killed and replaced in the same repair")
+                        _say(
+                            f"{why}; their Python stacks go to their logs, then they are killed and replaced in the same repair"
+                        )
                         self._dump_stacks([group.pids[r] for r in stuck])
                         self._repair.kill_culprits(group, stuck, why)
-            if pending is None and state == WorkerState.HEALTHY and self._hang is None and self._repair.hung_killed is None:
+            if (
+                pending is None
+                and state == WorkerState.HEALTHY
+                and self._hang is None
+                and self._repair.hung_killed is None
+            ):
                 self._check_hang(group, rates)
                 self._repair.keep_spare(group, in_process=self._repairs_in_place)
             if pending is not None and state == WorkerState.HEALTHY and self._moved_in_place(pending):
                 self._control.clear()
                 self._repair.repairing = None
-                self.events.emit(EventType.WORKERS_RECONFIGURED, event_id=pending.event_id, round=pending.next_round, world_size=pending.world_size)
-                self._guard_store(lambda: rdzv.report_stopped(pending.event_id, ok=True, reconfigured=True), group)
+                self.events.emit(
+                    EventType.WORKERS_RECONFIGURED,
+                    event_id=pending.event_id,
+                    round=pending.next_round,
+                    world_size=pending.world_size,
+                )
+                self._guard_store(
+                    lambda event_id=pending.event_id: rdzv.report_stopped(event_id, ok=True, reconfigured=True), group
+                )
                 return pending, True
             if pending is not None and pending.kind == DirectiveKind.RECONFIGURE and self._failed_in_place():
-                _say(f"event {pending.event_id}: a local rank could not move to round {pending.next_round} in place; falling back to a restart")
+                _say(
+                    f"event {pending.event_id}: a local rank could not move to round {pending.next_round} in place; falling back to a restart"
+                )
                 return self._ranks_left(group, pending, WorkerState.FAILED, timed_out=False), False
             if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
                 return self._ranks_left(group, pending, state, timed_out=state == WorkerState.HEALTHY), False
@@ -306,10 +354,15 @@ class Agent:
         progress = self._control.progress()
         missed = [] if directive.repair else missed_target(progress, directive.event_id, directive.target_step)
         self.events.emit(
-            EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value,
-            event_kind=_value(directive.event_kind), target_step=directive.target_step,
-            steps=[p.step for p in progress], reason=directive.reason, **({"late_ranks": missed} if missed else {}),
-        )  # fmt: skip
+            EventType.WORKERS_SIGNALLED,
+            event_id=directive.event_id,
+            kind=directive.kind.value,
+            event_kind=_value(directive.event_kind),
+            target_step=directive.target_step,
+            steps=[p.step for p in progress],
+            reason=directive.reason,
+            **({"late_ranks": missed} if missed else {}),
+        )
         return missed
 
     def _check_hang(self, group: WorkerGroup, rates: StepRates) -> None:
@@ -330,8 +383,15 @@ class Agent:
             f"rank {rank} (local rank {r}, pid {pids.get(r)}) made no progress for {idle:.0f}s at step {progress[r].step} "
             f"(hang timeout {limit:g}s); Python stacks of every local rank in their logs: {group.log_file(r)}"
         )
-        self.events.emit(EventType.RANK_HUNG, rank=rank, local_ranks=list(hung), step=progress[r].step,
-                         idle_s=round(idle, 3), hang_timeout=limit, log_file=str(group.log_file(r)))  # fmt: skip
+        self.events.emit(
+            EventType.RANK_HUNG,
+            rank=rank,
+            local_ranks=list(hung),
+            step=progress[r].step,
+            idle_s=round(idle, 3),
+            hang_timeout=limit,
+            log_file=str(group.log_file(r)),
+        )
         _say(why)
         self._dump_stacks(list(pids.values()))
         if self._repairs_in_place():  # the kill shows as a failed rank: repaired like a crash
@@ -362,7 +422,8 @@ class Agent:
         if pending.kind != DirectiveKind.RECONFIGURE or pending.group_rank < 0:
             return False
         return all(
-            p.round == pending.next_round and p.phase in (RankPhase.READY, RankPhase.RUNNING) for p in self._control.progress()
+            p.round == pending.next_round and p.phase in (RankPhase.READY, RankPhase.RUNNING)
+            for p in self._control.progress()
         )
 
     def _prewarm(self) -> bool:
@@ -385,7 +446,9 @@ class Agent:
         group.assignment = rnd.assignment
         admission = rnd.admission
         self._write_event(admission)
-        self.events.emit(EventType.WORKERS_SIGNALLED, event_id=admission.event_id, kind="admit", target_step=admission.target_step)
+        self.events.emit(
+            EventType.WORKERS_SIGNALLED, event_id=admission.event_id, kind="admit", target_step=admission.target_step
+        )
         return group
 
     def _drop_parked(self) -> None:
@@ -415,9 +478,12 @@ class Agent:
             what = _value(directive.event_kind) or "stop"
             _say(f"{what}: {directive.reason}; stopping the ranks" if self.rdzv.elastic else directive.reason)
         self.events.emit(
-            EventType.WORKERS_SIGNALLED, event_id=directive.event_id, kind=directive.kind.value,
-            event_kind=_value(directive.event_kind), reason=directive.reason,
-        )  # fmt: skip
+            EventType.WORKERS_SIGNALLED,
+            event_id=directive.event_id,
+            kind=directive.kind.value,
+            event_kind=_value(directive.event_kind),
+            reason=directive.reason,
+        )
         group.stop(grace=self.config.shutdown_timeout)
         self.events.emit(EventType.WORKERS_STOPPED, event_id=directive.event_id)
         if directive.kind == DirectiveKind.STOP:
@@ -428,7 +494,9 @@ class Agent:
     def _ranks_left(self, group: WorkerGroup, pending: Directive, state: WorkerState, *, timed_out: bool) -> Directive:
         """The ranks of a cooperative event have exited (or not, within the graceful timeout)."""
         if timed_out:
-            _say(f"ranks did not exit within the graceful shutdown timeout ({self.rdzv.graceful_timeout:g}s); killing them")
+            _say(
+                f"ranks did not exit within the graceful shutdown timeout ({self.rdzv.graceful_timeout:g}s); killing them"
+            )
         group.stop(grace=self.config.shutdown_timeout)
         ok = state == WorkerState.SUCCEEDED
         self.events.emit(EventType.WORKERS_STOPPED, event_id=pending.event_id, ok=ok)
@@ -504,7 +572,9 @@ class Agent:
         self._attempt += 1
         return path
 
-    def _rank_setup(self, attempt_dir: Path, local_rank: int, rnd: RoundInfo | None, reason: RestartReason) -> tuple[RankLogs, dict[str, str]]:
+    def _rank_setup(
+        self, attempt_dir: Path, local_rank: int, rnd: RoundInfo | None, reason: RestartReason
+    ) -> tuple[RankLogs, dict[str, str]]:
         """A local rank's log files and environment for ``rnd`` (None: parked until admitted)."""
         cfg = self.config
         logs = LogDirectory.rank_logs(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from typer.exceptions import TyperException
@@ -61,57 +61,361 @@ def _opt(*names: str, env: str | None = None, help: str, group: str, **kw):
 
 @app.command()
 def run(
-    training_script: Annotated[str, typer.Argument(help="Script (or module with -m, or executable with --no-python) to run on every rank.", show_default=False)],
-    training_script_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments passed to the script unchanged.", show_default=False)] = None,
-    nnodes: Annotated[Optional[str], _opt("--nnodes", env="PET_NNODES", group=_RDZV, help="Number of nodes, N or MIN:MAX for an elastic job (default 1, or the policy file's bounds).", show_default=False)] = None,
-    nproc_per_node: Annotated[str, _opt("--nproc-per-node", env="PET_NPROC_PER_NODE", group=_WORKERS, help="Ranks per node: N, auto, gpu or cpu.")] = "1",
-    rdzv_backend: Annotated[str, _opt("--rdzv-backend", env="PET_RDZV_BACKEND", group=_RDZV, help="static, c10d/embedded (store hosted by one agent) or etcd (v3 API).")] = "static",
-    rdzv_endpoint: Annotated[str, _opt("--rdzv-endpoint", env="PET_RDZV_ENDPOINT", group=_RDZV, help="HOST:PORT of the store (etcd accepts a comma-separated list).")] = "",
-    rdzv_id: Annotated[str, _opt("--rdzv-id", env="PET_RDZV_ID", group=_RDZV, help="Job id; nodes with the same id form one job.")] = "none",
-    rdzv_conf: Annotated[str, _opt("--rdzv-conf", env="PET_RDZV_CONF", group=_RDZV, help="Extra rendezvous settings, key=value,... (e.g. timeouts, TLS files).")] = "",
-    standalone: Annotated[bool, _opt("--standalone", env="PET_STANDALONE", group=_RDZV, help="Single-node job with an embedded store on a free local port.")] = False,
-    max_restarts: Annotated[int, _opt("--max-restarts", env="PET_MAX_RESTARTS", group=_WORKERS, help="Restarts of the worker group after a failure before the job fails.")] = 0,
-    monitor_interval: Annotated[float, _opt("--monitor-interval", env="PET_MONITOR_INTERVAL", group=_WORKERS, help="Seconds between checks of the workers' state.")] = 0.1,
-    start_method: Annotated[str, _opt("--start-method", env="PET_START_METHOD", group=_WORKERS, help="Accepted for compatibility (spawn, fork, forkserver); workers are always fresh processes.")] = "spawn",
-    role: Annotated[str, _opt("--role", env="PET_ROLE", group=_WORKERS, help="User-defined role of the workers (ROLE_NAME).")] = "default",
-    module: Annotated[bool, _opt("-m", "--module", env="PET_MODULE", group=_WORKERS, help="Run the script as a module, like python -m.")] = False,
-    no_python: Annotated[bool, _opt("--no-python", env="PET_NO_PYTHON", group=_WORKERS, help="Run the script as an executable, not with python.")] = False,
-    run_path: Annotated[bool, _opt("--run-path", env="PET_RUN_PATH", group=_WORKERS, help="Run the script as a path with __name__ == '__main__' (the default behaviour here).")] = False,
-    log_dir: Annotated[Optional[Path], _opt("--log-dir", env="PET_LOG_DIR", group=_LOGS, help="Keep worker logs in LOG_DIR/RUN_ID/attempt_N/LOCAL_RANK/; no attempt is ever deleted.")] = None,
-    event_log: Annotated[Optional[Path], _opt("--event-log", env="HYPERPODRUN_EVENT_LOG", group=_LOGS, help="Append the agent's events (JSON lines) to this file; default LOG_DIR/RUN_ID/events.jsonl.")] = None,
-    redirects: Annotated[str, _opt("-r", "--redirects", env="PET_REDIRECTS", group=_LOGS, help="Send streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or LOCAL_RANK:CODE,...")] = "0",
-    tee: Annotated[str, _opt("-t", "--tee", env="PET_TEE", group=_LOGS, help="Copy streams to log files and the console (same codes as --redirects).")] = "0",
-    local_ranks_filter: Annotated[str, _opt("--local-ranks-filter", env="PET_LOCAL_RANKS_FILTER", group=_LOGS, help="Show only these local ranks on the console, e.g. 0,2.")] = "",
-    node_rank: Annotated[int, _opt("--node-rank", env="PET_NODE_RANK", group=_STATIC, help="Rank of this node (static membership).")] = 0,
-    master_addr: Annotated[str, _opt("--master-addr", env="PET_MASTER_ADDR", group=_STATIC, help="Address of the rank-0 node (static membership).")] = "127.0.0.1",
-    master_port: Annotated[Optional[int], _opt("--master-port", env="PET_MASTER_PORT", group=_STATIC, help="Port of rank 0 (static; default 29500 for several nodes, a free port for one).")] = None,
-    local_addr: Annotated[Optional[str], _opt("--local-addr", env="PET_LOCAL_ADDR", group=_RDZV, help="Address other nodes use to reach this one (default: its address on the route to the store).")] = None,
-    signals_to_handle: Annotated[str, _opt("--signals-to-handle", env="TORCHELASTIC_SIGNALS_TO_HANDLE", group=_WORKERS, help="Signals forwarded to the workers.")] = DEFAULT_SIGNALS,
-    hang_timeout: Annotated[Optional[float], _opt("--hang-timeout", group=_WORKERS, help="Seconds a rank may go without calling elastic_event_detected() before it counts as hung: its stacks are dumped to its log and it fails (0: off) [default: 10x the slowest step, at least 60].", show_default=False)] = None,
-    shutdown_timeout: Annotated[float, _opt("--shutdown-timeout", env="PET_SHUTDOWN_TIMEOUT", group=_WORKERS, help="Seconds between SIGTERM and SIGKILL when stopping workers.")] = 30.0,
-    elastic_policy: Annotated[Optional[Path], _opt("--elastic-policy", group=_POLICY, help="YAML/JSON file with HyperPod elasticPolicy fields (minReplicas, maxReplicas, ...); flags override it.")] = None,
-    replica_increment_step: Annotated[Optional[int], _opt("--replica-increment-step", group=_POLICY, help="Allowed node counts are MIN, MIN+STEP, ... (exclusive with --replica-discrete-values).")] = None,
-    replica_discrete_values: Annotated[Optional[str], _opt("--replica-discrete-values", group=_POLICY, help="Allowed node counts, e.g. 2,4,8.")] = None,
-    graceful_shutdown_timeout: Annotated[Optional[float], _opt("--graceful-shutdown-timeout", group=_POLICY, help="Seconds ranks get to save and exit at a scale event before they are killed [default: 120].")] = None,
-    scaling_timeout: Annotated[Optional[float], _opt("--scaling-timeout", group=_POLICY, help="Seconds new capacity must stay available before a scale-up (and the wait for more nodes at start) [default: 60].")] = None,
-    faulty_scale_down_timeout: Annotated[Optional[float], _opt("--faulty-scale-down-timeout", group=_POLICY, help="Seconds a lost node may come back before the job shrinks without it [default: 30].")] = None,
-    min_stable_period: Annotated[Optional[float], _opt("--min-stable-period", group=_POLICY, help="Seconds a scale-up waits after the last scale event (anti-thrashing); growth after growth keeps this base, reversals lengthen it [default: 60].")] = None,
-    backoff_window: Annotated[Optional[float], _opt("--backoff-window", group=_POLICY, help="Scale events at most this many seconds apart are related: changes of direction among them (up after down, down after up) grow the stable period [default: 900].")] = None,
-    backoff_factor: Annotated[Optional[float], _opt("--backoff-factor", group=_POLICY, help="Factor the stable period grows by per change of direction inside the backoff window [default: 2].")] = None,
-    max_backoff: Annotated[Optional[float], _opt("--max-backoff", group=_POLICY, help="Upper bound of the stable period in seconds [default: 600].")] = None,
-    max_world_size: Annotated[Optional[int], _opt("--max-world-size", group=_POLICY, help="Never grow beyond this many ranks (e.g. the samples in one global batch).")] = None,
-    restart_mode: Annotated[RestartMode, _opt("--restart-mode", group=_POLICY, help="auto: reconfigure ranks in place at scale events when every rank uses the in-process API; process: always restart them.")] = RestartMode.AUTO,
-    spare_ranks: Annotated[int, _opt("--spare-ranks", group=_POLICY, help="Spare processes per node, started (torch imported, no accelerator touched) once the job runs in-process, to replace a failed rank without a process start: 0 or 1.")] = 1,
-    snapshot_every: Annotated[int, _opt("--snapshot-every", group=_POLICY, help="A sharded (FSDP2) model under ElasticTraining copies its shards to a peer on another node every N steps, in the background, so a failure rolls back at most N steps and reads no storage (0: off; replicated models need none).")] = 1,
-    metrics_port: Annotated[int, _opt("--metrics-port", env="HYPERPODRUN_METRICS_PORT", group=_LOGS, help="Serve Prometheus metrics of this agent on this port (0: off).")] = 0,
-    metrics_addr: Annotated[str, _opt("--metrics-addr", env="HYPERPODRUN_METRICS_ADDR", group=_LOGS, help="Address the metrics endpoint listens on (loopback unless set).")] = "127.0.0.1",
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
+    training_script: Annotated[
+        str,
+        typer.Argument(
+            help="Script (or module with -m, or executable with --no-python) to run on every rank.", show_default=False
+        ),
+    ],
+    training_script_args: Annotated[
+        list[str] | None, typer.Argument(help="Arguments passed to the script unchanged.", show_default=False)
+    ] = None,
+    nnodes: Annotated[
+        str | None,
+        _opt(
+            "--nnodes",
+            env="PET_NNODES",
+            group=_RDZV,
+            help="Number of nodes, N or MIN:MAX for an elastic job (default 1, or the policy file's bounds).",
+            show_default=False,
+        ),
+    ] = None,
+    nproc_per_node: Annotated[
+        str,
+        _opt("--nproc-per-node", env="PET_NPROC_PER_NODE", group=_WORKERS, help="Ranks per node: N, auto, gpu or cpu."),
+    ] = "1",
+    rdzv_backend: Annotated[
+        str,
+        _opt(
+            "--rdzv-backend",
+            env="PET_RDZV_BACKEND",
+            group=_RDZV,
+            help="static, c10d/embedded (store hosted by one agent) or etcd (v3 API).",
+        ),
+    ] = "static",
+    rdzv_endpoint: Annotated[
+        str,
+        _opt(
+            "--rdzv-endpoint",
+            env="PET_RDZV_ENDPOINT",
+            group=_RDZV,
+            help="HOST:PORT of the store (etcd accepts a comma-separated list).",
+        ),
+    ] = "",
+    rdzv_id: Annotated[
+        str, _opt("--rdzv-id", env="PET_RDZV_ID", group=_RDZV, help="Job id; nodes with the same id form one job.")
+    ] = "none",
+    rdzv_conf: Annotated[
+        str,
+        _opt(
+            "--rdzv-conf",
+            env="PET_RDZV_CONF",
+            group=_RDZV,
+            help="Extra rendezvous settings, key=value,... (e.g. timeouts, TLS files).",
+        ),
+    ] = "",
+    standalone: Annotated[
+        bool,
+        _opt(
+            "--standalone",
+            env="PET_STANDALONE",
+            group=_RDZV,
+            help="Single-node job with an embedded store on a free local port.",
+        ),
+    ] = False,
+    max_restarts: Annotated[
+        int,
+        _opt(
+            "--max-restarts",
+            env="PET_MAX_RESTARTS",
+            group=_WORKERS,
+            help="Restarts of the worker group after a failure before the job fails.",
+        ),
+    ] = 0,
+    monitor_interval: Annotated[
+        float,
+        _opt(
+            "--monitor-interval",
+            env="PET_MONITOR_INTERVAL",
+            group=_WORKERS,
+            help="Seconds between checks of the workers' state.",
+        ),
+    ] = 0.1,
+    start_method: Annotated[
+        str,
+        _opt(
+            "--start-method",
+            env="PET_START_METHOD",
+            group=_WORKERS,
+            help="Accepted for compatibility (spawn, fork, forkserver); workers are always fresh processes.",
+        ),
+    ] = "spawn",
+    role: Annotated[
+        str, _opt("--role", env="PET_ROLE", group=_WORKERS, help="User-defined role of the workers (ROLE_NAME).")
+    ] = "default",
+    module: Annotated[
+        bool,
+        _opt("-m", "--module", env="PET_MODULE", group=_WORKERS, help="Run the script as a module, like python -m."),
+    ] = False,
+    no_python: Annotated[
+        bool,
+        _opt(
+            "--no-python", env="PET_NO_PYTHON", group=_WORKERS, help="Run the script as an executable, not with python."
+        ),
+    ] = False,
+    run_path: Annotated[
+        bool,
+        _opt(
+            "--run-path",
+            env="PET_RUN_PATH",
+            group=_WORKERS,
+            help="Run the script as a path with __name__ == '__main__' (the default behaviour here).",
+        ),
+    ] = False,
+    log_dir: Annotated[
+        Path | None,
+        _opt(
+            "--log-dir",
+            env="PET_LOG_DIR",
+            group=_LOGS,
+            help="Keep worker logs in LOG_DIR/RUN_ID/attempt_N/LOCAL_RANK/; no attempt is ever deleted.",
+        ),
+    ] = None,
+    event_log: Annotated[
+        Path | None,
+        _opt(
+            "--event-log",
+            env="HYPERPODRUN_EVENT_LOG",
+            group=_LOGS,
+            help="Append the agent's events (JSON lines) to this file; default LOG_DIR/RUN_ID/events.jsonl.",
+        ),
+    ] = None,
+    redirects: Annotated[
+        str,
+        _opt(
+            "-r",
+            "--redirects",
+            env="PET_REDIRECTS",
+            group=_LOGS,
+            help="Send streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or LOCAL_RANK:CODE,...",
+        ),
+    ] = "0",
+    tee: Annotated[
+        str,
+        _opt(
+            "-t",
+            "--tee",
+            env="PET_TEE",
+            group=_LOGS,
+            help="Copy streams to log files and the console (same codes as --redirects).",
+        ),
+    ] = "0",
+    local_ranks_filter: Annotated[
+        str,
+        _opt(
+            "--local-ranks-filter",
+            env="PET_LOCAL_RANKS_FILTER",
+            group=_LOGS,
+            help="Show only these local ranks on the console, e.g. 0,2.",
+        ),
+    ] = "",
+    node_rank: Annotated[
+        int, _opt("--node-rank", env="PET_NODE_RANK", group=_STATIC, help="Rank of this node (static membership).")
+    ] = 0,
+    master_addr: Annotated[
+        str,
+        _opt(
+            "--master-addr",
+            env="PET_MASTER_ADDR",
+            group=_STATIC,
+            help="Address of the rank-0 node (static membership).",
+        ),
+    ] = "127.0.0.1",
+    master_port: Annotated[
+        int | None,
+        _opt(
+            "--master-port",
+            env="PET_MASTER_PORT",
+            group=_STATIC,
+            help="Port of rank 0 (static; default 29500 for several nodes, a free port for one).",
+        ),
+    ] = None,
+    local_addr: Annotated[
+        str | None,
+        _opt(
+            "--local-addr",
+            env="PET_LOCAL_ADDR",
+            group=_RDZV,
+            help="Address other nodes use to reach this one (default: its address on the route to the store).",
+        ),
+    ] = None,
+    signals_to_handle: Annotated[
+        str,
+        _opt(
+            "--signals-to-handle",
+            env="TORCHELASTIC_SIGNALS_TO_HANDLE",
+            group=_WORKERS,
+            help="Signals forwarded to the workers.",
+        ),
+    ] = DEFAULT_SIGNALS,
+    hang_timeout: Annotated[
+        float | None,
+        _opt(
+            "--hang-timeout",
+            group=_WORKERS,
+            help="Seconds a rank may go without calling elastic_event_detected() before it counts as hung: its stacks are dumped to its log and it fails (0: off) [default: 10x the slowest step, at least 60].",
+            show_default=False,
+        ),
+    ] = None,
+    shutdown_timeout: Annotated[
+        float,
+        _opt(
+            "--shutdown-timeout",
+            env="PET_SHUTDOWN_TIMEOUT",
+            group=_WORKERS,
+            help="Seconds between SIGTERM and SIGKILL when stopping workers.",
+        ),
+    ] = 30.0,
+    elastic_policy: Annotated[
+        Path | None,
+        _opt(
+            "--elastic-policy",
+            group=_POLICY,
+            help="YAML/JSON file with HyperPod elasticPolicy fields (minReplicas, maxReplicas, ...); flags override it.",
+        ),
+    ] = None,
+    replica_increment_step: Annotated[
+        int | None,
+        _opt(
+            "--replica-increment-step",
+            group=_POLICY,
+            help="Allowed node counts are MIN, MIN+STEP, ... (exclusive with --replica-discrete-values).",
+        ),
+    ] = None,
+    replica_discrete_values: Annotated[
+        str | None, _opt("--replica-discrete-values", group=_POLICY, help="Allowed node counts, e.g. 2,4,8.")
+    ] = None,
+    graceful_shutdown_timeout: Annotated[
+        float | None,
+        _opt(
+            "--graceful-shutdown-timeout",
+            group=_POLICY,
+            help="Seconds ranks get to save and exit at a scale event before they are killed [default: 120].",
+        ),
+    ] = None,
+    scaling_timeout: Annotated[
+        float | None,
+        _opt(
+            "--scaling-timeout",
+            group=_POLICY,
+            help="Seconds new capacity must stay available before a scale-up (and the wait for more nodes at start) [default: 60].",
+        ),
+    ] = None,
+    faulty_scale_down_timeout: Annotated[
+        float | None,
+        _opt(
+            "--faulty-scale-down-timeout",
+            group=_POLICY,
+            help="Seconds a lost node may come back before the job shrinks without it [default: 30].",
+        ),
+    ] = None,
+    min_stable_period: Annotated[
+        float | None,
+        _opt(
+            "--min-stable-period",
+            group=_POLICY,
+            help="Seconds a scale-up waits after the last scale event (anti-thrashing); growth after growth keeps this base, reversals lengthen it [default: 60].",
+        ),
+    ] = None,
+    backoff_window: Annotated[
+        float | None,
+        _opt(
+            "--backoff-window",
+            group=_POLICY,
+            help="Scale events at most this many seconds apart are related: changes of direction among them (up after down, down after up) grow the stable period [default: 900].",
+        ),
+    ] = None,
+    backoff_factor: Annotated[
+        float | None,
+        _opt(
+            "--backoff-factor",
+            group=_POLICY,
+            help="Factor the stable period grows by per change of direction inside the backoff window [default: 2].",
+        ),
+    ] = None,
+    max_backoff: Annotated[
+        float | None,
+        _opt("--max-backoff", group=_POLICY, help="Upper bound of the stable period in seconds [default: 600]."),
+    ] = None,
+    max_world_size: Annotated[
+        int | None,
+        _opt(
+            "--max-world-size",
+            group=_POLICY,
+            help="Never grow beyond this many ranks (e.g. the samples in one global batch).",
+        ),
+    ] = None,
+    restart_mode: Annotated[
+        RestartMode,
+        _opt(
+            "--restart-mode",
+            group=_POLICY,
+            help="auto: reconfigure ranks in place at scale events when every rank uses the in-process API; process: always restart them.",
+        ),
+    ] = RestartMode.AUTO,
+    spare_ranks: Annotated[
+        int,
+        _opt(
+            "--spare-ranks",
+            group=_POLICY,
+            help="Spare processes per node, started (torch imported, no accelerator touched) once the job runs in-process, to replace a failed rank without a process start: 0 or 1.",
+        ),
+    ] = 1,
+    snapshot_every: Annotated[
+        int,
+        _opt(
+            "--snapshot-every",
+            group=_POLICY,
+            help="A sharded (FSDP2) model under ElasticTraining copies its shards to a peer on another node every N steps, in the background, so a failure rolls back at most N steps and reads no storage (0: off; replicated models need none).",
+        ),
+    ] = 1,
+    metrics_port: Annotated[
+        int,
+        _opt(
+            "--metrics-port",
+            env="HYPERPODRUN_METRICS_PORT",
+            group=_LOGS,
+            help="Serve Prometheus metrics of this agent on this port (0: off).",
+        ),
+    ] = 0,
+    metrics_addr: Annotated[
+        str,
+        _opt(
+            "--metrics-addr",
+            env="HYPERPODRUN_METRICS_ADDR",
+            group=_LOGS,
+            help="Address the metrics endpoint listens on (loopback unless set).",
+        ),
+    ] = "127.0.0.1",
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+    ] = False,
 ) -> None:
     from hyperpodrun.launch import launch
 
     policy = None
-    policy_flags = (elastic_policy, replica_increment_step, replica_discrete_values, graceful_shutdown_timeout, scaling_timeout,
-                    faulty_scale_down_timeout, min_stable_period, backoff_window, backoff_factor, max_backoff)  # fmt: skip
+    policy_flags = (
+        elastic_policy,
+        replica_increment_step,
+        replica_discrete_values,
+        graceful_shutdown_timeout,
+        scaling_timeout,
+        faulty_scale_down_timeout,
+        min_stable_period,
+        backoff_window,
+        backoff_factor,
+        max_backoff,
+    )
     store_backed = rdzv_backend != "static" and not standalone
     if store_backed or any(v is not None for v in policy_flags):
         # Read and validate the policy whatever the backend: a static job then refuses it by name.

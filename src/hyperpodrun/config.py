@@ -20,8 +20,8 @@ from pathlib import Path
 
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.policy import ElasticPolicy
-from hyperpodrun.store.factory import BACKEND_SPECS, BackendSpec
 from hyperpodrun.security import run_id_problem
+from hyperpodrun.store.factory import BACKEND_SPECS, BackendSpec
 
 RDZV_BACKENDS = (*BACKEND_SPECS, "etcd-v2")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -74,9 +74,7 @@ def parse_nproc_per_node(value: str, *, cuda_device_count: int | None = None) ->
     try:
         n = int(value)
     except ValueError:
-        raise ConfigError(
-            f"--nproc-per-node: expected a positive integer, auto, gpu or cpu, got {value!r}"
-        ) from None
+        raise ConfigError(f"--nproc-per-node: expected a positive integer, auto, gpu or cpu, got {value!r}") from None
     if n < 1:
         raise ConfigError(f"--nproc-per-node: must be >= 1, got {n}")
     return n
@@ -183,8 +181,13 @@ class RendezvousSettings:
 #: torchrun's ``--rdzv-conf`` keys: the ones with a meaning here, and those accepted and ignored.
 TORCHRUN_CONF_ALIASES: Mapping[str, str] = {"timeout": "join_timeout", "read_timeout": "store_timeout"}
 TORCHRUN_CONF_IGNORED: tuple[str, ...] = (
-    "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt", "is_host", "use_agent_store",
-)  # fmt: skip
+    "last_call_timeout",
+    "close_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "is_host",
+    "use_agent_store",
+)
 
 
 def split_rdzv_conf(conf: Mapping[str, str], spec: BackendSpec) -> tuple[RendezvousSettings, dict[str, str]]:
@@ -293,9 +296,13 @@ class LaunchConfig:
         if self.hang_timeout is not None and not self.hang_timeout >= 0:
             raise ConfigError(f"--hang-timeout: must be >= 0 seconds (0: off), got {self.hang_timeout}")
         if self.spare_ranks not in (0, 1):
-            raise ConfigError(f"--spare-ranks: must be 0 or 1 (one spare replaces the first failed rank), got {self.spare_ranks}")
+            raise ConfigError(
+                f"--spare-ranks: must be 0 or 1 (one spare replaces the first failed rank), got {self.spare_ranks}"
+            )
         if self.snapshot_every < 0:
-            raise ConfigError(f"--snapshot-every: must be >= 0 steps (0: no in-memory snapshots), got {self.snapshot_every}")
+            raise ConfigError(
+                f"--snapshot-every: must be >= 0 steps (0: no in-memory snapshots), got {self.snapshot_every}"
+            )
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port: must be in 0..65535 (0: off), got {self.metrics_port}")
         if self.shutdown_timeout < 0:

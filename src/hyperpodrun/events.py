@@ -25,7 +25,9 @@ class EventType(str, Enum):
     WORKERS_STARTED = "workers_started"
     FIRST_STEP = "first_step"
     SCALE_DECIDED = "scale_decided"
-    ROUND_IN_PROCESS = "round_in_process"  # every rank declared the in-process API: events and failures are handled in place
+    ROUND_IN_PROCESS = (
+        "round_in_process"  # every rank declared the in-process API: events and failures are handled in place
+    )
     SCALE_TARGETED = "scale_targeted"  # the agreed step and the mode (reconfigure in place or restart)
     WORKERS_SIGNALLED = "workers_signalled"
     CHECKPOINT_SAVED = "checkpoint_saved"

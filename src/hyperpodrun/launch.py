@@ -35,7 +35,9 @@ def launch(config: LaunchConfig) -> None:
         events.node = rendezvous.node_id
         if metrics is not None and hasattr(rendezvous, "store"):  # time every store call of the rendezvous
             rendezvous.store = metrics.instrument_store(rendezvous.store)
-        agent = Agent(config, rendezvous, run_id=run_id, events=events, logs=logs, rdzv_timeout=config.rdzv_settings.join_timeout)
+        agent = Agent(
+            config, rendezvous, run_id=run_id, events=events, logs=logs, rdzv_timeout=config.rdzv_settings.join_timeout
+        )
         agent.on_progress = metrics.observe_progress if metrics is not None else None
         agent.run()
         succeeded = True

@@ -62,29 +62,40 @@ class MetricsError(ConfigError):
 class AgentMetrics:
     """One agent's metrics, in their own registry (several agents may share a process in tests)."""
 
-    def __init__(self, *, registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, *, registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
         r = self.registry
         self.world_size = Gauge(f"{PREFIX}_world_size", "Ranks in the job's current round", registry=r)
         self.round = Gauge(f"{PREFIX}_round", "Current rendezvous round", registry=r)
         self.members = Gauge(f"{PREFIX}_members", "Nodes (replicas) in the current round", registry=r)
-        self.standbys = Gauge(f"{PREFIX}_standbys", "Nodes waiting as standbys (from records that list them)", registry=r)
+        self.standbys = Gauge(
+            f"{PREFIX}_standbys", "Nodes waiting as standbys (from records that list them)", registry=r
+        )
         self.scale_events = Counter(
             f"{PREFIX}_scale_events", "Scale events decided, by kind and mode", ["kind", "mode"], registry=r
         )
         self.downtime = Histogram(
-            f"{PREFIX}_scale_downtime_seconds", "Time from a scale decision to the first step of the new round",
-            ["kind"], buckets=_DOWNTIME_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.phase = Histogram(
-            f"{PREFIX}_scale_phase_seconds", "Time of each phase of a scale event (since the previous phase)",
-            ["phase"], buckets=_DOWNTIME_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.steps_lost = Counter(
-            f"{PREFIX}_steps_lost", "Training steps lost to stops without a save (since the round's last checkpoint)",
+            f"{PREFIX}_scale_downtime_seconds",
+            "Time from a scale decision to the first step of the new round",
+            ["kind"],
+            buckets=_DOWNTIME_BUCKETS,
             registry=r,
-        )  # fmt: skip
+        )
+        self.phase = Histogram(
+            f"{PREFIX}_scale_phase_seconds",
+            "Time of each phase of a scale event (since the previous phase)",
+            ["phase"],
+            buckets=_DOWNTIME_BUCKETS,
+            registry=r,
+        )
+        self.steps_lost = Counter(
+            f"{PREFIX}_steps_lost",
+            "Training steps lost to stops without a save (since the round's last checkpoint)",
+            registry=r,
+        )
         self.restarts = Counter(f"{PREFIX}_restarts", "Worker group restarts, by reason", ["reason"], registry=r)
         self.worker_failures = Counter(f"{PREFIX}_worker_failures", "Worker ranks that failed", registry=r)
         self.ranks_replaced = Counter(
@@ -92,14 +103,19 @@ class AgentMetrics:
         )
         self.nodes_lost = Counter(f"{PREFIX}_nodes_lost", "Nodes lost (lease expired)", registry=r)
         self.store_lost = Counter(f"{PREFIX}_store_lost", "Times this agent lost its store", registry=r)
-        self.rank_steps = Gauge(f"{PREFIX}_rank_steps", "Steps of each local rank in this round", ["local_rank"], registry=r)
+        self.rank_steps = Gauge(
+            f"{PREFIX}_rank_steps", "Steps of each local rank in this round", ["local_rank"], registry=r
+        )
         self.rank_step_rate = Gauge(
             f"{PREFIX}_rank_step_rate", "Steps per second of each local rank (recent)", ["local_rank"], registry=r
         )
         self.store_latency = Histogram(
-            f"{PREFIX}_store_request_seconds", "Latency of store calls, by operation", ["op"],
-            buckets=_STORE_BUCKETS, registry=r,
-        )  # fmt: skip
+            f"{PREFIX}_store_request_seconds",
+            "Latency of store calls, by operation",
+            ["op"],
+            buckets=_STORE_BUCKETS,
+            registry=r,
+        )
         self.store_errors = Counter(f"{PREFIX}_store_errors", "Failed store calls, by operation", ["op"], registry=r)
         self._event: dict[str, Any] | None = None  # the scale event in progress: kind, start, last phase time
         self._round_steps = 0  # highest rank step seen in this round
@@ -135,7 +151,9 @@ class AgentMetrics:
                 self.restarts.labels(reason=reason).inc()
             self._round_steps = self._saved_steps = 0
         elif event == "scale_targeted":
-            self.scale_events.labels(kind=str(record.get("kind", "unknown")), mode=str(record.get("mode", "restart"))).inc()
+            self.scale_events.labels(
+                kind=str(record.get("kind", "unknown")), mode=str(record.get("mode", "restart"))
+            ).inc()
         elif event == "worker_failed":
             self.worker_failures.inc()
         elif event == "ranks_replaced":
@@ -160,8 +178,12 @@ class AgentMetrics:
         ev = self._event
         if ev is None and event == "workers_signalled":  # another agent decided: the event starts here for us
             ev = self._event = {
-                "kind": str(record.get("event_kind") or "unknown"), "start": ts, "last": ts, "index": 1, "round": record.get("round", 0),
-            }  # fmt: skip
+                "kind": str(record.get("event_kind") or "unknown"),
+                "start": ts,
+                "last": ts,
+                "index": 1,
+                "round": record.get("round", 0),
+            }
             return
         if ev is None:
             return

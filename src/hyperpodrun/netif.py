@@ -64,9 +64,7 @@ def _resolve(addr: str) -> _IPAddress | None:
     return _ip(str(infos[0][4][0])) if infos else None
 
 
-def interface_of(
-    address: str, interfaces: Mapping[str, Sequence[_InterfaceAddress]] | None = None
-) -> str | None:
+def interface_of(address: str, interfaces: Mapping[str, Sequence[_InterfaceAddress]] | None = None) -> str | None:
     """The name of the interface that carries ``address`` (an IP literal), or None.
 
     ``interfaces`` maps names to their addresses as :func:`psutil.net_if_addrs` does (the

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Mapping
 
 from hyperpodrun.errors import ConfigError
 
@@ -378,9 +378,7 @@ class _Limit:
     why: str
 
 
-def _replica_limit(
-    policy: ElasticPolicy, cap: int | None, nproc_per_node: int, max_world_size: int | None
-) -> _Limit:
+def _replica_limit(policy: ElasticPolicy, cap: int | None, nproc_per_node: int, max_world_size: int | None) -> _Limit:
     if not isinstance(nproc_per_node, int) or isinstance(nproc_per_node, bool) or nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}")
     limit = _Limit(policy.max_replicas, f"max_replicas {policy.max_replicas}")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -125,8 +126,7 @@ def load_policy_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     for key, value in section.items():
         if key not in FILE_KEYS:
             raise PolicyFileError(
-                f"elastic policy file {path}: unknown key {key!r} in {where}; "
-                f"expected one of {', '.join(FILE_KEYS)}"
+                f"elastic policy file {path}: unknown key {key!r} in {where}; expected one of {', '.join(FILE_KEYS)}"
             )
         if value is None:
             continue

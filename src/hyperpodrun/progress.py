@@ -74,7 +74,9 @@ class LateRanks:
     def after_publish(cls, event_id: int, ranks: list[int], *, now: float, slowest_step_s: float) -> LateRanks | None:
         if not ranks:
             return None
-        return cls(event_id, tuple(ranks), now + grace_s(slowest_step_s, steps=LATE_GRACE_STEPS, floor_s=LATE_GRACE_MIN_S))
+        return cls(
+            event_id, tuple(ranks), now + grace_s(slowest_step_s, steps=LATE_GRACE_STEPS, floor_s=LATE_GRACE_MIN_S)
+        )
 
     def stuck(self, progress: list[RankProgress], now: float) -> list[int] | None:
         """The late ranks that never acted, once the grace is over; None while it lasts; [] when all acted."""

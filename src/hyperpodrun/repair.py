@@ -64,7 +64,9 @@ def poll_interval(*, repairing: bool, peer_failed: bool, pending: bool, tick: fl
 _TRAINING = (RankPhase.RUNNING, RankPhase.READY)
 
 
-def stuck_in_broken_group(progress: Sequence[RankProgress], *, next_round: int, waited: float, slowest_step_s: float) -> list[int]:
+def stuck_in_broken_group(
+    progress: Sequence[RankProgress], *, next_round: int, waited: float, slowest_step_s: float
+) -> list[int]:
     """Local ranks still training in the broken round ``waited`` seconds after its repair was published.
 
     A survivor learns that a peer died when a collective fails. Each rank's repair watch
@@ -78,10 +80,12 @@ def stuck_in_broken_group(progress: Sequence[RankProgress], *, next_round: int, 
     grace = grace_s(slowest_step_s, steps=STUCK_GRACE_STEPS, floor_s=STUCK_GRACE_MIN_S)
     writing = grace + HANDOFF_WRITE_S
     return [
-        r for r, p in enumerate(progress)
-        if p.phase in _TRAINING and p.round != next_round
+        r
+        for r, p in enumerate(progress)
+        if p.phase in _TRAINING
+        and p.round != next_round
         and (p.snapshot_step >= 0 or waited > (writing if p.snapshot_step == SNAPSHOT_WRITING else grace))
-    ]  # fmt: skip
+    ]
 
 
 def spares_for(config: LaunchConfig) -> int:
@@ -92,8 +96,15 @@ def spares_for(config: LaunchConfig) -> int:
 class InPlaceRepair:
     """What one agent does about its failed ranks while the job repairs failures in place."""
 
-    def __init__(self, config: LaunchConfig, *, control: ControlWriter, events: EventLog,
-                 new_attempt: Callable[[], Path], rank_setup: RankSetup) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: LaunchConfig,
+        *,
+        control: ControlWriter,
+        events: EventLog,
+        new_attempt: Callable[[], Path],
+        rank_setup: RankSetup,
+    ) -> None:
         self.config = config
         self._control, self._events = control, events
         self._new_attempt, self._rank_setup = new_attempt, rank_setup
@@ -108,8 +119,15 @@ class InPlaceRepair:
         failures = group.failures()
         root = failures[0]
         what = self.hung_killed or hang or root.summary()
-        self._events.emit(EventType.WORKER_FAILED, rank=root.global_rank, exitcode=root.exitcode, signal=root.signal_name,
-                          message=root.message, log_file=str(root.log_file), repaired_in_place=True)  # fmt: skip
+        self._events.emit(
+            EventType.WORKER_FAILED,
+            rank=root.global_rank,
+            exitcode=root.exitcode,
+            signal=root.signal_name,
+            message=root.message,
+            log_file=str(root.log_file),
+            repaired_in_place=True,
+        )
         attempt_dir = self._new_attempt()
         pids = {}
         for failure in failures:
@@ -122,9 +140,17 @@ class InPlaceRepair:
                 continue
             logs, env = self._rank_setup(attempt_dir, failure.local_rank)
             pids[failure.global_rank] = group.replace(failure.local_rank, rank_env=env, logs=logs)
-        self._events.emit(EventType.RANKS_REPLACED, ranks=sorted(pids), pids=list(pids.values()), reason=what, log_dir=str(attempt_dir))
-        _say(f"{what}; repairing in place: rank(s) {sorted(pids)} replaced, parked (pid {list(pids.values())}); "
-             "the other ranks keep their state")  # fmt: skip
+        self._events.emit(
+            EventType.RANKS_REPLACED,
+            ranks=sorted(pids),
+            pids=list(pids.values()),
+            reason=what,
+            log_dir=str(attempt_dir),
+        )
+        _say(
+            f"{what}; repairing in place: rank(s) {sorted(pids)} replaced, parked (pid {list(pids.values())}); "
+            "the other ranks keep their state"
+        )
         self.repairing, self.hung_killed = what, None
         return group.poll()
 
@@ -136,9 +162,16 @@ class InPlaceRepair:
                 os.killpg(pids[local_rank], signal.SIGKILL)
         self.hung_killed = why
 
-    def culprits(self, group: WorkerGroup, hung: Sequence[int], progress: Sequence[RankProgress], *, now: float, limit: float) -> tuple[int, ...]:
+    def culprits(
+        self, group: WorkerGroup, hung: Sequence[int], progress: Sequence[RankProgress], *, now: float, limit: float
+    ) -> tuple[int, ...]:
         pids = group.pids
-        return culprits(hung, idle={r: now - progress[r].time for r in hung}, states={r: _status(pids[r]) for r in hung}, limit=limit)
+        return culprits(
+            hung,
+            idle={r: now - progress[r].time for r in hung},
+            states={r: _status(pids[r]) for r in hung},
+            limit=limit,
+        )
 
     def keep_spare(self, group: WorkerGroup, *, in_process: Callable[[], bool]) -> None:
         """Keep a spare beside the ranks of a job repaired in place (checked at most every second)."""
@@ -148,9 +181,16 @@ class InPlaceRepair:
             self._events.emit(EventType.SPARE_READY, pid=group.spare_pid)
         if self._spare_announced is None and group.spare_pid is not None and not group.spare_running:
             self._spares = 0  # it died before it was ready: the failure would repeat
-            _say(f"the spare rank (pid {group.spare_pid}) exited before it was ready; no spares for this job: see {group.spare_log}")
+            _say(
+                f"the spare rank (pid {group.spare_pid}) exited before it was ready; no spares for this job: see {group.spare_log}"
+            )
             group.drop_spare()
-        if not self._spares or self.repairing is not None or group.spare_running or now - self._spare_checked < SPARE_CHECK_S:
+        if (
+            not self._spares
+            or self.repairing is not None
+            or group.spare_running
+            or now - self._spare_checked < SPARE_CHECK_S
+        ):
             return
         self._spare_checked = now
         if not all(p.reconfigurable for p in self._control.progress()) or not in_process():
@@ -159,8 +199,14 @@ class InPlaceRepair:
         spare_dir = self._new_attempt() / "spare"
         logs, env = self._rank_setup(spare_dir, 0)
         self._control.reset_spare(0)
-        command = spare_command(cfg.python, str(self._control.path), self._control.spare_slot(0),
-                                script=None if cfg.module else cfg.entrypoint, module=cfg.entrypoint if cfg.module else None, args=cfg.args)  # fmt: skip
+        command = spare_command(
+            cfg.python,
+            str(self._control.path),
+            self._control.spare_slot(0),
+            script=None if cfg.module else cfg.entrypoint,
+            module=cfg.entrypoint if cfg.module else None,
+            args=cfg.args,
+        )
         group.start_spare(command, env=env, logs=logs)
         self._spare_announced = None
 
@@ -175,4 +221,3 @@ def _status(pid: int) -> str:
 
 def _say(message: str) -> None:
     print(f"hyperpodrun: {message}", file=sys.stderr, flush=True)
-

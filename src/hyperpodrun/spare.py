@@ -28,7 +28,9 @@ POLL_S = 0.005
 USAGE = "python -m hyperpodrun.spare CONTROL_FILE SLOT (--script PATH | --module NAME) [ARGS...]"
 
 
-def spare_command(python: str, control_file: str, slot: int, *, script: str | None, module: str | None, args: Sequence[str]) -> list[str]:
+def spare_command(
+    python: str, control_file: str, slot: int, *, script: str | None, module: str | None, args: Sequence[str]
+) -> list[str]:
     """argv of a spare that will run ``script`` (or ``-m module``) with ``args``."""
     target = ["--module", module] if module else ["--script", str(script)]
     return [python, "-u", "-m", "hyperpodrun.spare", control_file, str(slot), *target, *args]
@@ -43,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch  # noqa: F401 - the cost a spare exists to pay in advance
     import torch.distributed  # noqa: F401
+
     from elastic_events.inprocess_rounds import prewarm
 
     prewarm()  # and what the first step after admission would import

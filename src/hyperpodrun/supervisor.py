@@ -175,9 +175,12 @@ class WorkerGroup:
 
     def _spawn(self, local_rank: int) -> _Rank:
         return self._start_process(
-            self._command, {**self._base_env, **self._rank_env[local_rank]}, self._logs[local_rank],
-            local_rank=local_rank, global_rank=self.assignment.global_rank(local_rank),
-        )  # fmt: skip
+            self._command,
+            {**self._base_env, **self._rank_env[local_rank]},
+            self._logs[local_rank],
+            local_rank=local_rank,
+            global_rank=self.assignment.global_rank(local_rank),
+        )
 
     def start_spare(self, command: list[str], *, env: dict[str, str], logs: RankLogs) -> int:
         """Start a spare (see :mod:`hyperpodrun.spare`) beside the ranks; its pid. It is stopped with them."""
@@ -227,7 +230,9 @@ class WorkerGroup:
         self._refresh_after_replace()
         return spare.proc.pid
 
-    def _start_process(self, command: list[str], env: dict[str, str], logs: RankLogs, *, local_rank: int, global_rank: int) -> _Rank:
+    def _start_process(
+        self, command: list[str], env: dict[str, str], logs: RankLogs, *, local_rank: int, global_rank: int
+    ) -> _Rank:
         out_fd = None if logs.console_stdout else open_for_child(logs.stdout_file)
         err_fd = None if logs.console_stderr else open_for_child(logs.stderr_file)
         try:
@@ -272,7 +277,9 @@ class WorkerGroup:
     def _retire(self, old: _Rank) -> None:
         """Clean up after a rank that exited and is being replaced."""
         if old.proc.poll() is None:
-            raise ValueError(f"local rank {old.local_rank} (pid {old.proc.pid}) is still running: only an exited rank is replaced")
+            raise ValueError(
+                f"local rank {old.local_rank} (pid {old.proc.pid}) is still running: only an exited rank is replaced"
+            )
         _killpg(old.proc.pid, signal.SIGKILL)  # its dataloader workers
         for pump in old.pumps:
             pump.join(5.0)

@@ -57,7 +57,16 @@ def worker_env(
 
 
 #: What a parked rank must not see: it learns its rank, world and master at admission.
-ROUND_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ROUND_VARIABLES = (
+    "RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def parked_env(env: dict[str, str]) -> dict[str, str]:
@@ -66,8 +75,13 @@ def parked_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def parked_round(nproc: int) -> RoundInfo:
-    return RoundInfo(round=0, assignment=GroupAssignment(group_rank=0, group_world_size=1, nproc_per_node=nproc,
-                     master_addr="", master_port=0), members=())  # fmt: skip
+    return RoundInfo(
+        round=0,
+        assignment=GroupAssignment(
+            group_rank=0, group_world_size=1, nproc_per_node=nproc, master_addr="", master_port=0
+        ),
+        members=(),
+    )
 
 
 def base_env(config: LaunchConfig) -> dict[str, str]:

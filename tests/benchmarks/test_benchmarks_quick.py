@@ -159,12 +159,22 @@ def test_summarize_events_ratios_and_failures(bench: Any) -> None:
     se = bench("scale_events")
 
     def ok(kind: str, downtime: float, lost: int, mode: str | None = None) -> dict[str, Any]:
-        return {"kind": kind, "outcome": "ok", "downtime_s": downtime, "pause_s": downtime - 0.5, "steps_lost": lost,
-                "lost_time_s": downtime + 0.5 * lost, "detect_s": 1.0, **({"mode": mode} if mode else {})}  # fmt: skip
+        return {
+            "kind": kind,
+            "outcome": "ok",
+            "downtime_s": downtime,
+            "pause_s": downtime - 0.5,
+            "steps_lost": lost,
+            "lost_time_s": downtime + 0.5 * lost,
+            "detect_s": 1.0,
+            **({"mode": mode} if mode else {}),
+        }
 
     runs = [
-        {"variant": "hyperpodrun", "events": [ok("join", 1.0, 0, "in-place"), ok("leave", 0.5, 0, "in-place"),
-                                              ok("leave", 1.5, 0, "restart")]},  # fmt: skip
+        {
+            "variant": "hyperpodrun",
+            "events": [ok("join", 1.0, 0, "in-place"), ok("leave", 0.5, 0, "in-place"), ok("leave", 1.5, 0, "restart")],
+        },
         {"variant": "hyperpodrun-restart", "events": [ok("join", 4.0, 0, "restart")]},
         {"variant": "torchrun-noshare", "events": [ok("join", 8.0, 4), ok("leave", 10.0, 6)]},
         {"variant": "torchrun", "events": [{"kind": "join", "outcome": "hang"}]},
@@ -172,14 +182,23 @@ def test_summarize_events_ratios_and_failures(bench: Any) -> None:
     s = se.summarize_events(runs)
     assert s["downtime_ratio"]["hyperpodrun"]["torchrun-noshare"] == {"join": 0.125, "leave": 0.1}
     assert s["downtime_ratio"]["hyperpodrun"]["hyperpodrun-restart"] == {"join": 0.25}
-    assert s["downtime_ratio"]["hyperpodrun-restart"] == {"torchrun-noshare": {"join": 0.5}, "hyperpodrun": {"join": 4.0}}
+    assert s["downtime_ratio"]["hyperpodrun-restart"] == {
+        "torchrun-noshare": {"join": 0.5},
+        "hyperpodrun": {"join": 4.0},
+    }
     assert s["lost_time_ratio"]["hyperpodrun"]["torchrun-noshare"] == {"join": 0.1, "leave": 1.0 / 13.0}
     assert s["pause_ratio"]["hyperpodrun"]["torchrun-noshare"]["join"] == pytest.approx(0.5 / 7.5)
     assert "torchrun" not in s["downtime_ratio"]["hyperpodrun"]
     assert s["by_kind"]["join"]["torchrun"] == {
-        "n": 1, "ok": 0, "outcomes": ["hang"], "downtime_median_s": None, "pause_median_s": None,
-        "lost_time_median_s": None, "steps_lost_median": None, "detect_median_s": None,
-    }  # fmt: skip
+        "n": 1,
+        "ok": 0,
+        "outcomes": ["hang"],
+        "downtime_median_s": None,
+        "pause_median_s": None,
+        "lost_time_median_s": None,
+        "steps_lost_median": None,
+        "detect_median_s": None,
+    }
     assert s["by_kind"]["leave"]["hyperpodrun"]["n"] == 2
     assert s["by_kind"]["leave"]["hyperpodrun"]["modes"] == ["in-place", "restart"]
     assert s["steps_lost_median"]["leave"] == {"hyperpodrun": 0, "torchrun-noshare": 6}
@@ -197,8 +216,11 @@ def test_hyperpodrun_phases_skip_periodic_saves_and_stop_at_first_step(bench: An
         {"ts": 16.0, "event": "scale_decided"},  # the next event
     ]
     assert se.hyperpodrun_phases(log, 10.0) == {
-        "scale_decided": 1.0, "workers_signalled": 1.5, "checkpoint_saved": 2.0, "first_step": 5.0,
-    }  # fmt: skip
+        "scale_decided": 1.0,
+        "workers_signalled": 1.5,
+        "checkpoint_saved": 2.0,
+        "first_step": 5.0,
+    }
 
 
 def test_hyperpodrun_phases_keep_the_ranks_own_durations(bench: Any) -> None:
@@ -211,9 +233,14 @@ def test_hyperpodrun_phases_keep_the_ranks_own_durations(bench: Any) -> None:
         {"ts": 14.5, "event": "first_step"},
     ]
     assert se.hyperpodrun_phases(log, 10.0) == {
-        "workers_signalled": 1.0, "group_torn_down": 3.0, "teardown_s": 0.25, "group_up": 3.5,
-        "hydrated": 3.75, "hydration_own_s": 0.2, "first_step": 4.5,
-    }  # fmt: skip
+        "workers_signalled": 1.0,
+        "group_torn_down": 3.0,
+        "teardown_s": 0.25,
+        "group_up": 3.5,
+        "hydrated": 3.75,
+        "hydration_own_s": 0.2,
+        "first_step": 4.5,
+    }
 
 
 def test_event_mode_reads_the_in_place_rendezvous(bench: Any) -> None:
@@ -229,35 +256,67 @@ def test_event_mode_reads_the_in_place_rendezvous(bench: Any) -> None:
 def test_phase_breakdown_by_variant_and_mode(bench: Any) -> None:
     se = bench("scale_events")
     restarts = [
-        {"workers_signalled": 0.5, "checkpoint_saved": 2.5, "workers_stopped": 5.5, "workers_started": 6.0,
-         "first_step": 16.0},
-        {"workers_signalled": 0.5, "checkpoint_saved": 1.5, "workers_stopped": 2.5, "workers_started": 3.0,
-         "first_step": 11.0},
+        {
+            "workers_signalled": 0.5,
+            "checkpoint_saved": 2.5,
+            "workers_stopped": 5.5,
+            "workers_started": 6.0,
+            "first_step": 16.0,
+        },
+        {
+            "workers_signalled": 0.5,
+            "checkpoint_saved": 1.5,
+            "workers_stopped": 2.5,
+            "workers_started": 3.0,
+            "first_step": 11.0,
+        },
         {"workers_started": 3.0, "first_step": 9.0},  # a node loss: no save
-    ]  # fmt: skip
-    in_place = {"workers_signalled": 0.5, "group_torn_down": 2.0, "teardown_s": 0.1, "group_up": 2.5,
-                "hydrated": 2.75, "hydration_own_s": 0.2, "first_step": 3.5}  # fmt: skip
+    ]
+    in_place = {
+        "workers_signalled": 0.5,
+        "group_torn_down": 2.0,
+        "teardown_s": 0.1,
+        "group_up": 2.5,
+        "hydrated": 2.75,
+        "hydration_own_s": 0.2,
+        "first_step": 3.5,
+    }
     runs = [
         {"variant": "hyperpodrun-restart", "events": [{"phases_s": p, "mode": "restart"} for p in restarts]},
-        {"variant": "hyperpodrun", "events": [{"phases_s": in_place, "mode": "in-place"},
-                                              {"phases_s": restarts[0], "mode": "restart"}]},  # a fallback
+        {
+            "variant": "hyperpodrun",
+            "events": [{"phases_s": in_place, "mode": "in-place"}, {"phases_s": restarts[0], "mode": "restart"}],
+        },  # a fallback
         {"variant": "torchrun-noshare", "events": [{"phases_s": restarts[0]}]},  # ignored: not ours
-    ]  # fmt: skip
+    ]
     b = se.phase_breakdown(runs)
     assert set(b) == {"hyperpodrun", "hyperpodrun-restart"}
     assert b["hyperpodrun-restart"] == {"save_median_s": 1.5, "exit_after_save_median_s": 2.0, "restart_median_s": 8.0}
     assert b["hyperpodrun"] == {
-        "to_target_median_s": 1.5, "group_init_median_s": 0.5, "hydration_median_s": 0.25, "to_first_step_median_s": 0.75,
-        "teardown_median_s": 0.1, "hydration_own_median_s": 0.2,
-        "save_median_s": 2.0, "exit_after_save_median_s": 3.0, "restart_median_s": 10.0,
-    }  # fmt: skip
+        "to_target_median_s": 1.5,
+        "group_init_median_s": 0.5,
+        "hydration_median_s": 0.25,
+        "to_first_step_median_s": 0.75,
+        "teardown_median_s": 0.1,
+        "hydration_own_median_s": 0.2,
+        "save_median_s": 2.0,
+        "exit_after_save_median_s": 3.0,
+        "restart_median_s": 10.0,
+    }
     assert se.phase_breakdown([]) == {}
 
 
 def test_torchft_survivor_pause_sums_the_time_beyond_a_normal_step(bench: Any) -> None:
     ft = bench("torchft_peer")
-    steps = [(0.0, 1, True), (0.5, 1, True), (1.0, 1, True), (1.5, 1, True), (2.8, 1, False), (3.5, 2, True),
-             (4.0, 2, True)]  # fmt: skip
+    steps = [
+        (0.0, 1, True),
+        (0.5, 1, True),
+        (1.0, 1, True),
+        (1.5, 1, True),
+        (2.8, 1, False),
+        (3.5, 2, True),
+        (4.0, 2, True),
+    ]
     records = [{"ts": ts, "step": i, "participants": p, "committed": c} for i, (ts, p, c) in enumerate(steps)]
     m = ft.survivor_pause(records, t_event=1.2, participants=2)
     assert m["step_interval_s"] == pytest.approx(0.5)
@@ -297,8 +356,11 @@ def run_smoke(name: str, out: Path) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, str(BENCH_DIR / f"{name}.py"), "--smoke", "--out", str(out)],
         check=False,
-        capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, (
         f"{name} --smoke exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
@@ -320,10 +382,20 @@ def positive(x: object) -> bool:
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_step_overhead_smoke(out_dir: Path) -> None:
     s = run_smoke("step_overhead", out_dir)["summary"]
-    for key in ("check_inside_median_us", "check_inside_p99_us", "check_outside_median_us",
-                "allreduce_gloo_median_us", "allreduce_gloo_p99_us", "hyperpodrun_tokens_per_s",
-                "torchrun_tokens_per_s", "throughput_ratio", "hyperpodrun_cpu_per_step_s",
-                "torchrun_cpu_per_step_s", "hyperpodrun_median_step_s", "torchrun_median_step_s"):  # fmt: skip
+    for key in (
+        "check_inside_median_us",
+        "check_inside_p99_us",
+        "check_outside_median_us",
+        "allreduce_gloo_median_us",
+        "allreduce_gloo_p99_us",
+        "hyperpodrun_tokens_per_s",
+        "torchrun_tokens_per_s",
+        "throughput_ratio",
+        "hyperpodrun_cpu_per_step_s",
+        "torchrun_cpu_per_step_s",
+        "hyperpodrun_median_step_s",
+        "torchrun_median_step_s",
+    ):
         assert positive(s[key]), (key, s[key])
     assert s["check_inside_p99_us"] >= s["check_inside_median_us"]
     assert s["check_returned_true"] == 0  # nothing was pending: the check must never fire
@@ -345,8 +417,12 @@ def test_hydration_smoke(out_dir: Path) -> None:
 def test_step_overhead_hf_client_smoke(out_dir: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH_DIR / "step_overhead.py"), "--smoke", "--client", "hf", "--out", str(out_dir)],
-        check=False, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, cwd=REPO,
-    )  # fmt: skip
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out_dir / "step_overhead_hf_smoke.json").read_text())
     s = data["summary"]
@@ -364,8 +440,14 @@ def test_checkpoint_smoke(out_dir: Path) -> None:
     assert [s["state"] for s in states] == ["example-tiny", "synthetic-8MB"]
     for s in states:
         assert s["bytes"] > 0
-        for key in ("raw_write_gbps", "dcp_save_gbps", "raw_read_cold_gbps", "dcp_load_cold_gbps",
-                    "save_fraction_of_disk", "load_cold_fraction_of_disk"):  # fmt: skip
+        for key in (
+            "raw_write_gbps",
+            "dcp_save_gbps",
+            "raw_read_cold_gbps",
+            "dcp_load_cold_gbps",
+            "save_fraction_of_disk",
+            "load_cold_fraction_of_disk",
+        ):
             assert positive(s[key]), (s["state"], key, s[key])
     assert states[1]["bytes"] >= 8_000_000  # params + two AdamW moments of the synthetic state
     reshard = data["summary"]["reshard"]
@@ -417,8 +499,9 @@ def test_scale_events_smoke(out_dir: Path) -> None:
     ours = runs["hyperpodrun"]
     assert ours["failure"] is None, ours["failure"]
     assert [(e["kind"], e["from_world"], e["to_world"], e["outcome"]) for e in ours["events"]] == [
-        ("join", 1, 2, "ok"), ("yield", 2, 1, "ok"),
-    ]  # fmt: skip
+        ("join", 1, 2, "ok"),
+        ("yield", 2, 1, "ok"),
+    ]
     for ev in ours["events"]:  # the example uses ElasticTraining: both events run in place
         assert ev["mode"] == "in-place", ev["phases_s"]
         assert positive(ev["downtime_s"]) and positive(ev["detect_s"]) and ev["pause_s"] >= 0
@@ -447,7 +530,9 @@ def _batches(step: int) -> list[int]:
     return [2 * step - 1, 2 * step]  # a global batch of 2: step 1 -> [1, 2], step 2 -> [3, 4], ...
 
 
-@pytest.mark.parametrize(("text", "expected"), [("45,65", (45, 65)), ("3,3", (3, 3)), ("9,4", None), ("0,4", None), ("x", None)])
+@pytest.mark.parametrize(
+    ("text", "expected"), [("45,65", (45, 65)), ("3,3", (3, 3)), ("9,4", None), ("0,4", None), ("x", None)]
+)
 def test_soak_gap_steps_option(bench: Any, text: str, expected: tuple[int, int] | None) -> None:
     soak = bench("soak")
     if expected is None:
@@ -460,10 +545,14 @@ def test_soak_gap_steps_option(bench: Any, text: str, expected: tuple[int, int] 
 def test_soak_ledger_splits_attempts_and_allows_only_uncommitted_redo(bench: Any) -> None:
     ledger = bench("soak_ledger")
     log = [
-        _rec(1, 0, 2, [1]), _rec(1, 1, 2, [2]), _rec(2, 0, 2, [3]), _rec(2, 1, 2, [4]),
+        _rec(1, 0, 2, [1]),
+        _rec(1, 1, 2, [2]),
+        _rec(2, 0, 2, [3]),
+        _rec(2, 1, 2, [4]),
         _rec(3, 0, 2, [5]),  # rank 1 died in step 3: the job restarts from the checkpoint of step 2
-        _rec(3, 0, 1, [5, 6]), _rec(4, 0, 1, [7, 8]),
-    ]  # fmt: skip
+        _rec(3, 0, 1, [5, 6]),
+        _rec(4, 0, 1, [7, 8]),
+    ]
     by_step = ledger.attempts_of(log)
     assert [len(by_step[s]) for s in (1, 2, 3, 4)] == [1, 1, 2, 1]
     assert not by_step[3][0].complete and by_step[3][1].complete
@@ -482,13 +571,24 @@ def test_soak_ledger_reads_a_rank_lost_after_the_all_reduce_as_unlogged(bench: A
     lacks its record, yet rank 0's record proves the all-reduce (which needs both) ran. A failure may
     leave that; a graceful event may not; records that are not their ranks' share are a problem."""
     ledger = bench("soak_ledger")
-    log = [_rec(1, 0, 2, [1]), _rec(1, 1, 2, [2]), _rec(2, 0, 2, [3]), _rec(3, 0, 2, [5]), _rec(3, 1, 2, [6]), _rec(4, 1, 2, [8])]
+    log = [
+        _rec(1, 0, 2, [1]),
+        _rec(1, 1, 2, [2]),
+        _rec(2, 0, 2, [3]),
+        _rec(3, 0, 2, [5]),
+        _rec(3, 1, 2, [6]),
+        _rec(4, 1, 2, [8]),
+    ]
     by_step = ledger.attempts_of(log)
     failure = ledger.check_window(by_step, first_line=2, end_line=99, graceful=False, committed=0, expected=_batches)
-    assert failure.steps_unlogged == (2,) and failure.problems == () and failure.steps_redone == ()  # step 4: still being logged
+    assert (
+        failure.steps_unlogged == (2,) and failure.problems == () and failure.steps_redone == ()
+    )  # step 4: still being logged
     graceful = ledger.check_window(by_step, first_line=2, end_line=99, graceful=True, committed=0, expected=_batches)
     assert graceful.problems == ("step 2: rank(s) [1] of a world of 2 left no record after a graceful event",)
-    wrong = ledger.attempts_of([_rec(2, 0, 2, [3, 4]), _rec(3, 0, 2, [5]), _rec(3, 1, 2, [6])])  # rank 0 logged both halves
+    wrong = ledger.attempts_of(
+        [_rec(2, 0, 2, [3, 4]), _rec(3, 0, 2, [5]), _rec(3, 1, 2, [6])]
+    )  # rank 0 logged both halves
     bad = ledger.check_window(wrong, first_line=0, end_line=99, graceful=False, committed=0, expected=_batches)
     assert bad.steps_unlogged == (2,) and "not their share" in bad.problems[0]
     assert ledger.missing_steps(by_step, 4) == [2, 4]
@@ -500,8 +600,16 @@ def test_soak_ledger_counts_lost_and_repeated_samples(bench: Any) -> None:
     check = ledger.check_window(by_step, first_line=0, end_line=9, graceful=True, committed=0, expected=_batches)
     assert (check.samples_lost, check.samples_repeated) == (1, 2)  # step 1: 2 lost, 1 twice; step 2: 5 extra
     assert len(check.problems) == 2 and check.steps_redone == ()
-    assert ledger.committed_step([{"event": "checkpoint_saved", "ts": 5.0, "step": 10},
-                                  {"event": "checkpoint_saved", "ts": 9.0, "step": 15}], 6.0) == 10  # fmt: skip
+    assert (
+        ledger.committed_step(
+            [
+                {"event": "checkpoint_saved", "ts": 5.0, "step": 10},
+                {"event": "checkpoint_saved", "ts": 9.0, "step": 15},
+            ],
+            6.0,
+        )
+        == 10
+    )
     assert ledger.goodput(90.0, 100.0) == pytest.approx(0.9)
     with pytest.raises(ValueError, match="> 0"):
         ledger.goodput(0.0, 1.0)

@@ -86,11 +86,15 @@ def test_target_report_compares_medians_with_issue_11(failures: ModuleType) -> N
     }
     report = failures.target_report(summary, kind="rank_crash", baseline="torchrun", hang_timeout_s=5.0)
     assert {name: t["met"] for name, t in report.items()} == {
-        "steps_lost_median": True, "downtime_median_s": False, "lost_time_ratio": True,
-    }  # fmt: skip
+        "steps_lost_median": True,
+        "downtime_median_s": False,
+        "lost_time_ratio": True,
+    }
     other = failures.target_report(summary, kind="rank_crash", baseline="torchrun-noshare", hang_timeout_s=5.0)
     assert other["lost_time_ratio"] == {"value": None, "target": 0.2, "met": None}
-    summary["by_kind"]["hang"] = {"hyperpodrun": {"steps_lost_median": 1, "detect_median_s": 5.8, "downtime_median_s": 9}}
+    summary["by_kind"]["hang"] = {
+        "hyperpodrun": {"steps_lost_median": 1, "detect_median_s": 5.8, "downtime_median_s": 9}
+    }
     hang = failures.target_report(summary, kind="hang", baseline="torchrun", hang_timeout_s=5.0)
     assert hang == {  # a hang is held to its detection (timeout + 1 s), not to the downtime of a crash
         "steps_lost_median": {"value": 1, "target": 1.0, "met": True},
@@ -103,8 +107,12 @@ def test_target_report_compares_medians_with_issue_11(failures: ModuleType) -> N
 def test_failures_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH_DIR / "failures.py"), "--smoke", "--out", str(tmp_path)],
-        check=False, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, cwd=REPO,
-    )  # fmt: skip
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_TIMEOUT_S,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     data = json.loads((tmp_path / "failures_smoke.json").read_text())
     assert data["benchmark"] == "failures" and data["baseline"] and (tmp_path / data["plot"]).is_file()
@@ -112,8 +120,10 @@ def test_failures_smoke(tmp_path: Path) -> None:
     assert run["variant"] == "hyperpodrun" and run["failure"] is None, run["failure"]
     assert run["exit_codes"] == {"A": None, "B": None}  # no job death: both launchers ran to the end
     assert [(e["kind"], e["outcome"], e["mode"], e["node"], e["to_world"]) for e in run["events"]] == [
-        ("rank_crash", "ok", "in-place", "B", 2), ("hang", "ok", "in-place", "B", 2), ("node_loss", "ok", "in-place", "B", 1),
-    ]  # fmt: skip
+        ("rank_crash", "ok", "in-place", "B", 2),
+        ("hang", "ok", "in-place", "B", 2),
+        ("node_loss", "ok", "in-place", "B", 1),
+    ]
     for ev in run["events"]:
         assert ev["steps_lost"] <= 1, ev
         if ev["kind"] != "hang":  # a hung rank let go for its stack dump trains on until it is killed

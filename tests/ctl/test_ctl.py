@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.etcd import EtcdServer, free_port
-from support.launch import clean_env
 
 from hyperpodrun.ctl import (
     FollowEnd,
@@ -49,6 +47,8 @@ from hyperpodrun.rendezvous.records import (
     encode,
 )
 from hyperpodrun.store import EmbeddedStoreServer, Store, create_store
+from support.etcd import EtcdServer, free_port
+from support.launch import clean_env
 
 BACKENDS = ["etcd", "embedded"]
 CAP_KEY = Keys.CAP
@@ -121,9 +121,15 @@ def running_round(members: tuple[str, ...] = ("node-a",), **changes: object) -> 
 def leave_event(**changes: object) -> EventRecord:
     """Round 4's leave of node-b, restarting the ranks at step 1234."""
     fields = dict(
-        id=7, round=4, kind=EventKind.LEAVE, mode=EventMode.RESTART, next_members=("node-a", "node-d"),
-        reason="member(s) leaving: node-b", decided_at=1700000200.0, target=1234,
-    )  # fmt: skip
+        id=7,
+        round=4,
+        kind=EventKind.LEAVE,
+        mode=EventMode.RESTART,
+        next_members=("node-a", "node-d"),
+        reason="member(s) leaving: node-b",
+        decided_at=1700000200.0,
+        target=1234,
+    )
     return EventRecord(**{**fields, **changes})
 
 
@@ -138,9 +144,16 @@ def populate_running_job(job: Job, *, nodes: bool = True) -> None:
         job.put(Keys.node("node-d"), NodeRecord(addr="10.0.0.4", port=29503, nproc=2))
     job.put(
         Keys.ROUND,
-        RoundRecord(round=4, members=("node-a", "node-b", "node-c"), master_addr="10.0.0.1", master_port=29500,
-                    restarts=1, reason="scale", why="grew"),
-    )  # fmt: skip
+        RoundRecord(
+            round=4,
+            members=("node-a", "node-b", "node-c"),
+            master_addr="10.0.0.1",
+            master_port=29500,
+            restarts=1,
+            reason="scale",
+            why="grew",
+        ),
+    )
     job.put(Keys.EVENT, leave_event())
     job.put(CAP_KEY, CapRecord(cap=5))
     job.put(Keys.HISTORY, HISTORY_RECORDS)
@@ -159,7 +172,9 @@ def test_status_reports_members_world_standbys_event_cap_and_history(job: Job, c
     assert "round:       4 (scale), restarts 1" in lines
     assert "world size:  6 (3 node(s) x 2 rank(s))" in lines
     assert "master:      10.0.0.1:29500" in lines
-    table = lines[lines.index("members:     3, in group-rank order") + 1 : lines.index("standby:     node-d (10.0.0.4)")]
+    table = lines[
+        lines.index("members:     3, in group-rank order") + 1 : lines.index("standby:     node-d (10.0.0.4)")
+    ]
     assert [line.split() for line in table] == [
         ["0", "node-a", "10.0.0.1", "ranks", "0-1", "alive"],
         ["1", "node-b", "10.0.0.2", "ranks", "2-3", "leaving"],
@@ -197,10 +212,16 @@ def test_status_json_has_every_field(job: Job, capsys) -> None:
     assert data["standbys"] == ["node-d"] and data["leaving"] == ["node-b"] and data["lost"] == ["node-c"]
     assert data["cap"] == 5 and data["closed"] is None
     assert data["pending_event"] == {
-        "event_id": 7, "kind": "leave", "mode": "restart", "ranks": "ranks save and exit at step 1234",
-        "reason": "member(s) leaving: node-b", "target_step": 1234, "next_members": ["node-a", "node-d"],
-        "next_master": None, "decided_at": 1700000200.0,
-    }  # fmt: skip
+        "event_id": 7,
+        "kind": "leave",
+        "mode": "restart",
+        "ranks": "ranks save and exit at step 1234",
+        "reason": "member(s) leaving: node-b",
+        "target_step": 1234,
+        "next_members": ["node-a", "node-d"],
+        "next_master": None,
+        "decided_at": 1700000200.0,
+    }
     assert data["history"] == HISTORY
 
 
@@ -230,8 +251,14 @@ def test_status_of_a_forming_and_of_a_closed_job(job: Job, capsys) -> None:
 @pytest.mark.parametrize(
     ("halted", "detail"),
     [
-        ({"halt_kind": EventKind.INSUFFICIENT}, "stopped for lack of nodes (or by the cap); waiting until an allowed size can be formed"),
-        ({"halt_kind": EventKind.RANK_FAILURE, "failure": "rank 1 exited with code 3"}, "stopped after a rank failure: rank 1 exited with code 3"),
+        (
+            {"halt_kind": EventKind.INSUFFICIENT},
+            "stopped for lack of nodes (or by the cap); waiting until an allowed size can be formed",
+        ),
+        (
+            {"halt_kind": EventKind.RANK_FAILURE, "failure": "rank 1 exited with code 3"},
+            "stopped after a rank failure: rank 1 exited with code 3",
+        ),
         ({"halt_kind": EventKind.NODE_LOST}, "stopped after a lost node or a failure; waiting for nodes"),
     ],
 )
@@ -239,7 +266,9 @@ def test_status_of_a_halted_job(job: Job, capsys, halted: dict, detail: str) -> 
     job.put(Keys.node("node-a"), node("10.0.0.1"))
     job.put(Keys.ROUND, running_round(round=2, state=RoundState.HALTED, halted_at=1700000300.0, **halted))
     kind = halted["halt_kind"]
-    ev = EventRecord(id=3, round=2, kind=kind, mode=EventMode.STOP, next_members=None, reason="x", decided_at=1.0, complete=True)
+    ev = EventRecord(
+        id=3, round=2, kind=kind, mode=EventMode.STOP, next_members=None, reason="x", decided_at=1.0, complete=True
+    )
     job.put(Keys.EVENT, ev)
     data = json.loads(ctl(capsys, "status", "--json", *job.flags())[1])
     assert (data["state"], data["detail"], data["pending_event"]) == ("halted", detail, None)
@@ -252,13 +281,23 @@ def test_status_of_a_halted_job(job: Job, capsys, halted: dict, detail: str) -> 
         (leave_event(id=2, round=3, next_members=("a",), target=9), None),
         (leave_event(id=4, next_members=("a",), target=9, complete=True), None),
         (leave_event(id=4, kind=EventKind.JOIN, next_members=("a", "b"), target=None), (4, None, ("a", "b"))),
-        (leave_event(id=5, kind=EventKind.NODE_LOST, mode=EventMode.STOP, next_members=None, target=None), (5, None, None)),
+        (
+            leave_event(id=5, kind=EventKind.NODE_LOST, mode=EventMode.STOP, next_members=None, target=None),
+            (5, None, None),
+        ),
     ],
 )
-def test_only_an_incomplete_event_of_the_current_round_is_pending(event: EventRecord | None, pending: tuple | None) -> None:
+def test_only_an_incomplete_event_of_the_current_round_is_pending(
+    event: EventRecord | None, pending: tuple | None
+) -> None:
     records = JobRecords(
-        nodes={"a": node("h")}, round=running_round(("a",), round=4), event=event, cap=None, closed=None, history=(),
-    )  # fmt: skip
+        nodes={"a": node("h")},
+        round=running_round(("a",), round=4),
+        event=event,
+        cap=None,
+        closed=None,
+        history=(),
+    )
     status = job_status(records, run_id="j", endpoint="e:1")
     ev = status.pending_event
     assert (None if ev is None else (ev.event_id, ev.target_step, ev.next_members)) == pending
@@ -276,8 +315,12 @@ def test_only_an_incomplete_event_of_the_current_round_is_pending(event: EventRe
     ],
 )
 def test_pending_event_says_what_the_ranks_do(kind: EventKind, mode: EventMode, target: int | None, ranks: str) -> None:
-    ev = leave_event(round=1, kind=kind, mode=mode, target=target, master_addr="10.0.0.4" if target else "", master_port=29503)
-    records = JobRecords(nodes={"node-a": node("10.0.0.1")}, round=running_round(), event=ev, cap=None, closed=None, history=())
+    ev = leave_event(
+        round=1, kind=kind, mode=mode, target=target, master_addr="10.0.0.4" if target else "", master_port=29503
+    )
+    records = JobRecords(
+        nodes={"node-a": node("10.0.0.1")}, round=running_round(), event=ev, cap=None, closed=None, history=()
+    )
     status = job_status(records, run_id="j", endpoint="e:1")
     assert status.pending_event is not None and status.pending_event.ranks == ranks
     line = next(line for line in render_status(status).splitlines() if line.startswith("scale event:"))
@@ -418,7 +461,16 @@ def test_no_such_job(job: Job, capsys) -> None:
 def test_unreachable_store_names_the_endpoint(backend: str, capsys) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     code, out, err = ctl(
-        capsys, "status", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", "j", "--store-timeout", "0.5"
+        capsys,
+        "status",
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "j",
+        "--store-timeout",
+        "0.5",
     )
     assert code == 1 and out == ""
     lines = err.strip().splitlines()
@@ -435,7 +487,10 @@ def test_unreachable_store_names_the_endpoint(backend: str, capsys) -> None:
         (["status", "--rdzv-id", "j", "--rdzv-conf", "cacert"], "--rdzv-conf: expected key=value"),
         (["status", "--rdzv-id", "j", "--rdzv-conf", "lease_tll=5"], "--rdzv-conf: unknown key 'lease_tll'"),
         (["status", "--rdzv-id", "j", "--rdzv-conf", "lease_ttl=soon"], "--rdzv-conf lease_ttl: expected seconds"),
-        (["status", "--rdzv-id", "j", "--rdzv-backend", "c10d", "--rdzv-conf", "cacert=/x"], "applies only to --rdzv-backend etcd"),
+        (
+            ["status", "--rdzv-id", "j", "--rdzv-backend", "c10d", "--rdzv-conf", "cacert=/x"],
+            "applies only to --rdzv-backend etcd",
+        ),
         (["status", "--rdzv-id", "j", "--store-timeout", "0"], "--store-timeout: must be a number of seconds > 0"),
         (["cap", "--rdzv-id", "j", "--", "-1"], "Invalid value for 'replicas'"),
         (["cap", "many", "--rdzv-id", "j"], "Invalid value for 'replicas'"),
@@ -466,9 +521,14 @@ def test_reads_what_a_real_rendezvous_writes(etcd_server: EtcdServer, capsys) ->
     settings = RendezvousSettings(lease_ttl=5.0)
     store = create_store("etcd", etcd_server.endpoint, run_id=run_id, conf={}, timeout=settings.store_timeout)
     context = DeciderContext(
-        policy=ElasticPolicy(min_replicas=1, max_replicas=1), nproc_per_node=2, max_restarts=0,
-        lease_ttl=settings.lease_ttl, ack_timeout=settings.ack_timeout, propagation=settings.propagation, tick=settings.tick,
-    )  # fmt: skip
+        policy=ElasticPolicy(min_replicas=1, max_replicas=1),
+        nproc_per_node=2,
+        max_restarts=0,
+        lease_ttl=settings.lease_ttl,
+        ack_timeout=settings.ack_timeout,
+        propagation=settings.propagation,
+        tick=settings.tick,
+    )
     rdzv = ElasticRendezvous(store, context=context, local_addr="127.0.0.1", join_timeout=60.0, node_id="agent-0")
     try:
         rdzv.join()
@@ -494,12 +554,16 @@ def test_python_dash_m_entry_point(job: Job) -> None:
     populate_running_job(job)
     proc = subprocess.run(
         [sys.executable, "-m", "hyperpodrun.ctl", "status", "--json"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env=clean_env(PET_RDZV_BACKEND=job.backend, PET_RDZV_ENDPOINT=job.endpoint, PET_RDZV_ID=job.run_id),
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["round"] == 4
-    version = subprocess.run([sys.executable, "-m", "hyperpodrun.ctl", "--version"], capture_output=True, text=True, timeout=120)
+    version = subprocess.run(
+        [sys.executable, "-m", "hyperpodrun.ctl", "--version"], capture_output=True, text=True, timeout=120
+    )
     from hyperpodrun import __version__
 
     assert version.returncode == 0 and version.stdout.strip() == f"hyperpodctl {__version__}"

@@ -36,7 +36,13 @@ def test_every_rank_returns_true_exactly_at_the_target_step(tmp_path) -> None:
     progress = writer.progress()
     assert [p.step for p in progress] == [30, 30, 30] and [p.acked_event for p in progress] == [7, 7, 7]
     event = readers[1].event()
-    assert (event.event_id, event.target_step, event.kind, event.round, event.world_size) == (7, 20, EventKind.SAVE_AND_EXIT, 3, 6)
+    assert (event.event_id, event.target_step, event.kind, event.round, event.world_size) == (
+        7,
+        20,
+        EventKind.SAVE_AND_EXIT,
+        3,
+        6,
+    )
     writer.reset_ranks()
     assert writer.event() is None and [p.step for p in writer.progress()] == [0, 0, 0]
     writer.close()

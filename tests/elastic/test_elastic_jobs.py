@@ -53,8 +53,9 @@ def test_scale_up_when_a_node_joins(make_job, backend) -> None:
     assert len(job.events("job_succeeded")) == 1
     # the trainer's own record of each round's first step, for downtime measurements
     assert [(e["world_size"], e["reason"], e["source"]) for e in job.events("first_step")] == [
-        (1, "start", "trainer"), (2, "scale", "trainer"),
-    ]  # fmt: skip
+        (1, "start", "trainer"),
+        (2, "scale", "trainer"),
+    ]
 
 
 def test_graceful_leave_shrinks_without_losing_a_step(make_job) -> None:
@@ -108,8 +109,9 @@ def test_standby_waits_then_replaces_a_leaving_node(make_job) -> None:
     assert job.nodes["b"].wait(timeout=60) == 0
     wait_until(
         lambda: any(e["node"] == _node_id(job, "c") for e in job.events("workers_started")),
-        timeout=60, what="the standby c to start ranks after b left",
-    )  # fmt: skip
+        timeout=60,
+        what="the standby c to start ranks after b left",
+    )
     job.wait_steps(3)
     assert job.finish() == {"a": 0, "b": 0, "c": 0}
     assert [w for w, _ in _resume_steps(job)] == [2]  # c took b's place: the size stayed 2...

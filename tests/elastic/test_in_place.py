@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+
 from support.cluster import wait_until
 from support.jsonl import read_jsonl
 
@@ -66,7 +67,9 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, backend_
     assert (2, "peers") in hows, hows  # b's rank was hydrated from a, not from storage
     assert ("reconfigured" in {h for _, h in hows}) and (1, "reconfigured") in hows, hows
     signalled = [e["kind"] for e in job.events("workers_signalled") if e.get("target_step") is not None]
-    assert signalled.count("reconfigure") >= 3 and "save_and_exit" not in signalled, signalled  # a, b at leave; a at join
+    assert signalled.count("reconfigure") >= 3 and "save_and_exit" not in signalled, (
+        signalled
+    )  # a, b at leave; a at join
     assert len(job.events("workers_reconfigured")) >= 3  # a at the join, b admitted, a at the leave
     in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
     assert in_place and all(len(e["members"]) == e["world_size"] for e in in_place), in_place  # 1 rank per node
@@ -77,7 +80,9 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, backend_
     assert steps == list(range(1, len(steps) + 1))
     assert {p["world"] for p in job.progress()} == {1, 2}
     final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    assert max(f["step"] for f in final) == steps[-1] and len(final) == 2  # the survivor, and the leaver at its last step
+    assert (
+        max(f["step"] for f in final) == steps[-1] and len(final) == 2
+    )  # the survivor, and the leaver at its last step
     reference = reference_params({f["step"] for f in final})
     for f in final:  # both nodes' parameters equal an unbroken single-process run at their step
         for got, want in zip(f["params"], reference[f["step"]]):
@@ -97,7 +102,12 @@ def rescued_ranks(job) -> list[int]:
     """Survivors replaced because they never returned from the broken group's collective (gloo, now and then,
     misses a dead peer even after the repair watch shut its sockets down: ``repair.stuck_in_broken_group``).
     Each handed its state off first, so its replacement continues from it: nothing is lost, nothing redone."""
-    return [r for e in job.events("ranks_replaced") if "still blocked in the broken group" in e["reason"] for r in e["ranks"]]
+    return [
+        r
+        for e in job.events("ranks_replaced")
+        if "still blocked in the broken group" in e["reason"]
+        for r in e["ranks"]
+    ]
 
 
 def rank_0_rescued(job, survivor: int) -> bool:
@@ -115,7 +125,9 @@ def hit_rank_1(job, sig: int) -> tuple[int, int]:
     job.wait_steps(5)
     survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
     os.kill(victim, sig)
-    wait_until(lambda: [r for r in worlds(job) if r["how"] in HYDRATED], timeout=60, what="the replacement rank to be hydrated")
+    wait_until(
+        lambda: [r for r in worlds(job) if r["how"] in HYDRATED], timeout=60, what="the replacement rank to be hydrated"
+    )
     job.wait_steps(5)
     return survivor, victim
 
@@ -138,7 +150,7 @@ def committed_steps(job) -> list[int]:
             assert rollbacks, f"step {step} trained again after step {steps[-1]} without a snapshot restore"
             restored = rollbacks.pop(0)
             assert step == restored["step"] + 1 and steps[-1] == restored["step"] + restored["redone"], (step, restored)
-            del steps[restored["step"]:]
+            del steps[restored["step"] :]
         steps.append(step)
     assert steps == list(range(1, len(steps) + 1)), steps  # nothing committed was lost
     assert not rollbacks, rollbacks
@@ -183,13 +195,23 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     survivor, and only once; its replacement holds the state (from the hand-off or a peer)."""
     endpoint = request.getfixturevalue("etcd_endpoint") if backend_name == "etcd" else None
     per_node = ("--nproc-per-node", str(max(1, 2 // len(nodes))), "--spare-ranks", str(spares))
-    job = make_job(backend=backend_name, endpoint=endpoint, script=INPLACE, script_args=script_args(model, tmp_path),
-                   nnodes=str(len(nodes)), flags=("--max-restarts", "3", *per_node))  # fmt: skip
+    job = make_job(
+        backend=backend_name,
+        endpoint=endpoint,
+        script=INPLACE,
+        script_args=script_args(model, tmp_path),
+        nnodes=str(len(nodes)),
+        flags=("--max-restarts", "3", *per_node),
+    )
     for name in nodes:
         job.start_node(name)
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
     if spares:
-        wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == len(nodes), timeout=90, what="every node's spare")
+        wait_until(
+            lambda: len({e["node"] for e in job.events("spare_ready")}) == len(nodes),
+            timeout=90,
+            what="every node's spare",
+        )
     survivor, victim = hit_rank_1(job, signal.SIGKILL)
     codes = job.finish()
     assert codes == dict.fromkeys(nodes, 0), [job.stderr(n) for n in nodes]
@@ -203,21 +225,31 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
         assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records
     replacement = [r for r in records if r["how"] in HYDRATED]
     assert sorted(r["rank"] for r in replacement) == sorted([1, *rescued]), records
-    assert victim not in {r["pid"] for r in replacement} and {r["world"] for r in replacement} == {max(2, len(nodes))}, records
+    assert victim not in {r["pid"] for r in replacement} and {r["world"] for r in replacement} == {
+        max(2, len(nodes))
+    }, records
     victim_node = next(e["node"] for e in job.events("worker_failed"))
     spares_there = [e["pid"] for e in job.events("spare_ready") if e["node"] == victim_node]
     took_over = next(r["pid"] for r in replacement if r["rank"] == 1)
     assert (took_over in spares_there) == bool(spares), (replacement, spares_there)  # the spare took its place
     failed = job.events("worker_failed")
-    assert len(failed) == 1 + len(rescued) and all(e["repaired_in_place"] and e["signal"] == "SIGKILL" for e in failed), failed
-    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]  # one repair
+    assert len(failed) == 1 + len(rescued) and all(
+        e["repaired_in_place"] and e["signal"] == "SIGKILL" for e in failed
+    ), failed
+    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [
+        ("rank_failure", "reconfigure")
+    ]  # one repair
     assert not [e for e in job.events("workers_stopped") if e["event_id"]], "no rank was stopped before the job's end"
     in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
-    assert {e["reason"] for e in in_place} == {"failure"} and len(in_place) == len(nodes), in_place  # every node, repaired
+    assert {e["reason"] for e in in_place} == {"failure"} and len(in_place) == len(nodes), (
+        in_place
+    )  # every node, repaired
     assert_trained_like_one_process(job)
     assert {p["world"] for p in job.progress()} == {max(2, len(nodes))}
     # sharded: the world is the broken round's, so each shard went back to its own rank, none was gathered
-    assert [e["resharded"] for e in job.events("snapshot_restored")] == ([False] if model == "fsdp" else []), job.events("snapshot_restored")
+    assert [e["resharded"] for e in job.events("snapshot_restored")] == ([False] if model == "fsdp" else []), (
+        job.events("snapshot_restored")
+    )
 
 
 def rank_pids(job, name: str) -> set[int]:
@@ -253,7 +285,11 @@ def test_a_new_node_joins_in_place_after_another_left(make_job) -> None:
     survivor = records[0]["pid"]  # node a's rank, started fresh, never restarted
     assert records[0]["how"] == "fresh" and sum(r["how"] == "fresh" for r in records) == 1, records
     assert [(r["world"], r["how"]) for r in records if r["pid"] == survivor] == [
-        (1, "fresh"), (2, "reconfigured"), (1, "reconfigured"), (2, "reconfigured")], records  # fmt: skip
+        (1, "fresh"),
+        (2, "reconfigured"),
+        (1, "reconfigured"),
+        (2, "reconfigured"),
+    ], records
     peers = [r for r in records if r["how"] == "peers"]  # each newcomer hydrated from a, not from storage
     assert [r["world"] for r in peers] == [2, 2] and peers[0]["pid"] in b_pids and peers[1]["pid"] in c_pids, records
     assert [r["pid"] for r in records if r["how"] == "left"] == [peers[0]["pid"]], records  # b's rank left, once
@@ -300,7 +336,9 @@ def test_a_lost_node_is_repaired_in_place(make_job, model, tmp_path) -> None:
     if not rank_0_rescued(job, survivor):
         assert [r["how"] for r in records if r["pid"] == survivor][-1] == "recovered", records
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")][-1] == ("node_lost", "reconfigure")
-    assert [e["resharded"] for e in job.events("snapshot_restored")] == ([True] if model == "fsdp" else [])  # 2 shards -> 1
+    assert [e["resharded"] for e in job.events("snapshot_restored")] == (
+        [True] if model == "fsdp" else []
+    )  # 2 shards -> 1
     assert_trained_like_one_process(job)
 
 
@@ -308,8 +346,12 @@ def test_a_lost_node_is_repaired_in_place(make_job, model, tmp_path) -> None:
 def test_a_hung_rank_is_killed_and_replaced_in_place(make_job, model, tmp_path) -> None:
     """SIGSTOP of one rank: its agent dumps the stacks and kills it after --hang-timeout, the peer
     waiting for it (in a collective, or for its snapshot) is not taken for hung, and the job is repaired in place."""
-    job = make_job(script=INPLACE, script_args=script_args(model, tmp_path), nnodes="2",
-                   flags=("--max-restarts", "3", "--hang-timeout", "2"))  # fmt: skip
+    job = make_job(
+        script=INPLACE,
+        script_args=script_args(model, tmp_path),
+        nnodes="2",
+        flags=("--max-restarts", "3", "--hang-timeout", "2"),
+    )
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
@@ -319,7 +361,9 @@ def test_a_hung_rank_is_killed_and_replaced_in_place(make_job, model, tmp_path) 
 
     hung = job.events("rank_hung")
     assert [e["rank"] for e in hung] == [1], hung  # the culprit only, not the rank waiting for it
-    assert "(most recent call first)" in Path(hung[0]["log_file"]).read_text()  # its Python stacks, dumped before the kill
+    assert (
+        "(most recent call first)" in Path(hung[0]["log_file"]).read_text()
+    )  # its Python stacks, dumped before the kill
     assert {r["pid"] for r in worlds(job) if r["rank"] == 0} == {survivor}
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
     assert_trained_like_one_process(job)
@@ -339,7 +383,11 @@ def test_a_survivor_that_never_returns_hands_its_state_to_its_replacement(make_j
     wait_until(lambda: blocked_file.exists() and blocked_file.read_text().strip(), timeout=30, what="rank 0 to block")
     blocked = json.loads(blocked_file.read_text().splitlines()[0])
     os.kill(pid_of_rank(job, 1), signal.SIGKILL)
-    wait_until(lambda: [r for r in worlds(job) if r["how"] == "handoff"], timeout=60, what="rank 0's replacement to take the hand-off")
+    wait_until(
+        lambda: [r for r in worlds(job) if r["how"] == "handoff"],
+        timeout=60,
+        what="rank 0's replacement to take the hand-off",
+    )
     job.wait_steps(3)
     codes = job.finish()
     assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
@@ -348,7 +396,9 @@ def test_a_survivor_that_never_returns_hands_its_state_to_its_replacement(make_j
     assert [(r["rank"], r["step"]) for r in handed] == [(0, blocked["step"])], records
     assert blocked["pid"] not in {r["pid"] for r in handed}
     assert rescued_ranks(job) == [0], job.events("ranks_replaced")
-    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]  # one repair
+    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [
+        ("rank_failure", "reconfigure")
+    ]  # one repair
     assert_trained_like_one_process(job)
 
 
@@ -364,7 +414,9 @@ def test_two_failures_in_a_row_are_each_repaired_in_place(make_job, model, tmp_p
     for n in (1, 2):
         victim = pid_of_rank(job, 1)
         os.kill(victim, signal.SIGKILL)
-        wait_until(lambda n=n: len([r for r in worlds(job) if r["how"] in HYDRATED]) >= n, timeout=60, what=f"repair {n}")
+        wait_until(
+            lambda n=n: len([r for r in worlds(job) if r["how"] in HYDRATED]) >= n, timeout=60, what=f"repair {n}"
+        )
         job.wait_steps(3)
     codes = job.finish()
     assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
@@ -399,7 +451,11 @@ def test_a_failure_while_the_next_spare_is_still_starting_is_repaired_by_that_sp
 
     spare = wait_until(next_spare, timeout=60, what="node b's next spare process")
     os.kill(replacement, signal.SIGKILL)
-    wait_until(lambda: len([r for r in worlds(job) if r["rank"] == 1 and r["how"] in HYDRATED]) == 2, timeout=60, what="repair 2")
+    wait_until(
+        lambda: len([r for r in worlds(job) if r["rank"] == 1 and r["how"] in HYDRATED]) == 2,
+        timeout=60,
+        what="repair 2",
+    )
     job.wait_steps(3)
     codes = job.finish()
     assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
@@ -415,8 +471,12 @@ def test_a_rank_that_dies_while_sending_its_snapshot_is_restored_from_the_one_be
     """Sharded: rank 1 is killed half-way through sending its snapshot of step 40 (its holder's copy of it is
     torn). Its holder still has its complete copy of step 39, and rank 0 its own copy of 39: the job goes
     back to step 39, trains step 40 again, and ends on the parameters of an unbroken run."""
-    job = make_job(script=INPLACE, script_args=(str(tmp_path), "fsdp", "die-sending-at=40"), nnodes="2",
-                   flags=("--max-restarts", "3"))  # fmt: skip
+    job = make_job(
+        script=INPLACE,
+        script_args=(str(tmp_path), "fsdp", "die-sending-at=40"),
+        nnodes="2",
+        flags=("--max-restarts", "3"),
+    )
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: [r for r in worlds(job) if r["how"] in HYDRATED], timeout=90, what="rank 1's replacement")
@@ -437,7 +497,9 @@ def test_a_rank_killed_while_a_join_is_pending_is_repaired_with_the_join(make_jo
     """kill -9 of a rank while node c's join is pending (decided and waiting for c's ranks to park, or targeted
     at a step the ranks have not reached): the survivors' failed collective takes them into the join's group,
     its node's spare takes its place there, c is admitted, and nothing committed is lost."""
-    job = make_job(script=INPLACE, script_args=script_args(model, tmp_path), nnodes="1:3", flags=("--max-restarts", "3"))
+    job = make_job(
+        script=INPLACE, script_args=script_args(model, tmp_path), nnodes="1:3", flags=("--max-restarts", "3")
+    )
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")

@@ -12,10 +12,23 @@ from support.launch import clean_env
 def _ctl(job, *args: str) -> subprocess.CompletedProcess:
     rdzv_id = job.base[job.base.index("--rdzv-id") + 1]
     return subprocess.run(
-        [sys.executable, "-m", "hyperpodrun.ctl", *args, "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", job.endpoint, "--rdzv-id", rdzv_id],
-        capture_output=True, text=True, timeout=60, env=clean_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hyperpodrun.ctl",
+            *args,
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            job.endpoint,
+            "--rdzv-id",
+            rdzv_id,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
 
 
 def test_yield_then_uncap_shrinks_and_grows_back(make_job) -> None:

@@ -13,11 +13,21 @@ def test_unreachable_etcd_is_one_line_naming_the_endpoint(tmp_path) -> None:
     start = time.monotonic()
     proc = run(
         hyperpodrun_cmd(
-            "--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", "j",
-            "--rdzv-conf", "store_timeout=2", str(COUNTER), str(tmp_path),
+            "--nnodes",
+            "1:2",
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "j",
+            "--rdzv-conf",
+            "store_timeout=2",
+            str(COUNTER),
+            str(tmp_path),
         ),
         timeout=60,
-    )  # fmt: skip
+    )
     assert time.monotonic() - start < 30
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from support.etcd import EtcdServer
 
 

@@ -53,9 +53,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     dataset = TokenDataset(args.data)
-    sampler = ElasticSampler(
-        len(dataset), global_batch=args.global_batch, micro_batch=args.micro_batch, seed=args.seed
-    )
+    sampler = ElasticSampler(len(dataset), global_batch=args.global_batch, micro_batch=args.micro_batch, seed=args.seed)
     if args.state_in is not None:
         sampler.load_state_dict(torch.load(args.state_in))
     loader = StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=2, prefetch_factor=2)
@@ -85,7 +83,10 @@ def main() -> None:
     if rank == 0:
         torch.save(sampler.state_dict(), args.state_out)
     dist.barrier()
-    del model, optimizer  # free DDP before its group: torch 2.13's gloo can abort at exit otherwise (see torchrun_ddp_example.py)
+    del (
+        model,
+        optimizer,
+    )  # free DDP before its group: torch 2.13's gloo can abort at exit otherwise (see torchrun_ddp_example.py)
     gc.collect()
     dist.destroy_process_group()
 
@@ -99,7 +100,7 @@ def check_gradient(model: DistributedDataParallel, dataset: TokenDataset, indice
     labels = torch.stack([s["labels"] for s in samples])
     reference(input_ids, labels).mean().backward()
     for (name, got), want in zip(model.module.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,9 @@ def test_a_round_is_never_shut_down_once_the_next_one_began_forming(pair) -> Non
 
 
 def _publish(writer: ControlWriter, *, event_id: int, round: int, repair: bool) -> None:
-    writer.publish(event_id=event_id, target_step=0, kind=EventKind.RECONFIGURE, round=round, world_size=1, repair=repair)
+    writer.publish(
+        event_id=event_id, target_step=0, kind=EventKind.RECONFIGURE, round=round, world_size=1, repair=repair
+    )
 
 
 def test_the_watch_acts_only_on_a_repair_of_the_current_round_not_taken_up(pair, tmp_path) -> None:
@@ -116,7 +118,9 @@ def test_a_rank_blocked_on_a_live_peer_is_freed_when_the_launcher_publishes_a_re
         for rank in (0, 1)
     ]
     try:
-        wait_until(lambda: all((tmp_path / f"ready-{r}").exists() for r in (0, 1)), timeout=60, what="both ranks' group")
+        wait_until(
+            lambda: all((tmp_path / f"ready-{r}").exists() for r in (0, 1)), timeout=60, what="both ranks' group"
+        )
         _publish(writer, event_id=1, round=2, repair=True)
         wait_until(lambda: (tmp_path / "result.json").exists(), timeout=20, what="rank 1's all_reduce to end")
         result = json.loads((tmp_path / "result.json").read_text())

@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from support.cluster import run_rank_scripts
 
 from elastic_events.batching import (
     BatchPlan,
@@ -30,6 +29,7 @@ from elastic_events.scale_config import (
     load_scale_config,
     parse_scale_config,
 )
+from support.cluster import run_rank_scripts
 
 
 def check_plan_invariants(plan: BatchPlan) -> None:
@@ -210,8 +210,11 @@ def test_sum_in_batch_order_adds_along_the_pairwise_tree_in_one_process() -> Non
 def test_sum_in_batch_order_has_the_same_bits_at_every_world_size(world: int) -> None:
     """7 samples (uneven shares, not a power of two) over gloo ranks: every rank's sum is one process's, bit for bit."""
     worker = batch_order_worker()
-    alone = sum_in_batch_order(worker.sample_values(7), plan_global_batch(global_batch=7, micro_batch=7, world_size=1, rank=0),
-                               like=worker.sample_values(1)[0])  # fmt: skip
+    alone = sum_in_batch_order(
+        worker.sample_values(7),
+        plan_global_batch(global_batch=7, micro_batch=7, world_size=1, rank=0),
+        like=worker.sample_values(1)[0],
+    )
     assert [r["digest"] for r in run_rank_scripts(SUM_WORKER, world, "7")] == [worker.digest(alone)] * world
 
 

@@ -18,15 +18,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.launch import clean_env, run, torchrun_cmd
 
 from elastic_events import checkpoint
 from elastic_events.checkpoint import (
     MARKER_NAME,
     CheckpointConfig,
     CheckpointCorruptError,
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointWarning,
     IncompatibleCheckpointError,
@@ -35,6 +34,7 @@ from elastic_events.checkpoint import (
 )
 from elastic_events.rng import derive_rank_seed
 from elastic_events.sampler import ElasticSampler
+from support.launch import clean_env, run, torchrun_cmd
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from elastic_events import checkpoint
-from elastic_events.checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CheckpointWarning, list_checkpoints
+from elastic_events.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointError,
+    CheckpointWarning,
+    list_checkpoints,
+)
 from elastic_events.checkpoint_layout import prune, recover_interrupted
 
 

@@ -35,12 +35,30 @@ def test_a_rank_already_past_the_target_fires_once_at_its_next_step(channel) -> 
 def test_each_event_fires_once_and_the_next_event_fires_again(channel) -> None:
     writer, readers = channel
     reader = readers[0]
-    writer.publish(event_id=1, target_step=3, kind=EventKind.RECONFIGURE, round=1, world_size=2,
-                   group_rank=0, group_world_size=2, master_addr="127.0.0.1", master_port=1234)  # fmt: skip
+    writer.publish(
+        event_id=1,
+        target_step=3,
+        kind=EventKind.RECONFIGURE,
+        round=1,
+        world_size=2,
+        group_rank=0,
+        group_world_size=2,
+        master_addr="127.0.0.1",
+        master_port=1234,
+    )
     assert [reader.check() for _ in range(6)] == [False, False, True, False, False, False]
     assert (reader.fired.event_id, reader.fired.master_port) == (1, 1234)
-    writer.publish(event_id=2, target_step=9, kind=EventKind.RECONFIGURE, round=2, world_size=3,
-                   group_rank=1, group_world_size=3, master_addr="node-a", master_port=4321)  # fmt: skip
+    writer.publish(
+        event_id=2,
+        target_step=9,
+        kind=EventKind.RECONFIGURE,
+        round=2,
+        world_size=3,
+        group_rank=1,
+        group_world_size=3,
+        master_addr="node-a",
+        master_port=4321,
+    )
     assert [reader.check() for _ in range(4)] == [False, False, True, False]
     event = reader.event()
     assert (event.event_id, event.round, event.world_size, event.group_rank, event.group_world_size) == (2, 2, 3, 1, 3)
@@ -73,11 +91,27 @@ def test_parked_rank_is_admitted_only_by_a_reconfigure_that_places_its_node(chan
         if step == 0:
             writer.publish(event_id=1, target_step=5, kind=EventKind.SAVE_AND_EXIT, round=1, world_size=2)
         elif step == 1:
-            writer.publish(event_id=2, target_step=5, kind=EventKind.RECONFIGURE, round=2, world_size=2,
-                           group_rank=-1, group_world_size=2)  # fmt: skip
+            writer.publish(
+                event_id=2,
+                target_step=5,
+                kind=EventKind.RECONFIGURE,
+                round=2,
+                world_size=2,
+                group_rank=-1,
+                group_world_size=2,
+            )
         elif step == 2:
-            writer.publish(event_id=3, target_step=9, kind=EventKind.RECONFIGURE, round=3, world_size=6,
-                           group_rank=2, group_world_size=3, master_addr="127.0.0.1", master_port=29500)  # fmt: skip
+            writer.publish(
+                event_id=3,
+                target_step=9,
+                kind=EventKind.RECONFIGURE,
+                round=3,
+                world_size=6,
+                group_rank=2,
+                group_world_size=3,
+                master_addr="127.0.0.1",
+                master_port=29500,
+            )
         published.append(step)
         assert writer.progress()[0].phase is RankPhase.PARKED
 
@@ -103,8 +137,16 @@ def test_parked_rank_times_out_with_a_clear_error(channel) -> None:
 def test_publish_rejects_bad_round_descriptions(channel) -> None:
     writer, _ = channel
     with pytest.raises(ValueError, match="master_addr"):
-        writer.publish(event_id=1, target_step=1, kind=EventKind.RECONFIGURE, round=1, world_size=1,
-                       group_rank=0, master_addr="x" * 129, master_port=1)  # fmt: skip
+        writer.publish(
+            event_id=1,
+            target_step=1,
+            kind=EventKind.RECONFIGURE,
+            round=1,
+            world_size=1,
+            group_rank=0,
+            master_addr="x" * 129,
+            master_port=1,
+        )
     with pytest.raises(ValueError, match="needs master_addr and master_port"):
         writer.publish(event_id=1, target_step=1, kind=EventKind.RECONFIGURE, round=1, world_size=1, group_rank=0)
     assert writer.event() is None

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.launch import clean_env, torchrun_cmd
 
 import elastic_events
 from elastic_events.dataset import ByteTokenizer, build_token_dataset
 from elastic_events.sampler import epoch_permutation
+from support.launch import clean_env, torchrun_cmd
 
 WORKER = Path(__file__).resolve().parent / "elastic_data_worker.py"
 SRC = Path(elastic_events.__file__).resolve().parents[1]

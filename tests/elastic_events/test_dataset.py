@@ -48,7 +48,8 @@ class WideTokenizer(ByteTokenizer):
         return [66_000 + b for b in text.encode()]
 
 
-def expected_tokens(docs: list[str], tok=ByteTokenizer()) -> list[int]:
+def expected_tokens(docs: list[str], tok: ByteTokenizer | None = None) -> list[int]:
+    tok = tok or ByteTokenizer()
     out: list[int] = []
     for doc in docs:
         out += tok.encode(doc) + [tok.eos_id]

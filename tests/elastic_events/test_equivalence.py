@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from support.launch import clean_env, run, torchrun_cmd
 
 WORKER = Path(__file__).resolve().parent / "workers" / "equiv_train.py"
@@ -37,9 +38,17 @@ ATOL = 1e-6
 
 def launch(world: int, until: int, root: Path) -> None:
     cmd = torchrun_cmd(
-        "--standalone", "--nproc-per-node", str(world), str(WORKER),
-        "--ckpt-dir", str(root / "ckpt"), "--out", str(root), "--until", str(until),
-    )  # fmt: skip
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        str(WORKER),
+        "--ckpt-dir",
+        str(root / "ckpt"),
+        "--out",
+        str(root),
+        "--until",
+        str(until),
+    )
     env = clean_env(PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     proc = run(cmd, timeout=180, env=env)
     assert proc.returncode == 0, f"phase at world {world} until step {until} failed:\n{proc.stderr[-4000:]}"
@@ -97,7 +106,9 @@ def test_resized_training_ends_with_the_same_parameters(runs: tuple[Path, Path])
     expected = torch.load(reference / f"params_{TOTAL_STEPS}.pt")
     actual = torch.load(elastic / f"params_{TOTAL_STEPS}.pt")
     for step in sorted(actual):  # the last phase's steps, including the final one
-        torch.testing.assert_close(actual[step], expected[step], rtol=0, atol=ATOL, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(
+            actual[step], expected[step], rtol=0, atol=ATOL, msg=lambda m, step=step: f"step {step}: {m}"
+        )
     one_step = max(
         (expected[TOTAL_STEPS][k] - expected[TOTAL_STEPS - 1][k]).abs().max().item() for k in expected[TOTAL_STEPS]
     )

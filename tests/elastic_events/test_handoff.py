@@ -11,7 +11,11 @@ from elastic_events.names import CONTROL_FILE_ENV
 
 def test_a_hand_off_is_found_only_for_the_repair_it_was_written_for(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(CONTROL_FILE_ENV, str(tmp_path / "control.bin"))
-    state = {"model": {"weight": torch.arange(6.0).view(2, 3)}, "optimizer": None, "small": {"step": 7, "sampler": {"pos": 56}}}
+    state = {
+        "model": {"weight": torch.arange(6.0).view(2, 3)},
+        "optimizer": None,
+        "small": {"step": 7, "sampler": {"pos": 56}},
+    }
     write_handoff(1, round=4, step=7, control_step=9, state=state)
     assert find_handoff(0, round=4) is None  # another local rank's slot
     assert find_handoff(1, round=5) is None  # a later repair never takes an old hand-off

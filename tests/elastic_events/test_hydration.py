@@ -20,13 +20,24 @@ from elastic_events.hydration import (
 )
 
 
-def survivor(rank: int, step: int = 10, checksum: str = "c0", *, sharded: bool = False, ready: bool = True) -> RankReport:
-    return RankReport(rank=rank, survivor=True, source_ready=ready, step=step, structure="s",
-                      checksum=None if sharded else checksum, sharded=sharded)  # fmt: skip
+def survivor(
+    rank: int, step: int = 10, checksum: str = "c0", *, sharded: bool = False, ready: bool = True
+) -> RankReport:
+    return RankReport(
+        rank=rank,
+        survivor=True,
+        source_ready=ready,
+        step=step,
+        structure="s",
+        checksum=None if sharded else checksum,
+        sharded=sharded,
+    )
 
 
 def newcomer(rank: int, structure: str = "s") -> RankReport:
-    return RankReport(rank=rank, survivor=False, source_ready=False, step=-1, structure=structure, checksum=None, sharded=None)
+    return RankReport(
+        rank=rank, survivor=False, source_ready=False, step=-1, structure=structure, checksum=None, sharded=None
+    )
 
 
 def test_the_lowest_ready_survivor_sends_to_the_newcomers() -> None:
@@ -60,20 +71,39 @@ def test_a_newcomer_is_hydrated_by_a_survivor_on_its_own_node(newcomers, source)
 
 
 def test_a_sharded_state_is_always_sent_by_rank_0() -> None:
-    reports = [survivor(0, sharded=True), survivor(1, sharded=True, ready=False), survivor(2, sharded=True, ready=False), newcomer(3)]
+    reports = [
+        survivor(0, sharded=True),
+        survivor(1, sharded=True, ready=False),
+        survivor(2, sharded=True, ready=False),
+        newcomer(3),
+    ]
     assert plan_hydration(reports, local_world_size=2).source == 0
 
 
 def test_without_survivors_the_newest_hand_off_is_the_source() -> None:
-    reports = [newcomer(0), RankReport(rank=1, survivor=False, source_ready=False, step=-1, structure="s", checksum=None,
-                                       sharded=None, handoff_step=40), newcomer(2)]  # fmt: skip
+    reports = [
+        newcomer(0),
+        RankReport(
+            rank=1,
+            survivor=False,
+            source_ready=False,
+            step=-1,
+            structure="s",
+            checksum=None,
+            sharded=None,
+            handoff_step=40,
+        ),
+        newcomer(2),
+    ]
     plan = plan_from_handoff(plan_hydration(reports, recovering=True), reports)
     assert (plan.source, plan.newcomers, plan.handoff, plan.step) == (1, (0, 2), True, 40)
     assert plan_from_handoff(plan_hydration([newcomer(0), newcomer(1)]), [newcomer(0), newcomer(1)]).source is None
 
 
 def test_a_survivor_is_always_preferred_to_a_hand_off() -> None:
-    handed = RankReport(rank=1, survivor=False, source_ready=False, step=-1, structure="s", checksum=None, sharded=None, handoff_step=50)
+    handed = RankReport(
+        rank=1, survivor=False, source_ready=False, step=-1, structure="s", checksum=None, sharded=None, handoff_step=50
+    )
     reports = [survivor(0, step=51), handed]
     plan = plan_from_handoff(plan_hydration(reports, recovering=True), reports)
     assert (plan.source, plan.handoff, plan.newcomers) == (0, False, (1,))
@@ -82,7 +112,10 @@ def test_a_survivor_is_always_preferred_to_a_hand_off() -> None:
 @pytest.mark.parametrize(
     ("reports", "message"),
     [
-        ([survivor(0, 10), survivor(1, 11), newcomer(2)], r"survivors hold different steps \(rank 0 at step 10, rank 1 at step 11\)"),
+        (
+            [survivor(0, 10), survivor(1, 11), newcomer(2)],
+            r"survivors hold different steps \(rank 0 at step 10, rank 1 at step 11\)",
+        ),
         ([survivor(0, checksum="a"), survivor(1, checksum="b")], "survivors' model replicas differ at step 10"),
         ([survivor(0), newcomer(1, structure="other")], "rank 1's model has other parameter names"),
         ([survivor(0, sharded=True), survivor(1)], "some survivors hold a sharded"),
@@ -95,7 +128,9 @@ def test_state_that_does_not_agree_is_refused(reports, message) -> None:
 
 def test_a_repair_takes_the_survivors_at_the_furthest_step_and_brings_the_others_to_it() -> None:
     """A peer died mid-step: rank 1's collectives completed before the death reached rank 0."""
-    plan = plan_hydration([survivor(0, 10, checksum="old"), survivor(1, 11, checksum="new"), newcomer(2)], recovering=True)
+    plan = plan_hydration(
+        [survivor(0, 10, checksum="old"), survivor(1, 11, checksum="new"), newcomer(2)], recovering=True
+    )
     assert (plan.source, plan.newcomers, plan.survivors, plan.step) == (1, (0, 2), (1,), 11)
 
 
@@ -134,7 +169,10 @@ class _FrameworkError(RuntimeError):
 
 
 def test_a_failed_collective_becomes_the_callers_error_naming_the_round_and_its_limit() -> None:
-    with pytest.raises(_FrameworkError, match=r"rank 1: bringing round 4's 3 ranks to one state failed or timed out \(limit 30s\): Connection closed by peer") as caught:
+    with pytest.raises(
+        _FrameworkError,
+        match=r"rank 1: bringing round 4's 3 ranks to one state failed or timed out \(limit 30s\): Connection closed by peer",
+    ) as caught:
         with collective_failures(_FrameworkError, rank=1, round=4, world_size=3, timeout_s=30):
             raise RuntimeError("Connection closed by peer")
     assert isinstance(caught.value.__cause__, RuntimeError)
@@ -143,4 +181,3 @@ def test_a_failed_collective_becomes_the_callers_error_naming_the_round_and_its_
             with collective_failures(_FrameworkError, rank=1, round=4, world_size=3, timeout_s=30):
                 raise ours
         assert passed.value is ours
-

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.fake_agent import FakeNode, Round
 
 from elastic_events.control import RankPhase
+from support.fake_agent import FakeNode, Round
 
 WORKER = Path(__file__).resolve().parent / "workers" / "inproc_train.py"
 EVENT_STEP = 4
@@ -155,7 +155,9 @@ def test_a_joiner_counts_steps_with_its_peers_and_later_leaves_in_place(tmp_path
     end = load(out, "end", "a")
     assert (end["pid"], end["world_size"], end["round"], end["step"]) == (a.procs[0].pid, 1, 2, 9)
     assert end["sampler"]["consumed"] == 9 * 6 and a.progress()[0].step == 9
-    saved = [(int(p.name[5:]), json.loads((p / "COMPLETE").read_text())["world_size"]) for p in sorted(ckpt.glob("step_*"))]
+    saved = [
+        (int(p.name[5:]), json.loads((p / "COMPLETE").read_text())["world_size"]) for p in sorted(ckpt.glob("step_*"))
+    ]
     assert saved == [(2, 1), (4, 2), (8, 1)]  # the checkpointer follows the group through both rounds
     fixed = nodes("fixed")  # the same 9 steps at a fixed world size of 1
     fixed.start(cmd(out, 9), round=Round.new(0, world_size=1, nodes=1), group_rank=0)
@@ -189,7 +191,9 @@ def test_survivors_at_different_steps_refuse_to_train(tmp_path, nodes) -> None:
     codes = [n.wait()[0] for n in (a, b)]
     assert all(code != 0 for code in codes), codes
     for node in (a, b):
-        assert "StateMismatchError: survivors hold different steps (rank 0 at step 4, rank 1 at step 5)" in node.output()
+        assert (
+            "StateMismatchError: survivors hold different steps (rank 0 at step 4, rank 1 at step 5)" in node.output()
+        )
         assert node.progress()[0].phase is RankPhase.FAILED
     assert not list(out.glob("after-*")) and not list(out.glob("end-*"))
 

@@ -8,16 +8,22 @@ import sys
 import textwrap
 
 import pytest
-from support.launch import clean_env
 
 from elastic_events.inprocess_config import ElasticConfig
+from support.launch import clean_env
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("timeout_s", 0), ("poll_s", True), ("bucket_mb", "64"), ("backend", "mpi"), ("snapshot_every", -1),
-     ("freeze_gc", 1)],
-)  # fmt: skip
+    [
+        ("timeout_s", 0),
+        ("poll_s", True),
+        ("bucket_mb", "64"),
+        ("backend", "mpi"),
+        ("snapshot_every", -1),
+        ("freeze_gc", 1),
+    ],
+)
 def test_config_errors_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"^{field} must be"):
         ElasticConfig(**{field: value})
@@ -46,8 +52,13 @@ def test_what_exists_at_start_is_frozen_and_the_model_built_after_stays_collecta
                           "scanned": len(gc.get_objects())}}))
         el.close()
     """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-                          env=clean_env(LOCAL_RANK="0"))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(LOCAL_RANK="0"),
+    )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["collected"], got  # frozen before the model existed, not after

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.cluster import free_port
-from support.launch import clean_env
 
 from elastic_events.snapshot import Entry, Layout, Piece, holder_of, owner_held_by
 from elastic_events.snapshot_restore import SnapshotReport, assemble, plan_restore
+from support.cluster import free_port
+from support.launch import clean_env
 
 WORKER = Path(__file__).resolve().parent / "workers" / "snapshot_check.py"
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -37,7 +37,9 @@ def test_every_rank_is_held_once_on_another_node_when_there_is_one(world: int, l
 # ------------------------------------------------------------------------ the restore plan
 
 
-def report(rank: int, live: int = -1, copies: tuple[tuple[int, int], ...] = (), *, round: int = 4, world: int = 2) -> SnapshotReport:
+def report(
+    rank: int, live: int = -1, copies: tuple[tuple[int, int], ...] = (), *, round: int = 4, world: int = 2
+) -> SnapshotReport:
     return SnapshotReport(round=round, world_size=world, rank=rank, live_step=live, replicas=copies)
 
 
@@ -68,7 +70,11 @@ def test_a_newcomer_reports_nothing_and_three_survivors_pick_the_newest_step_all
     }
     plan = plan_restore(reports)
     assert plan is not None and (plan.step, plan.furthest) == (20, 21)
-    assert plan.sources == ((0, False), (1, False), (0, False))  # each at 20 from the lowest new rank holding it (0: no move)
+    assert plan.sources == (
+        (0, False),
+        (1, False),
+        (0, False),
+    )  # each at 20 from the lowest new rank holding it (0: no move)
 
 
 def test_reports_of_an_older_round_are_ignored() -> None:
@@ -115,14 +121,30 @@ def test_pieces_of_raw_bytes_and_of_live_tensors_assemble_into_the_full_tensors(
         Entry(("model", "b"), torch.float64, (2,), (2,), None, 0),
         Entry(("optim", "w", "step"), torch.float32, (), (), None, 0),
     ]
-    first = Piece(owner=0, round=1, world_size=2, step=3, layout=Layout(tuple(entries)), small={"step": 3},
-                  param_groups=[{"lr": 0.1, "params": ["w"]}], tensors=[full[:4], bias, torch.tensor(3.0)])  # fmt: skip
+    first = Piece(
+        owner=0,
+        round=1,
+        world_size=2,
+        step=3,
+        layout=Layout(tuple(entries)),
+        small={"step": 3},
+        param_groups=[{"lr": 0.1, "params": ["w"]}],
+        tensors=[full[:4], bias, torch.tensor(3.0)],
+    )
     second_layout = Layout((Entry(("model", "w"), torch.float32, (7, 3), (3, 3), 0, 4), *entries[1:]))
     raw = torch.zeros(second_layout.nbytes, dtype=torch.uint8)  # a holder's slot: every entry aligned
     for view, t in zip(second_layout.views(raw), (full[4:].contiguous(), bias, torch.tensor(3.0))):
         view.copy_(t.reshape(-1).view(torch.uint8))
-    second = Piece(owner=1, round=1, world_size=2, step=3, layout=second_layout, small={"step": 3},
-                   param_groups=first.param_groups, tensors=second_layout.views(raw))  # fmt: skip
+    second = Piece(
+        owner=1,
+        round=1,
+        world_size=2,
+        step=3,
+        layout=second_layout,
+        small={"step": 3},
+        param_groups=first.param_groups,
+        tensors=second_layout.views(raw),
+    )
     model, optim, head = assemble(iter([first, second]))
     assert torch.equal(model["w"], full) and torch.equal(model["b"], bias) and model["b"].dtype == torch.float64
     assert optim == {"state": {"w": {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": ["w"]}]}
@@ -136,8 +158,13 @@ def run_ranks(world: int, local: int, mode: str) -> list[dict]:
     port = free_port()
     env = clean_env(PYTHONPATH=str(SRC))
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(local), mode], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), str(world), str(port), str(local), mode],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(world)
     ]
     results = []
@@ -157,11 +184,15 @@ def test_the_copies_peers_hold_put_the_sharded_state_back_together_bitwise(world
         assert out["holdings"] == sorted([[out["owner"], 2], [out["owner"], 3], [out["rank"], 3]]), out
         assert out["closed"] is True
         owner_bytes = next(o["state_bytes"] for o in outs if o["rank"] == out["owner"])
-        assert out["held_bytes"] == 2 * owner_bytes + out["state_bytes"]  # 3 buffers of the local state: two copies, its own
+        assert (
+            out["held_bytes"] == 2 * owner_bytes + out["state_bytes"]
+        )  # 3 buffers of the local state: two copies, its own
     assert outs[0]["model_equal"] is True and outs[0]["optim_equal"] is True, outs[0]
     assert outs[0]["untouched_equal"] is True, "snapshotting changed the training (AdamW's step count)"
     assert outs[0]["reloaded_equal"] is True, "a fresh model loaded from each rank's own copy is not the live state"
-    assert all(out["wrong_piece"] and "another rank's piece" in out["wrong_piece"] for out in outs), [o["wrong_piece"] for o in outs]
+    assert all(out["wrong_piece"] and "another rank's piece" in out["wrong_piece"] for out in outs), [
+        o["wrong_piece"] for o in outs
+    ]
     assert outs[0]["small"] == {"step": 3}
 
 
@@ -172,7 +203,9 @@ def test_a_rank_that_dies_sending_its_copy_leaves_its_previous_copy_and_no_step_
     assert dead[0] == -9, dead[2][-2000:]  # SIGKILL, half-way through its copy of step 4
     for code, out, err in results[:-1]:
         assert code == 0 and out is not None, err[-2000:]
-        assert out["step_committed"] is False and "did not complete" in out["error"], out  # the optimizer step never ran
+        assert out["step_committed"] is False and "did not complete" in out["error"], (
+            out
+        )  # the optimizer step never ran
         holdings = {tuple(h) for h in out["holdings_after"]}
         assert (out["rank"], 3) in holdings  # its own copy is still the one every rank has
         if out["owner"] == world - 1:  # the dead rank's holder: its copy of step 3 survived the torn one of step 4

@@ -6,9 +6,9 @@ import random
 from pathlib import Path
 
 import pytest
-from support.cluster import run_rank_scripts
 
 from elastic_events.transfer import plan_buckets
+from support.cluster import run_rank_scripts
 
 WORKER = Path(__file__).resolve().parent / "workers" / "transfer_check.py"
 
@@ -30,11 +30,13 @@ def test_plan_packs_small_tensors_and_slices_large_ones() -> None:
     plan = plan_buckets([10, 250, 60, 30, 100, 0, 45], 100)
     shapes = [(b.direct, [(p.index, p.start, p.length, p.offset) for p in b.pieces]) for b in plan]
     assert shapes == [
-        (True, [(1, 0, 100, 0)]), (True, [(1, 100, 100, 0)]), (True, [(1, 200, 50, 0)]),
+        (True, [(1, 0, 100, 0)]),
+        (True, [(1, 100, 100, 0)]),
+        (True, [(1, 200, 50, 0)]),
         (True, [(4, 0, 100, 0)]),
         (False, [(0, 0, 10, 0), (2, 0, 60, 10), (3, 0, 30, 70)]),
         (False, [(6, 0, 45, 0)]),
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize("seed", range(20))

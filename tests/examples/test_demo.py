@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from elastic_events.sampler import epoch_permutation
 from support.launch import clean_env, run
 
@@ -23,9 +24,19 @@ from demo import Change, DemoConfig, DemoError, check_samples, summarize  # noqa
 def test_demo_grows_to_three_and_shrinks_with_every_check_passing(tmp_path: Path) -> None:
     """The demo's own scenario (1 -> 2 -> 3 -> 2 ranks), with fewer steps, through its command line."""
     cmd = [
-        sys.executable, str(EXAMPLE_DIR / "demo.py"), "--run-dir", str(tmp_path), "--steps", "70",
-        "--schedule", "join:node-2@3,join:node-3@20,leave:node-2@40", "--min-step-time", "0.25", "--timeout", "400",
-    ]  # fmt: skip
+        sys.executable,
+        str(EXAMPLE_DIR / "demo.py"),
+        "--run-dir",
+        str(tmp_path),
+        "--steps",
+        "70",
+        "--schedule",
+        "join:node-2@3,join:node-3@20,leave:node-2@40",
+        "--min-step-time",
+        "0.25",
+        "--timeout",
+        "400",
+    ]
     env = clean_env(PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     proc = run(cmd, timeout=450, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -81,8 +92,12 @@ def test_check_samples_reports_every_kind_of_damage(damage: str) -> None:
         records = [r for r in records if r["step"] != 5]
     problems = check_samples(records, num_samples=50, global_batch=4, seed=1, steps=10)
     assert len(problems) == 1
-    expected = {"repeat": "step 4:", "skip": "step 4:", "step_twice": "step 4: logged by ranks [0, 0, 1]",
-                "missing_step": "steps missing [5]"}  # fmt: skip
+    expected = {
+        "repeat": "step 4:",
+        "skip": "step 4:",
+        "step_twice": "step 4: logged by ranks [0, 0, 1]",
+        "missing_step": "steps missing [5]",
+    }
     assert expected[damage] in problems[0]
 
 
@@ -106,8 +121,14 @@ def test_summary_reads_world_sizes_and_downtime_phases_off_the_logs(tmp_path: Pa
     metrics = [{"ts": ts, "step": s, "loss": 6.0 - s, "world_size": 1 if s <= 2 else 2} for s, ts in ends.items()]
     for name, rows in (("events", events), ("metrics", metrics), ("samples", records_for(4, [1, 1, 2, 2]))):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = summarize(config, num_samples=50, started=t, exit_codes={"node-1": 0, "node-2": 0}, problems=[],
-                        names=lambda text: text.replace("vm-7", "node-2"))  # fmt: skip
+    summary = summarize(
+        config,
+        num_samples=50,
+        started=t,
+        exit_codes={"node-1": 0, "node-2": 0},
+        problems=[],
+        names=lambda text: text.replace("vm-7", "node-2"),
+    )
     assert summary.problems == ()
     assert summary.world_sizes == (1, 2)
     assert [(r.first_step, r.last_step) for r in summary.rounds] == [(1, 2), (3, 4)]
@@ -145,7 +166,9 @@ def test_summary_of_an_in_place_event_splits_its_downtime_at_the_trainers_record
     assert [(r.first_step, r.last_step) for r in summary.rounds] == [(1, 2), (3, 4)]
     (event,) = summary.scale_events
     assert event.mode == "in place" and event.downtime_s == pytest.approx(1.6)
-    assert event.phases == pytest.approx({"group torn down": 0.2, "rendezvous + group up": 0.8, "hydrated": 0.3, "first step": 0.3})
+    assert event.phases == pytest.approx(
+        {"group torn down": 0.2, "rendezvous + group up": 0.8, "hydrated": 0.3, "first step": 0.3}
+    )
     assert "in place: downtime 1.6s" in summary.render()
 
 

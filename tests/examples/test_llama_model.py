@@ -33,8 +33,14 @@ from model import (  # noqa: E402
 )
 
 SMALL = LlamaConfig(
-    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, hidden_dim=160,
-    rope_theta=10_000.0, max_seq_len=64,
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=258,
+    hidden_dim=160,
+    rope_theta=10_000.0,
+    max_seq_len=64,
 )
 
 
@@ -139,8 +145,7 @@ def test_rotary_embedding_uses_the_rotate_half_convention() -> None:
 
 
 def test_llama3_rope_scaling_keeps_high_and_divides_low_frequencies() -> None:
-    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_seq_len=64)
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=64)
     base = small(dim=128, n_heads=2, n_kv_heads=2, rope_theta=500_000.0)  # head_dim 64
     scaled = dataclasses.replace(base, rope_scaling=scaling)
 
@@ -168,15 +173,13 @@ def test_loss_is_summed_over_labelled_tokens_only() -> None:
     labels = torch.tensor([[1, 2, IGNORE_INDEX, 3, 4], [IGNORE_INDEX, IGNORE_INDEX, 0, 6, 5]])
     loss_sum, count = token_cross_entropy(logits, labels)
     log_probs = logits.log_softmax(-1)
-    expected = -sum(
-        log_probs[b, t, labels[b, t]] for b in range(2) for t in range(5)
-        if labels[b, t] != IGNORE_INDEX
-    )
+    expected = -sum(log_probs[b, t, labels[b, t]] for b in range(2) for t in range(5) if labels[b, t] != IGNORE_INDEX)
     assert count.item() == 7
     assert count.dtype == torch.int64 and loss_sum.dtype == torch.float32
     torch.testing.assert_close(loss_sum, expected, atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(loss_sum / count, F.cross_entropy(
-        logits.reshape(-1, 7), labels.reshape(-1), ignore_index=IGNORE_INDEX))
+    torch.testing.assert_close(
+        loss_sum / count, F.cross_entropy(logits.reshape(-1, 7), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    )
 
     all_ignored = torch.full((2, 5), IGNORE_INDEX)
     empty_sum, empty_count = token_cross_entropy(logits, all_ignored)
@@ -194,8 +197,7 @@ def test_forward_with_labels_returns_the_summed_loss_of_its_logits() -> None:
     output = model(ids, labels=labels)
     assert output.loss is not None
     assert output.loss.num_tokens.item() == 30
-    torch.testing.assert_close(output.loss.loss_sum,
-                               token_cross_entropy(output.logits, labels).loss_sum)
+    torch.testing.assert_close(output.loss.loss_sum, token_cross_entropy(output.logits, labels).loss_sum)
 
 
 def test_a_few_optimizer_steps_reduce_the_loss() -> None:
@@ -233,8 +235,9 @@ def test_init_weights_is_deterministic_and_meta_friendly() -> None:
         assert state.keys() == reference.keys()
         for name, tensor in state.items():
             assert torch.equal(tensor, reference[name]), name
-    assert not torch.equal(other.state_dict()["layers.0.attention.wq.weight"],
-                           reference["layers.0.attention.wq.weight"])
+    assert not torch.equal(
+        other.state_dict()["layers.0.attention.wq.weight"], reference["layers.0.attention.wq.weight"]
+    )
     assert torch.equal(reference["layers.0.ffn_norm.weight"], torch.ones(64))
     wq_std = reference["layers.0.attention.wq.weight"].std().item()
     wo_std = reference["layers.0.attention.wo.weight"].std().item()
@@ -242,12 +245,15 @@ def test_init_weights_is_deterministic_and_meta_friendly() -> None:
     assert wo_std == pytest.approx(0.02 / math.sqrt(4), rel=0.1)
 
 
-@pytest.mark.parametrize(("name", "params"), [
-    ("llama3.2-1b", 1_235_814_400),
-    ("llama3-8b", 8_030_261_248),
-    ("llama3.1-8b", 8_030_261_248),
-    ("llama3-70b", 70_553_706_496),
-])
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("llama3.2-1b", 1_235_814_400),
+        ("llama3-8b", 8_030_261_248),
+        ("llama3.1-8b", 8_030_261_248),
+        ("llama3-70b", 70_553_706_496),
+    ],
+)
 def test_presets_have_the_published_parameter_counts(name: str, params: int) -> None:
     config = LlamaConfig.from_name(name)
     with torch.device("meta"):
@@ -269,18 +275,21 @@ def test_forward_rejects_sequences_longer_than_max_seq_len() -> None:
         make_model()(tokens(1, 65))
 
 
-@pytest.mark.parametrize(("overrides", "field"), [
-    ({"dim": 62}, "dim"),                      # not divisible by n_heads=4
-    ({"n_kv_heads": 3}, "n_kv_heads"),         # does not divide n_heads=4
-    ({"n_layers": 0}, "n_layers"),
-    ({"vocab_size": -1}, "vocab_size"),
-    ({"hidden_dim": 1.5}, "hidden_dim"),
-    ({"norm_eps": 0.0}, "norm_eps"),
-    ({"rope_theta": -1.0}, "rope_theta"),
-    ({"dim": 24, "n_heads": 8, "n_kv_heads": 8}, "n_heads"),  # odd head_dim 3
-    ({"tie_embeddings": "yes"}, "tie_embeddings"),
-    ({"rope_scaling": {"factor": 8}}, "rope_scaling"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"dim": 62}, "dim"),  # not divisible by n_heads=4
+        ({"n_kv_heads": 3}, "n_kv_heads"),  # does not divide n_heads=4
+        ({"n_layers": 0}, "n_layers"),
+        ({"vocab_size": -1}, "vocab_size"),
+        ({"hidden_dim": 1.5}, "hidden_dim"),
+        ({"norm_eps": 0.0}, "norm_eps"),
+        ({"rope_theta": -1.0}, "rope_theta"),
+        ({"dim": 24, "n_heads": 8, "n_kv_heads": 8}, "n_heads"),  # odd head_dim 3
+        ({"tie_embeddings": "yes"}, "tie_embeddings"),
+        ({"rope_scaling": {"factor": 8}}, "rope_scaling"),
+    ],
+)
 def test_config_validation_names_the_field(overrides: dict, field: str) -> None:
     with pytest.raises(LlamaConfigError, match=rf"^{field}: ") as info:
         small(**overrides)
@@ -289,8 +298,7 @@ def test_config_validation_names_the_field(overrides: dict, field: str) -> None:
 
 def test_rope_scaling_validation_and_unknown_preset() -> None:
     with pytest.raises(LlamaConfigError, match="^high_freq_factor: "):
-        RopeScaling(factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0,
-                    original_max_seq_len=8192)
+        RopeScaling(factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0, original_max_seq_len=8192)
     with pytest.raises(LlamaConfigError, match="unknown preset 'llama9'.*tiny"):
         LlamaConfig.from_name("llama9")
     assert LlamaConfig.from_name("tiny", n_layers=2).n_layers == 2
@@ -315,8 +323,7 @@ HF_LAYER_0 = {
 def hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
     """The model's tensors under Hugging Face names, built from HF_LAYER_0's pattern."""
     state = model.state_dict()
-    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"],
-           "model.norm.weight": state["norm.weight"]}
+    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
     if "output.weight" in state:
         out["lm_head.weight"] = state["output.weight"]
     for i in range(len(model.layers)):
@@ -327,11 +334,11 @@ def hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("max_shard_bytes", [None, 40_000])
-def test_save_then_load_reproduces_logits_exactly(
-    tmp_path: Path, tie: bool, max_shard_bytes: int | None
-) -> None:
-    config = small(tie_embeddings=tie, rope_scaling=RopeScaling(
-        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=16))
+def test_save_then_load_reproduces_logits_exactly(tmp_path: Path, tie: bool, max_shard_bytes: int | None) -> None:
+    config = small(
+        tie_embeddings=tie,
+        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=16),
+    )
     model = make_model(config, seed=4)
     ids = tokens(2, 24, seed=5)
     with torch.no_grad():
@@ -388,13 +395,26 @@ def test_hand_built_sharded_checkpoint_loads(tmp_path: Path) -> None:
         save_file({k: tensors[k] for k in keys}, tmp_path / file, metadata={"format": "pt"})
     weight_map = {key: file for file, keys in shards.items() for key in keys}
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 258, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False,
-    }))
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map})
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 160,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 258,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 64,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     config, state = hfc.load_hf_llama(tmp_path, dtype=torch.bfloat16)
     assert config == small(tie_embeddings=False)
     assert state.keys() == model.state_dict().keys()
@@ -418,29 +438,45 @@ def test_tied_checkpoint_ignores_lm_head_and_old_rotary_buffers(tmp_path: Path) 
 def test_config_from_transformers_5_rope_parameters() -> None:
     # The layout transformers 5 writes for Llama 3.2 1B.
     hf = {
-        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 64, "vocab_size": 128256, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072, "tie_word_embeddings": True,
-        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 32.0,
-                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192},
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_theta": 500000.0,
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     }
     assert hfc.config_from_hf(hf) == LlamaConfig.from_name("llama3.2-1b")
-    assert hfc.config_from_hf(hfc.config_to_hf(LlamaConfig.from_name("llama3.2-1b"))) == \
-        LlamaConfig.from_name("llama3.2-1b")
+    assert hfc.config_from_hf(hfc.config_to_hf(LlamaConfig.from_name("llama3.2-1b"))) == LlamaConfig.from_name(
+        "llama3.2-1b"
+    )
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"model_type": "mistral"}, "model_type: expected 'llama'"),
-    ({"attention_bias": True}, "attention_bias: biases are not implemented"),
-    ({"hidden_act": "gelu"}, "hidden_act: only 'silu'"),
-    ({"head_dim": 32}, "head_dim: 32 x 4 heads != hidden_size 64"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 4.0}}, "without 'low_freq_factor'"),
-    ({"num_key_value_heads": 3}, "n_kv_heads: must divide n_heads"),
-    ({"hidden_size": None}, "hidden_size"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "mistral"}, "model_type: expected 'llama'"),
+        ({"attention_bias": True}, "attention_bias: biases are not implemented"),
+        ({"hidden_act": "gelu"}, "hidden_act: only 'silu'"),
+        ({"head_dim": 32}, "head_dim: 32 x 4 heads != hidden_size 64"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 4.0}}, "without 'low_freq_factor'"),
+        ({"num_key_value_heads": 3}, "n_kv_heads: must divide n_heads"),
+        ({"hidden_size": None}, "hidden_size"),
+    ],
+)
 def test_unsupported_or_invalid_config_is_rejected(change: dict, message: str) -> None:
     hf = hfc.config_to_hf(SMALL)
     hf.update(change)
@@ -477,22 +513,22 @@ def test_load_errors_name_the_path_and_tensor(tmp_path: Path) -> None:
     tensors = hf_state_dict(model)
     del tensors["lm_head.weight"], tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(hfc.HFTensorError,
-                       match="missing tensor.*model.layers.1.mlp.up_proj.weight, lm_head.weight"):
+    with pytest.raises(hfc.HFTensorError, match="missing tensor.*model.layers.1.mlp.up_proj.weight, lm_head.weight"):
         hfc.load_hf_llama(tmp_path)
 
     tensors = hf_state_dict(model)
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(hfc.HFTensorError,
-                       match="unexpected tensor 'model.layers.0.self_attn.q_proj.bias'"):
+    with pytest.raises(hfc.HFTensorError, match="unexpected tensor 'model.layers.0.self_attn.q_proj.bias'"):
         hfc.load_hf_llama(tmp_path)
 
     (tmp_path / "model.safetensors").unlink()
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
-    with pytest.raises(hfc.HFCheckpointNotFoundError,
-                       match="00001-of-00002.safetensors: listed in .*index.json but missing"):
+        json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}})
+    )
+    with pytest.raises(
+        hfc.HFCheckpointNotFoundError, match="00001-of-00002.safetensors: listed in .*index.json but missing"
+    ):
         hfc.load_hf_llama(tmp_path)
 
 
@@ -501,15 +537,15 @@ def test_save_refuses_mismatches_and_existing_checkpoints(tmp_path: Path) -> Non
     with pytest.raises(hfc.HFTensorError, match="missing \\['output.weight'\\]"):
         hfc.save_hf_llama(model, small(tie_embeddings=False), tmp_path / "a")
     with pytest.raises(hfc.HFTensorError, match="tok_embeddings.weight: shape \\(258, 64\\)"):
-        hfc.save_hf_llama(model.state_dict(), small(tie_embeddings=True, vocab_size=300),
-                          tmp_path / "a")
+        hfc.save_hf_llama(model.state_dict(), small(tie_embeddings=True, vocab_size=300), tmp_path / "a")
 
     hfc.save_hf_llama(model, model.config, tmp_path / "b", max_shard_bytes=40_000)
     with pytest.raises(hfc.HFCheckpointError, match="already holds a checkpoint"):
         hfc.save_hf_llama(model, model.config, tmp_path / "b")
     written = hfc.save_hf_llama(model, model.config, tmp_path / "b", overwrite=True)
-    assert sorted(os.listdir(tmp_path / "b")) == sorted(p.name for p in written) == [
-        "config.json", "model.safetensors"]  # old shards and index removed
+    assert (
+        sorted(os.listdir(tmp_path / "b")) == sorted(p.name for p in written) == ["config.json", "model.safetensors"]
+    )  # old shards and index removed
 
 
 def test_hf_name_mapping_round_trips_every_parameter() -> None:

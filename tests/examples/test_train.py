@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
 from elastic_events.sampler import epoch_permutation
 from support.launch import clean_env, hyperpodrun_cmd, run
 
@@ -83,9 +84,22 @@ def tiny_logits(state: dict[str, torch.Tensor], config: LlamaConfig) -> torch.Te
 def test_standalone_two_ranks_trains_and_loss_falls(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     cmd = hyperpodrun_cmd(
-        "--standalone", "--nproc-per-node", "2", str(TRAIN), *SMALL, "--steps", "12", "--log-every", "1",
-        "--data-cache", str(tmp_path / "data"), "--run-dir", str(tmp_path), "--metrics", str(metrics),
-    )  # fmt: skip
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(TRAIN),
+        *SMALL,
+        "--steps",
+        "12",
+        "--log-every",
+        "1",
+        "--data-cache",
+        str(tmp_path / "data"),
+        "--run-dir",
+        str(tmp_path),
+        "--metrics",
+        str(metrics),
+    )
     proc = run(cmd, timeout=300, env=env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = read_jsonl(metrics)
@@ -115,21 +129,45 @@ def elastic_runs(tmp_path_factory: pytest.TempPathFactory) -> ElasticRuns:
     """A 1 -> 2 -> 1 hyperpodrun job and a plain single-process run of the same training."""
     root = tmp_path_factory.mktemp("elastic")
     config = demo.DemoConfig(
-        run_dir=root / "elastic", steps=ELASTIC_STEPS, global_batch=ELASTIC_BATCH, micro_batch=2, seq_len=64,
-        seed=ELASTIC_SEED, min_step_time=0.25, ckpt_every=1,  # every event lands on a save step: a joiner must not be expected to save it
-        schedule=(demo.Change(at_step=2, action="join", node="node-2"),
-                  demo.Change(at_step=20, action="leave", node="node-2")),
+        run_dir=root / "elastic",
+        steps=ELASTIC_STEPS,
+        global_batch=ELASTIC_BATCH,
+        micro_batch=2,
+        seq_len=64,
+        seed=ELASTIC_SEED,
+        min_step_time=0.25,
+        ckpt_every=1,  # every event lands on a save step: a joiner must not be expected to save it
+        schedule=(
+            demo.Change(at_step=2, action="join", node="node-2"),
+            demo.Change(at_step=20, action="leave", node="node-2"),
+        ),
         train_args=("--save-final", str(root / "elastic_final.pt")),
-    )  # fmt: skip
+    )
     with open(root / "demo.out", "w") as out:
         summary = demo.run_demo(config, out=out)
     plain_run(
         root,
-        "--steps", str(ELASTIC_STEPS), "--global-batch", str(ELASTIC_BATCH), "--micro-batch", "2", "--seq-len", "64",
-        "--seed", str(ELASTIC_SEED), "--num-workers", "0", "--data-cache", str(config.data_cache),
-        "--run-dir", str(root / "plain"), "--save-final", str(root / "plain_final.pt"),
-        "--ckpt-every", str(ELASTIC_STEPS - 1),
-    )  # fmt: skip
+        "--steps",
+        str(ELASTIC_STEPS),
+        "--global-batch",
+        str(ELASTIC_BATCH),
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "64",
+        "--seed",
+        str(ELASTIC_SEED),
+        "--num-workers",
+        "0",
+        "--data-cache",
+        str(config.data_cache),
+        "--run-dir",
+        str(root / "plain"),
+        "--save-final",
+        str(root / "plain_final.pt"),
+        "--ckpt-every",
+        str(ELASTIC_STEPS - 1),
+    )
     dataset = train.TokenDataset(next(config.data_cache.glob("tokens-*")), 64)
     return ElasticRuns(summary, root / "elastic_final.pt", root / "plain", root / "plain_final.pt", len(dataset))
 
@@ -149,7 +187,9 @@ def test_elastic_run_reaches_each_world_size(elastic_runs: ElasticRuns) -> None:
     assert [e.mode for e in summary.scale_events] == ["in place", "in place"]
     events = read_jsonl(summary.run_dir / "events.jsonl")
     saved = {e["step"]: e["world_size"] for e in events if e["event"] == "checkpoint_saved"}
-    assert sorted(saved) == list(range(1, ELASTIC_STEPS + 1)) and not [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert sorted(saved) == list(range(1, ELASTIC_STEPS + 1)) and not [
+        e for e in events if e["event"] == "checkpoint_loaded"
+    ]
     hydrated = [(e["world_size"], e["newcomers"]) for e in events if e["event"] == "hydrated"]
     assert hydrated == [(2, 1), (1, 0)]
     steps = [e["step"] for e in events if e["event"] == "hydrated"]
@@ -195,9 +235,17 @@ def trained_by_one_and_two_ranks(tmp_path: Path, *args: str, fsdp: bool) -> tupl
     2 ranks under hyperpodrun (DDP, or FSDP2 with ``fsdp``)."""
     plain_run(tmp_path, *args, "--run-dir", str(tmp_path / "plain"), "--save-final", str(tmp_path / "plain.pt"))
     cmd = hyperpodrun_cmd(
-        "--standalone", "--nproc-per-node", "2", str(TRAIN), *args, *(("--fsdp",) if fsdp else ()),
-        "--run-dir", str(tmp_path / "two"), "--save-final", str(tmp_path / "two.pt"),
-    )  # fmt: skip
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(TRAIN),
+        *args,
+        *(("--fsdp",) if fsdp else ()),
+        "--run-dir",
+        str(tmp_path / "two"),
+        "--save-final",
+        str(tmp_path / "two.pt"),
+    )
     proc = run(cmd, timeout=300, env=env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "two.pt")
@@ -232,8 +280,18 @@ def test_fp64_runs_at_two_world_sizes_agree_to_float64_precision(tmp_path: Path,
 def test_deterministic_reduce_trains_the_bits_of_one_process_on_two_ranks(tmp_path: Path) -> None:
     """--deterministic-reduce (fp32): each sample's gradient alone, summed along a tree fixed by batch positions,
     so 2 ranks with uneven shares ([2, 1] each) end with exactly one process's parameters: the soak's check."""
-    args = (*SMALL, "--steps", "6", "--seed", "4", "--data-cache", str(tmp_path / "data"), "--dtype", "fp32",
-            "--deterministic-reduce")  # fmt: skip
+    args = (
+        *SMALL,
+        "--steps",
+        "6",
+        "--seed",
+        "4",
+        "--data-cache",
+        str(tmp_path / "data"),
+        "--dtype",
+        "fp32",
+        "--deterministic-reduce",
+    )
     plain, two = trained_by_one_and_two_ranks(tmp_path, *args, fsdp=False)
     initial = Llama(LlamaConfig.from_name("tiny"))
     initial.init_weights(seed=4)
@@ -254,8 +312,19 @@ def test_init_from_loads_hugging_face_weights(tmp_path: Path, parallelism: str) 
     source.init_weights(seed=123)
     save_hf_llama(source, config, tmp_path / "hf")
     final = tmp_path / "final.pt"
-    args = ("--init-from", str(tmp_path / "hf"), "--steps", "0", "--save-final", str(final),
-            "--data-cache", str(tmp_path / "data"), "--run-dir", str(tmp_path), *SMALL)  # fmt: skip
+    args = (
+        "--init-from",
+        str(tmp_path / "hf"),
+        "--steps",
+        "0",
+        "--save-final",
+        str(final),
+        "--data-cache",
+        str(tmp_path / "data"),
+        "--run-dir",
+        str(tmp_path),
+        *SMALL,
+    )
     if parallelism == "single-process":
         plain_run(tmp_path, *args)
     else:

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from support.cluster import wait_until
 from support.jsonl import read_jsonl
 from support.launch import clean_env
@@ -66,8 +67,11 @@ def reference(tmp_path_factory):
             run_dir = tmp_path_factory.mktemp(f"ref-{framework}-{mode}")
             proc = subprocess.run(
                 [sys.executable, str(WORKERS / FRAMEWORKS[framework]), str(run_dir), str(MAX_STEPS), mode],
-                capture_output=True, text=True, timeout=300, env=clean_env(),
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=clean_env(),
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
             runs[framework, mode] = run_dir
         return runs[framework, mode]
@@ -85,7 +89,9 @@ def _assert_same_training(run_dir: Path, ref_dir: Path, worlds: list[int]) -> di
         world = ranks[0]["world"]
         assert len(ranks) == world, f"step {step}: {len(ranks)} ranks logged it at world size {world}"
         ids = sorted(i for rec in ranks for i in rec["ids"])
-        assert ids == want[step][0]["ids"], f"step {step} at world size {world} trained other samples than the fixed run"
+        assert ids == want[step][0]["ids"], (
+            f"step {step} at world size {world} trained other samples than the fixed run"
+        )
         pids.setdefault(world, set()).update(rec["pid"] for rec in ranks)
     phases = [got[s][0]["world"] for s in range(1, MAX_STEPS + 1)]
     assert [w for i, w in enumerate(phases) if i == 0 or phases[i - 1] != w] == worlds
@@ -100,7 +106,9 @@ def _assert_event_path(job, run_dir: Path, mode: str, pids: dict[int, set[int]],
     kept = pids[1] & pids[2]
     saved = list(run_dir.glob("out/checkpoint-*")) + list(run_dir.glob("ckpt/elastic-step=*"))
     if mode == "in_place":
-        assert len(kept) == 1, f"the surviving rank should have kept its process: pids at 1 rank {pids[1]}, at 2 {pids[2]}"
+        assert len(kept) == 1, (
+            f"the surviving rank should have kept its process: pids at 1 rank {pids[1]}, at 2 {pids[2]}"
+        )
         assert saved == [], f"an in-place event wrote checkpoints: {saved}"
         assert job.events("checkpoint_loaded") == []
         assert {e["world_size"] for e in job.events("workers_reconfigured")} == {2 if newcomers else 1}
@@ -116,9 +124,11 @@ def _assert_event_path(job, run_dir: Path, mode: str, pids: dict[int, set[int]],
 @pytest.mark.parametrize(("framework", "mode"), CASES)
 def test_grow_one_to_two(framework, mode, make_job, reference, tmp_path) -> None:
     job = make_job(
-        nnodes="1:2", flags=RDZV_CONF, script=WORKERS / FRAMEWORKS[framework],
+        nnodes="1:2",
+        flags=RDZV_CONF,
+        script=WORKERS / FRAMEWORKS[framework],
         script_args=(str(tmp_path), str(MAX_STEPS), mode),
-    )  # fmt: skip
+    )
     job.start_node("a")
     wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 1, timeout=120, what="the first round to hold at step 8")
     job.start_node("b")  # a joining node: in place, its ranks are admitted and hydrated; else every rank restarts at 2
@@ -136,12 +146,18 @@ def test_grow_one_to_two(framework, mode, make_job, reference, tmp_path) -> None
 @pytest.mark.parametrize(("framework", "mode"), CASES)
 def test_shrink_two_to_one(framework, mode, make_job, reference, tmp_path) -> None:
     job = make_job(
-        nnodes="1:2", flags=(*RDZV_CONF, "--scaling-timeout", "10"),
-        script=WORKERS / FRAMEWORKS[framework], script_args=(str(tmp_path), str(MAX_STEPS), mode),
-    )  # fmt: skip
+        nnodes="1:2",
+        flags=(*RDZV_CONF, "--scaling-timeout", "10"),
+        script=WORKERS / FRAMEWORKS[framework],
+        script_args=(str(tmp_path), str(MAX_STEPS), mode),
+    )
     job.start_node("a")
     job.start_node("b")
-    wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 2, timeout=120, what="both ranks of the first round to hold at step 8")
+    wait_until(
+        lambda: len(list(tmp_path.glob("held-*"))) == 2,
+        timeout=120,
+        what="both ranks of the first round to hold at step 8",
+    )
     job.signal("b", signal.SIGTERM)  # preemption of node b: it leaves at the agreed step
     codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
@@ -152,11 +168,15 @@ def test_shrink_two_to_one(framework, mode, make_job, reference, tmp_path) -> No
 
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
-def test_restart_mode_process_turns_an_in_place_script_to_the_restart_path(framework, make_job, reference, tmp_path) -> None:
+def test_restart_mode_process_turns_an_in_place_script_to_the_restart_path(
+    framework, make_job, reference, tmp_path
+) -> None:
     job = make_job(
-        nnodes="1:2", flags=(*RDZV_CONF, "--restart-mode", "process"), script=WORKERS / FRAMEWORKS[framework],
+        nnodes="1:2",
+        flags=(*RDZV_CONF, "--restart-mode", "process"),
+        script=WORKERS / FRAMEWORKS[framework],
         script_args=(str(tmp_path), str(MAX_STEPS), "in_place"),
-    )  # fmt: skip
+    )
     job.start_node("a")
     wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 1, timeout=120, what="the first round to hold at step 8")
     job.start_node("b")
@@ -174,11 +194,17 @@ def test_restart_mode_process_turns_an_in_place_script_to_the_restart_path(frame
 def test_grow_with_two_ranks_per_node_in_place(framework, make_job, reference, tmp_path) -> None:
     """World 2 -> 4: two newcomers on the joining node, the accumulation planned anew (2 -> 1), both survivors kept."""
     job = make_job(
-        nnodes="1:2", flags=(*RDZV_CONF, "--nproc-per-node", "2"), script=WORKERS / FRAMEWORKS[framework],
+        nnodes="1:2",
+        flags=(*RDZV_CONF, "--nproc-per-node", "2"),
+        script=WORKERS / FRAMEWORKS[framework],
         script_args=(str(tmp_path), str(MAX_STEPS), "in_place"),
-    )  # fmt: skip
+    )
     job.start_node("a")
-    wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 2, timeout=180, what="both ranks of the first round to hold at step 8")
+    wait_until(
+        lambda: len(list(tmp_path.glob("held-*"))) == 2,
+        timeout=180,
+        what="both ranks of the first round to hold at step 8",
+    )
     job.start_node("b")
     codes = {n: p.wait(timeout=300) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]

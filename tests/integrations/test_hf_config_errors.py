@@ -37,17 +37,29 @@ class _Model(torch.nn.Module):
 
 def _trainer(tmp_path, *, n: int = 16, cls=transformers.Trainer, global_batch: int = 8, **overrides):
     kwargs = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=2,
-        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        max_steps=2,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     args = transformers.TrainingArguments(**{**kwargs, **overrides})
-    return cls(model=_Model(), args=args, train_dataset=_Data(n), callbacks=[ElasticCallback(global_batch=global_batch)])
+    return cls(
+        model=_Model(), args=args, train_dataset=_Data(n), callbacks=[ElasticCallback(global_batch=global_batch)]
+    )
 
 
 @pytest.mark.parametrize(
     ("overrides", "error", "match"),
     [
-        ({"gradient_accumulation_steps": 2}, GlobalBatchError, r"2 x gradient_accumulation_steps 2 x world size 1 = 4, not the global batch 8"),
+        (
+            {"gradient_accumulation_steps": 2},
+            GlobalBatchError,
+            r"2 x gradient_accumulation_steps 2 x world size 1 = 4, not the global batch 8",
+        ),
         ({"ignore_data_skip": True}, ElasticIntegrationError, "ignore_data_skip=True restarts the epoch's data order"),
         ({"n": 20}, ElasticIntegrationError, "20 samples, not a multiple of the global batch 8"),
     ],
@@ -58,13 +70,21 @@ def test_non_elastic_configurations_are_refused(tmp_path, overrides, error, matc
         trainer.train()
 
 
-@pytest.mark.parametrize(("kind", "refused"), [("LOCAL_STATE_DICT", True), ("SHARDED_STATE_DICT", False), ("FULL_STATE_DICT", False)])
+@pytest.mark.parametrize(
+    ("kind", "refused"), [("LOCAL_STATE_DICT", True), ("SHARDED_STATE_DICT", False), ("FULL_STATE_DICT", False)]
+)
 def test_fsdp_checkpoints_must_reshard(tmp_path, kind: str, refused: bool) -> None:
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, report_to="none", fsdp="full_shard", fsdp_config={"state_dict_type": kind}
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        fsdp="full_shard",
+        fsdp_config={"state_dict_type": kind},
     )
     if refused:
-        with pytest.raises(ElasticIntegrationError, match=f"state_dict_type={kind} checkpoints load only at the world size"):
+        with pytest.raises(
+            ElasticIntegrationError, match=f"state_dict_type={kind} checkpoints load only at the world size"
+        ):
             _check_fsdp(args)
     else:
         _check_fsdp(args)

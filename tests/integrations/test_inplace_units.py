@@ -15,18 +15,21 @@ from types import SimpleNamespace
 
 import lightning.pytorch as L
 import pytest
-from support.launch import clean_env
 
 from elastic_events.control import CAP_RECONFIGURE, ControlWriter, RankPhase
 from elastic_events.integrations.inplace import InPlaceConfig, InPlaceConfigError
 from elastic_events.names import CONTROL_FILE_ENV, PARKED_ENV
+from support.launch import clean_env
 
 
 def _run(code: str, *, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**clean_env(), **(env or {})},
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -88,32 +91,41 @@ def test_a_parked_rank_needs_the_control_channel() -> None:
 
 def test_a_rank_declares_in_place_events_only_after_elastic_init(channel) -> None:
     writer, env = channel
-    proc = _run("""
+    proc = _run(
+        """
         from elastic_events.integrations.inplace import rounds
         print("offered:", rounds().offer("lightning", []))
-    """, env=env)  # fmt: skip
+    """,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "offered: False" in proc.stdout
     assert "in-place scale events not offered (lightning): the script did not call elastic_init()" in proc.stderr
     assert "scale events save a checkpoint and restart the ranks" in proc.stderr
     assert not writer.progress()[0].reconfigurable
 
-    proc = _run("""
+    proc = _run(
+        """
         from elastic_events.integrations.inplace import elastic_init, rounds
         elastic_init()
         print("blocked:", rounds().offer("transformers", ["FSDP: not re-sharded in place"]))
         print("offered:", rounds().offer("transformers", []))
-    """, env=env)  # fmt: skip
+    """,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "blocked: False" in proc.stdout and "offered: False" in proc.stdout  # a rank that refused once stays refused
     assert "not offered (transformers): FSDP: not re-sharded in place" in proc.stderr
     assert not writer.progress()[0].reconfigurable
 
-    proc = _run("""
+    proc = _run(
+        """
         from elastic_events.integrations.inplace import elastic_init, rounds
         elastic_init()
         print("offered:", rounds().offer("transformers", []))
-    """, env=env)  # fmt: skip
+    """,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "offered: True" in proc.stdout
     slot = writer.progress()[0]
@@ -122,7 +134,8 @@ def test_a_rank_declares_in_place_events_only_after_elastic_init(channel) -> Non
 
 def test_a_parked_rank_waits_for_admission_within_its_timeout(channel) -> None:
     writer, env = channel
-    proc = _run("""
+    proc = _run(
+        """
         import time
         from elastic_events.control import AdmissionTimeoutError
         from elastic_events.integrations.inplace import InPlaceConfig, elastic_init
@@ -131,7 +144,9 @@ def test_a_parked_rank_waits_for_admission_within_its_timeout(channel) -> None:
             elastic_init(config=InPlaceConfig(admission_timeout_s=0.5, poll_s=0.01))
         except AdmissionTimeoutError as exc:
             print(f"waited {time.monotonic() - t0:.1f}s:", exc)
-    """, env={**env, PARKED_ENV: "1"})  # fmt: skip
+    """,
+        env={**env, PARKED_ENV: "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "parked rank was not admitted into a round within 0s" in proc.stdout or "within 1s" in proc.stdout
     assert writer.progress()[0].phase is RankPhase.PARKED  # the launcher saw it parked, waiting
@@ -139,8 +154,14 @@ def test_a_parked_rank_waits_for_admission_within_its_timeout(channel) -> None:
 
 def _hf_trainer(**changes):
     args = SimpleNamespace(auto_find_batch_size=False, n_gpu=1)
-    base = dict(is_deepspeed_enabled=False, is_fsdp_enabled=False, is_distributed_loading_by_transformers=False,
-                model_init=None, is_model_parallel=False, args=args)  # fmt: skip
+    base = dict(
+        is_deepspeed_enabled=False,
+        is_fsdp_enabled=False,
+        is_distributed_loading_by_transformers=False,
+        model_init=None,
+        is_model_parallel=False,
+        args=args,
+    )
     return SimpleNamespace(**{**base, **changes})
 
 
@@ -165,7 +186,9 @@ def test_hf_configurations_that_cannot_train_in_place_are_named(changes, reason)
 def test_lightning_strategies_other_than_ddp_are_named() -> None:
     from elastic_events.integrations.lightning_inplace import in_place_blockers
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
     assert in_place_blockers(trainer, model=None) == [
         "strategy SingleDeviceStrategy: only DDP ('ddp') is rebuilt in place",
         "fit() without the LightningModule: in-place events need the model to carry",
@@ -177,6 +200,8 @@ def test_segments_of_a_train_call_report_one_loss_over_their_steps() -> None:
 
     from elastic_events.integrations.transformers_inplace import _combined
 
-    out = _combined([(TrainOutput(10, 2.0, {"train_loss": 2.0}), 10), (TrainOutput(40, 1.0, {"train_loss": 1.0, "x": 1}), 30)])
+    out = _combined(
+        [(TrainOutput(10, 2.0, {"train_loss": 2.0}), 10), (TrainOutput(40, 1.0, {"train_loss": 1.0, "x": 1}), 30)]
+    )
     assert out.global_step == 40 and out.training_loss == pytest.approx(1.25)
     assert out.metrics == {"train_loss": pytest.approx(1.25), "x": 1}

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-from support.launch import clean_env
 
 from elastic_events.integrations.common import (
     ElasticIntegrationError,
@@ -17,6 +16,7 @@ from elastic_events.integrations.common import (
     read_marker,
     write_marker,
 )
+from support.launch import clean_env
 
 
 @pytest.mark.parametrize(("world", "steps"), [(1, 8), (2, 4), (4, 2), (8, 1)])

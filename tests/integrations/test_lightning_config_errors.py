@@ -23,9 +23,17 @@ class _Model(L.LightningModule):
 
 def _trainer(callback: ElasticCallback, **kwargs) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=1, max_steps=2, callbacks=[callback], use_distributed_sampler=False, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[callback],
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
 
 
 def test_another_accumulation_is_refused(tmp_path) -> None:

@@ -20,8 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from support.etcd import free_port
-from support.launch import SCRIPTS
 
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer, list_checkpoints, verify_checkpoint
 from elastic_events.sampler import ElasticSampler
@@ -30,6 +28,8 @@ from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.rendezvous.decider import DeciderContext
 from hyperpodrun.rendezvous.elastic import ElasticRendezvous
 from hyperpodrun.store import create_store
+from support.etcd import free_port
+from support.launch import SCRIPTS
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "llama_finetune"
 SCRIPT = str(SCRIPTS / "allreduce.py")
@@ -94,9 +94,14 @@ def running_job(*, nproc: int, min_replicas: int, max_replicas: int) -> Callable
         store = create_store("c10d", "127.0.0.1:0", run_id="dup", conf={}, host=True, timeout=10.0)
         ctx.values["store"] = store.inner.endpoint
         context = DeciderContext(
-            policy=ElasticPolicy(min_replicas=min_replicas, max_replicas=max_replicas), nproc_per_node=nproc,
-            max_restarts=0, lease_ttl=10.0, ack_timeout=30.0, propagation=1.0, tick=0.2,
-        )  # fmt: skip
+            policy=ElasticPolicy(min_replicas=min_replicas, max_replicas=max_replicas),
+            nproc_per_node=nproc,
+            max_restarts=0,
+            lease_ttl=10.0,
+            ack_timeout=30.0,
+            propagation=1.0,
+            tick=0.2,
+        )
         other = ElasticRendezvous(store, context=context, local_addr="127.0.0.1", join_timeout=60.0, node_id="node-a")
         other.join()
         stack.callback(other.shutdown, succeeded=False)
@@ -184,21 +189,33 @@ CATALOGUE: dict[str, Case] = {
     "backend-unknown": Case(H, ("--rdzv-backend", "zookeeper", "{script}"), "unknown backend 'zookeeper'"),
     "backend-etcd-v2": Case(H, ("--rdzv-backend", "etcd-v2", "{script}"), "etcd v2 API is not supported"),
     "rdzv-conf-malformed": Case(H, ("--rdzv-conf", "timeout", "{script}"), "--rdzv-conf: expected key=value"),
-    "rdzv-conf-typo": Case(H, (*ELASTIC, "--rdzv-conf", "lease_tll=5", "{script}"), "--rdzv-conf: unknown key 'lease_tll'"),
+    "rdzv-conf-typo": Case(
+        H, (*ELASTIC, "--rdzv-conf", "lease_tll=5", "{script}"), "--rdzv-conf: unknown key 'lease_tll'"
+    ),
     "redirects-out-of-range": Case(H, ("--redirects", "7", "{script}"), "--redirects: expected 0, 1, 2 or 3"),
-    "tee-rank-out-of-range": Case(H, ("--nproc-per-node", "2", "--tee", "5:1", "{script}"), "local rank 5 out of range"),
+    "tee-rank-out-of-range": Case(
+        H, ("--nproc-per-node", "2", "--tee", "5:1", "{script}"), "local rank 5 out of range"
+    ),
     "max-restarts-negative": Case(H, ("--max-restarts", "-1", "{script}"), "--max-restarts: must be >= 0"),
     "monitor-interval-zero": Case(H, ("--monitor-interval", "0", "{script}"), "--monitor-interval: must be > 0"),
     "signal-unknown": Case(H, ("--signals-to-handle", "SIGNOPE", "{script}"), "unknown signal 'SIGNOPE'"),
     "standalone-multi-node": Case(H, ("--standalone", "--nnodes", "2", "{script}"), "--standalone runs one node"),
     "master-port-out-of-range": Case(H, ("--master-port", "70000", "{script}"), "--master-port: must be in 0..65535"),
-    "node-rank-out-of-range": Case(H, ("--nnodes", "2", "--node-rank", "5", "{script}"), "--node-rank: 5 is out of range"),
-    "module-and-no-python": Case(H, ("-m", "--no-python", "{script}"), "-m/--module and --no-python cannot be used together"),
-    "elastic-with-static-backend": Case(H, ("--nnodes", "1:4", "{script}"), "an elastic job needs a rendezvous backend"),
+    "node-rank-out-of-range": Case(
+        H, ("--nnodes", "2", "--node-rank", "5", "{script}"), "--node-rank: 5 is out of range"
+    ),
+    "module-and-no-python": Case(
+        H, ("-m", "--no-python", "{script}"), "-m/--module and --no-python cannot be used together"
+    ),
+    "elastic-with-static-backend": Case(
+        H, ("--nnodes", "1:4", "{script}"), "an elastic job needs a rendezvous backend"
+    ),
     "rdzv-id-path": Case(H, ("--rdzv-id", "../etc", "{script}"), "--rdzv-id '../etc' is not a valid job id"),
     "rdzv-id-too-long": Case(H, ("--rdzv-id", "j" * 64, "{script}"), "the limit is 63"),
     "start-method-unknown": Case(H, ("--start-method", "thread", "{script}"), "--start-method: expected one of"),
-    "max-world-size-too-small": Case(H, ("--nproc-per-node", "2", "--max-world-size", "1", "{script}"), "--max-world-size: 1 ranks"),
+    "max-world-size-too-small": Case(
+        H, ("--nproc-per-node", "2", "--max-world-size", "1", "{script}"), "--max-world-size: 1 ranks"
+    ),
     "no-script": Case(H, (), "Missing argument"),
     # scripts
     "script-missing": Case(H, ("missing.py",), "training script 'missing.py' not found"),
@@ -206,41 +223,226 @@ CATALOGUE: dict[str, Case] = {
     "script-not-executable": Case(H, ("--no-python", "{tool}"), "is not executable (chmod +x it)", not_executable),
     "executable-missing": Case(H, ("--no-python", "no-such-binary-xyz"), "executable 'no-such-binary-xyz' not found"),
     # policy files
-    "policy-file-with-static-backend": Case(H, ("--elastic-policy", "{policy}", "{script}"), "need a store-backed rendezvous", policy("minReplicas: 1\nmaxReplicas: 2\n")),
-    "policy-file-missing": Case(H, (*ELASTIC, "--elastic-policy", "/nonexistent.yaml", "{script}"), "cannot read elastic policy file /nonexistent.yaml"),
-    "policy-min-above-max": Case(H, ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"), "max_replicas", policy("minReplicas: 4\nmaxReplicas: 2\n")),
-    "policy-unknown-key": Case(H, ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"), "unknown key 'minReplica'", policy("minReplica: 1\nmaxReplicas: 2\n")),
-    "policy-not-yaml": Case(H, ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"), "invalid YAML", policy("minReplicas: [1\n")),
-    "policy-step-and-values": Case(H, ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"), "replica", policy("minReplicas: 1\nmaxReplicas: 4\nreplicaIncrementStep: 1\nreplicaDiscreteValues: [1, 2]\n")),
-    "policy-negative-timeout": Case(H, ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"), "graceful_shutdown_timeout", policy("minReplicas: 1\nmaxReplicas: 2\ngracefulShutdownTimeoutInSeconds: -1\n")),
+    "policy-file-with-static-backend": Case(
+        H,
+        ("--elastic-policy", "{policy}", "{script}"),
+        "need a store-backed rendezvous",
+        policy("minReplicas: 1\nmaxReplicas: 2\n"),
+    ),
+    "policy-file-missing": Case(
+        H,
+        (*ELASTIC, "--elastic-policy", "/nonexistent.yaml", "{script}"),
+        "cannot read elastic policy file /nonexistent.yaml",
+    ),
+    "policy-min-above-max": Case(
+        H,
+        ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"),
+        "max_replicas",
+        policy("minReplicas: 4\nmaxReplicas: 2\n"),
+    ),
+    "policy-unknown-key": Case(
+        H,
+        ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"),
+        "unknown key 'minReplica'",
+        policy("minReplica: 1\nmaxReplicas: 2\n"),
+    ),
+    "policy-not-yaml": Case(
+        H,
+        ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"),
+        "invalid YAML",
+        policy("minReplicas: [1\n"),
+    ),
+    "policy-step-and-values": Case(
+        H,
+        ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"),
+        "replica",
+        policy("minReplicas: 1\nmaxReplicas: 4\nreplicaIncrementStep: 1\nreplicaDiscreteValues: [1, 2]\n"),
+    ),
+    "policy-negative-timeout": Case(
+        H,
+        ("--rdzv-backend", "c10d", "--elastic-policy", "{policy}", "{script}"),
+        "graceful_shutdown_timeout",
+        policy("minReplicas: 1\nmaxReplicas: 2\ngracefulShutdownTimeoutInSeconds: -1\n"),
+    ),
     # endpoints and stores
-    "etcd-without-endpoint": Case(H, ("--rdzv-backend", "etcd", "--nnodes", "1:2", "{script}"), "needs --rdzv-endpoint"),
-    "etcd-endpoint-with-scheme": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "http://127.0.0.1:2379", "--nnodes", "1:2", "{script}"), "without a scheme"),
-    "etcd-endpoint-bad-port": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "h:99999", "--nnodes", "1:2", "{script}"), "invalid port '99999'"),
-    "etcd-unreachable": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "store_timeout=1", "--nnodes", "1:2", "{script}"), "is unreachable after"),
-    "embedded-two-endpoints": Case(H, (*ELASTIC, "--rdzv-endpoint", "127.0.0.1:1,127.0.0.1:2", "{script}"), "takes one --rdzv-endpoint"),
-    "embedded-off-loopback-without-secret": Case(H, (*ELASTIC, "--rdzv-endpoint", "192.0.2.1:29400", "{script}"), "needs a shared secret"),
-    "embedded-secret-file-world-readable": Case(H, (*ELASTIC, "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", "secret_file={secret}", "{script}"), "is accessible to other users", world_readable_secret),
-    "store-key-typo": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "passwd=x", "--nnodes", "1:2", "{script}"), "unknown key 'passwd' for --rdzv-backend etcd"),
+    "etcd-without-endpoint": Case(
+        H, ("--rdzv-backend", "etcd", "--nnodes", "1:2", "{script}"), "needs --rdzv-endpoint"
+    ),
+    "etcd-endpoint-with-scheme": Case(
+        H,
+        ("--rdzv-backend", "etcd", "--rdzv-endpoint", "http://127.0.0.1:2379", "--nnodes", "1:2", "{script}"),
+        "without a scheme",
+    ),
+    "etcd-endpoint-bad-port": Case(
+        H,
+        ("--rdzv-backend", "etcd", "--rdzv-endpoint", "h:99999", "--nnodes", "1:2", "{script}"),
+        "invalid port '99999'",
+    ),
+    "etcd-unreachable": Case(
+        H,
+        (
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            "{free}",
+            "--rdzv-conf",
+            "store_timeout=1",
+            "--nnodes",
+            "1:2",
+            "{script}",
+        ),
+        "is unreachable after",
+    ),
+    "embedded-two-endpoints": Case(
+        H, (*ELASTIC, "--rdzv-endpoint", "127.0.0.1:1,127.0.0.1:2", "{script}"), "takes one --rdzv-endpoint"
+    ),
+    "embedded-off-loopback-without-secret": Case(
+        H, (*ELASTIC, "--rdzv-endpoint", "192.0.2.1:29400", "{script}"), "needs a shared secret"
+    ),
+    "embedded-secret-file-world-readable": Case(
+        H,
+        (*ELASTIC, "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", "secret_file={secret}", "{script}"),
+        "is accessible to other users",
+        world_readable_secret,
+    ),
+    "store-key-typo": Case(
+        H,
+        (
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            "{free}",
+            "--rdzv-conf",
+            "passwd=x",
+            "--nnodes",
+            "1:2",
+            "{script}",
+        ),
+        "unknown key 'passwd' for --rdzv-backend etcd",
+    ),
     # TLS and credentials
-    "tls-cacert-missing": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "cacert=/nonexistent/ca.pem", "--nnodes", "1:2", "{script}"), "cacert: file '/nonexistent/ca.pem' does not exist"),
-    "tls-cert-without-key": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "cert={script}", "--nnodes", "1:2", "{script}"), "key is required when cert is given"),
-    "tls-http-with-cacert": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "protocol=http,cacert={script}", "--nnodes", "1:2", "{script}"), "protocol 'http' contradicts cacert"),
-    "tls-cacert-not-a-certificate": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "cacert={ca}", "--nnodes", "1:2", "{script}"), "is not a PEM CA certificate file", garbage_ca),
-    "etcd-password-over-http": Case(H, ("--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-conf", "user=u,password=p", "--nnodes", "1:2", "{script}"), "refusing to send the etcd password over plain http"),
+    "tls-cacert-missing": Case(
+        H,
+        (
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            "{free}",
+            "--rdzv-conf",
+            "cacert=/nonexistent/ca.pem",
+            "--nnodes",
+            "1:2",
+            "{script}",
+        ),
+        "cacert: file '/nonexistent/ca.pem' does not exist",
+    ),
+    "tls-cert-without-key": Case(
+        H,
+        (
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            "{free}",
+            "--rdzv-conf",
+            "cert={script}",
+            "--nnodes",
+            "1:2",
+            "{script}",
+        ),
+        "key is required when cert is given",
+    ),
+    "tls-http-with-cacert": Case(
+        H,
+        (
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            "{free}",
+            "--rdzv-conf",
+            "protocol=http,cacert={script}",
+            "--nnodes",
+            "1:2",
+            "{script}",
+        ),
+        "protocol 'http' contradicts cacert",
+    ),
+    "tls-cacert-not-a-certificate": Case(
+        H,
+        (
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            "{free}",
+            "--rdzv-conf",
+            "cacert={ca}",
+            "--nnodes",
+            "1:2",
+            "{script}",
+        ),
+        "is not a PEM CA certificate file",
+        garbage_ca,
+    ),
+    "etcd-password-over-http": Case(
+        H,
+        (
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            "{free}",
+            "--rdzv-conf",
+            "user=u,password=p",
+            "--nnodes",
+            "1:2",
+            "{script}",
+        ),
+        "refusing to send the etcd password over plain http",
+    ),
     # two launches that disagree
-    "two-jobs-one-rdzv-id": Case(H, ("--rdzv-backend", "c10d", "--rdzv-endpoint", "{store}", "--rdzv-id", "dup", "--nnodes", "1:4", "{script}"), "node node-a of this job runs with --nnodes (MAX) 2, this node with 4", running_job(nproc=1, min_replicas=1, max_replicas=2)),
-    "nproc-differs-between-nodes": Case(H, ("--rdzv-backend", "c10d", "--rdzv-endpoint", "{store}", "--rdzv-id", "dup", "--nnodes", "1:2", "--nproc-per-node", "2", "{script}"), "runs with --nproc-per-node 1, this node with 2", running_job(nproc=1, min_replicas=1, max_replicas=2)),
+    "two-jobs-one-rdzv-id": Case(
+        H,
+        ("--rdzv-backend", "c10d", "--rdzv-endpoint", "{store}", "--rdzv-id", "dup", "--nnodes", "1:4", "{script}"),
+        "node node-a of this job runs with --nnodes (MAX) 2, this node with 4",
+        running_job(nproc=1, min_replicas=1, max_replicas=2),
+    ),
+    "nproc-differs-between-nodes": Case(
+        H,
+        (
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "{store}",
+            "--rdzv-id",
+            "dup",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "2",
+            "{script}",
+        ),
+        "runs with --nproc-per-node 1, this node with 2",
+        running_job(nproc=1, min_replicas=1, max_replicas=2),
+    ),
     # hyperpodctl
     "ctl-without-rdzv-id": Case(C, ("status",), "Missing option '--rdzv-id'"),
     "ctl-bad-rdzv-id": Case(C, ("status", "--rdzv-id", "a/b"), "--rdzv-id 'a/b' is not a valid job id"),
     "ctl-cap-negative": Case(C, ("cap", "--rdzv-id", "j", "--", "-1"), "Invalid value for 'replicas'"),
     "ctl-yield-zero": Case(C, ("yield", "0", "--rdzv-id", "j"), "Invalid value for 'count'"),
-    "ctl-store-unreachable": Case(C, ("status", "--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-id", "j", "--store-timeout", "0.5"), "is unreachable"),
-    "ctl-no-such-job": Case(C, ("status", "--rdzv-backend", "c10d", "--rdzv-endpoint", "{store}", "--rdzv-id", "nobody"), "no job with --rdzv-id nobody", empty_store),
+    "ctl-store-unreachable": Case(
+        C,
+        ("status", "--rdzv-backend", "etcd", "--rdzv-endpoint", "{free}", "--rdzv-id", "j", "--store-timeout", "0.5"),
+        "is unreachable",
+    ),
+    "ctl-no-such-job": Case(
+        C,
+        ("status", "--rdzv-backend", "c10d", "--rdzv-endpoint", "{store}", "--rdzv-id", "nobody"),
+        "no job with --rdzv-id nobody",
+        empty_store,
+    ),
     # checkpoint folders (the example's train.py)
     "ckpt-dir-is-a-file": Case(T, ("--ckpt-dir", "{ckpt}"), "exists and is not a directory", ckpt_is_a_file),
-    "ckpt-dir-cannot-be-created": Case(T, ("--ckpt-dir", "{ckpt}"), "cannot create checkpoint directory", ckpt_under_a_file),
+    "ckpt-dir-cannot-be-created": Case(
+        T, ("--ckpt-dir", "{ckpt}"), "cannot create checkpoint directory", ckpt_under_a_file
+    ),
     "ckpt-dir-read-only": Case(T, ("--ckpt-dir", "{ckpt}"), "is not writable: Read-only file system", ckpt_read_only),
     "ckpt-disk-full": Case(T, ("--ckpt-dir", "{ckpt}", "--steps", "3", "--ckpt-every", "1"), "is full", ckpt_disk_full),
     "ckpt-corrupt-shard": Case(T, ("--ckpt-dir", "{ckpt}"), "truncated", corrupt_shard),
@@ -281,7 +483,9 @@ def mount(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     def mount_(mode: str, *, size: str) -> Path:
         point = tmp_path / f"fs{len(mounted)}"
         point.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},{mode}", "tmpfs", str(point)], check=True, capture_output=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},{mode}", "tmpfs", str(point)], check=True, capture_output=True
+        )
         mounted.append(point)
         return point
 
@@ -330,7 +534,9 @@ def test_bad_input(
         case.setup(ctx)
     argv = [arg.format(**ctx.values) for arg in case.argv]
     started: list[object] = []
-    monkeypatch.setattr(agent.Agent, "_start_group", lambda self, *a: started.append(a) or pytest.fail("workers started"))
+    monkeypatch.setattr(
+        agent.Agent, "_start_group", lambda self, *a: started.append(a) or pytest.fail("workers started")
+    )
     before = _snapshot(ctx.ckpt)
     capsys.readouterr()
     if case.tool == H:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from support.launch import SCRIPTS, clean_env, hyperpodrun_cmd, run
 
-from hyperpodrun.config import parse_nnodes, parse_rdzv_conf, parse_std, Std
+from hyperpodrun.config import Std, parse_nnodes, parse_rdzv_conf, parse_std
 from hyperpodrun.errors import ConfigError
+from support.launch import SCRIPTS, clean_env, hyperpodrun_cmd, run
 
 GOOD = str(SCRIPTS / "allreduce.py")
 
@@ -53,10 +53,29 @@ def test_help_lists_every_torchrun_flag() -> None:
     proc = run(hyperpodrun_cmd("--help"), timeout=60, env=clean_env(COLUMNS="200", TERM="dumb"))
     assert proc.returncode == 0
     for flag in (
-        "--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
-        "--standalone", "--max-restarts", "--monitor-interval", "--start-method", "--role", "--node-rank",
-        "--master-addr", "--master-port", "--local-addr", "--redirects", "--tee", "--log-dir",
-        "--local-ranks-filter", "--module", "--no-python", "--run-path", "--signals-to-handle",
+        "--nnodes",
+        "--nproc-per-node",
+        "--rdzv-backend",
+        "--rdzv-endpoint",
+        "--rdzv-id",
+        "--rdzv-conf",
+        "--standalone",
+        "--max-restarts",
+        "--monitor-interval",
+        "--start-method",
+        "--role",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--local-addr",
+        "--redirects",
+        "--tee",
+        "--log-dir",
+        "--local-ranks-filter",
+        "--module",
+        "--no-python",
+        "--run-path",
+        "--signals-to-handle",
     ):
         assert flag in proc.stdout, flag
 

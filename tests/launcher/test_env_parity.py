@@ -8,7 +8,13 @@ from pathlib import Path
 from support.launch import SCRIPTS, clean_env, hyperpodrun_cmd, run, torchrun_cmd
 
 # Values that are per-launch by nature (ports, ids, temp paths) are compared by presence only.
-PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_ADDR", "TORCHELASTIC_USE_AGENT_STORE"}
+PER_LAUNCH = {
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "MASTER_ADDR",
+    "TORCHELASTIC_USE_AGENT_STORE",
+}
 
 
 def _envs(cmd: list[str], out: Path) -> dict[int, dict[str, str]]:
@@ -50,5 +56,8 @@ def test_omp_num_threads_set_only_when_unset(tmp_path: Path) -> None:
     assert json.loads((out / "env_0.json").read_text())["OMP_NUM_THREADS"] == "1"
     out = tmp_path / "b"
     out.mkdir()
-    proc = run(hyperpodrun_cmd("--nproc-per-node", "2", str(SCRIPTS / "dump_env.py"), str(out)), env=clean_env(OMP_NUM_THREADS="3"))
+    proc = run(
+        hyperpodrun_cmd("--nproc-per-node", "2", str(SCRIPTS / "dump_env.py"), str(out)),
+        env=clean_env(OMP_NUM_THREADS="3"),
+    )
     assert json.loads((out / "env_1.json").read_text())["OMP_NUM_THREADS"] == "3"

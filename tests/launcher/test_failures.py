@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from support.launch import SCRIPTS, clean_env, hyperpodrun_cmd, run
 
 FAIL = str(SCRIPTS / "fail.py")
@@ -41,8 +42,17 @@ def test_failure_exit_status_and_root_cause(tmp_path: Path, mode: str, expected:
 def test_max_restarts_counts_up_and_recovers(tmp_path: Path) -> None:
     proc = run(
         hyperpodrun_cmd(
-            "--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(tmp_path), "--rdzv-id", "r",
-            FAIL, "exit:5", "first-attempt-only",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "--log-dir",
+            str(tmp_path),
+            "--rdzv-id",
+            "r",
+            FAIL,
+            "exit:5",
+            "first-attempt-only",
         ),
         timeout=90,
     )
@@ -55,7 +65,18 @@ def test_max_restarts_counts_up_and_recovers(tmp_path: Path) -> None:
 
 
 def test_restarts_used_up_and_attempt_folders_kept_across_launches(tmp_path: Path) -> None:
-    args = ["--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(tmp_path), "--rdzv-id", "r", FAIL, "exit:7"]
+    args = [
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--log-dir",
+        str(tmp_path),
+        "--rdzv-id",
+        "r",
+        FAIL,
+        "exit:7",
+    ]
     proc = run(hyperpodrun_cmd(*args), timeout=120)
     assert proc.returncode == 1
     assert "exited with code 7" in proc.stderr and "(after 1 restart)" in proc.stderr
@@ -82,7 +103,10 @@ def _tree_pids(tmp_path: Path) -> list[int]:
 def test_signal_to_launcher_leaves_no_process_behind(tmp_path: Path, sig: signal.Signals) -> None:
     launcher = subprocess.Popen(
         hyperpodrun_cmd("--nproc-per-node", "2", "--shutdown-timeout", "5", str(SCRIPTS / "tree.py"), str(tmp_path)),
-        env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         _wait_for_files([tmp_path / "pids_0", tmp_path / "pids_1"], timeout=60)

@@ -9,11 +9,11 @@ import subprocess
 import time
 
 import pytest
-from support.cluster import COUNTER, wait_until
-from support.launch import clean_env, hyperpodrun_cmd
 
 from elastic_events.control import RankPhase, RankProgress
 from hyperpodrun.hang import HangPolicy, hung_ranks
+from support.cluster import COUNTER, wait_until
+from support.launch import clean_env, hyperpodrun_cmd
 
 NOW = 10_000.0
 
@@ -40,13 +40,30 @@ def test_a_stopped_rank_is_reported_with_its_stacks_and_fails_the_job(tmp_path) 
     """SIGSTOP of one rank: both ranks stop stepping (the other waits in its all-reduce)."""
     events = tmp_path / "events.jsonl"
     cmd = hyperpodrun_cmd(
-        "--standalone", "--nproc-per-node", "2", "--hang-timeout", "2", "--monitor-interval", "0.05",
-        "--event-log", str(events), "--log-dir", str(tmp_path / "logs"), str(COUNTER), str(tmp_path),
-    )  # fmt: skip
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--hang-timeout",
+        "2",
+        "--monitor-interval",
+        "0.05",
+        "--event-log",
+        str(events),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(COUNTER),
+        str(tmp_path),
+    )
     launcher = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: (tmp_path / "progress.jsonl").exists() and len((tmp_path / "progress.jsonl").read_text().splitlines()) > 20,
-                   timeout=60, what="a few steps")  # fmt: skip
+        wait_until(
+            lambda: (
+                (tmp_path / "progress.jsonl").exists()
+                and len((tmp_path / "progress.jsonl").read_text().splitlines()) > 20
+            ),
+            timeout=60,
+            what="a few steps",
+        )
         started = [json.loads(x) for x in events.read_text().splitlines() if '"workers_started"' in x]
         victim = started[-1]["pids"]["1"]
         os.kill(victim, signal.SIGSTOP)
@@ -59,7 +76,9 @@ def test_a_stopped_rank_is_reported_with_its_stacks_and_fails_the_job(tmp_path) 
     err = launcher.stderr.read()
     assert code != 0
     last = err.strip().splitlines()[-1]
-    assert last.startswith("hyperpodrun: error: rank ") and "made no progress" in last and "hang timeout 2s" in last, err
+    assert last.startswith("hyperpodrun: error: rank ") and "made no progress" in last and "hang timeout 2s" in last, (
+        err
+    )
     hung = [json.loads(x) for x in events.read_text().splitlines() if '"rank_hung"' in x]
     assert len(hung) == 1 and hung[0]["idle_s"] >= 2
     assert detected_after < 2 + 1 + 1 + 5  # the limit, the monitor and store ticks, the dump grace, a stop

@@ -19,7 +19,9 @@ def test_ranks_get_no_store_credentials_and_success_leaves_no_temp_logs(tmp_path
         PET_RDZV_CONF="join_timeout=60,secret_file=/nonexistent",  # the agent ignores PET_ for --standalone
         UNRELATED="kept",
     )
-    proc = run(hyperpodrun_cmd("--standalone", "--nproc-per-node", "1", str(SCRIPTS / "dump_env.py"), str(out)), env=env)
+    proc = run(
+        hyperpodrun_cmd("--standalone", "--nproc-per-node", "1", str(SCRIPTS / "dump_env.py"), str(out)), env=env
+    )
     assert proc.returncode == 0, proc.stderr
     rank_env = json.loads((out / "env_0.json").read_text())
     assert "HYPERPODRUN_STORE_SECRET" not in rank_env and "ETCDCTL_PASSWORD" not in rank_env

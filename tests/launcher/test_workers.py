@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from support.launch import SCRIPTS, clean_env, hyperpodrun_cmd, run, torchrun_cmd
 
 
@@ -20,7 +21,14 @@ def test_two_rank_allreduce() -> None:
 def test_options_after_the_script_belong_to_the_script() -> None:
     proc = run(hyperpodrun_cmd(str(SCRIPTS / "echo_args.py"), "--nproc-per-node", "7", "-m", "x", "--", "y"))
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.split("ARGS ", 1)[1].splitlines()[0]) == ["--nproc-per-node", "7", "-m", "x", "--", "y"]
+    assert json.loads(proc.stdout.split("ARGS ", 1)[1].splitlines()[0]) == [
+        "--nproc-per-node",
+        "7",
+        "-m",
+        "x",
+        "--",
+        "y",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -64,9 +72,20 @@ def test_unmodified_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
 def test_logs_redirect_tee_and_filter(tmp_path: Path) -> None:
     proc = run(
         hyperpodrun_cmd(
-            "--nproc-per-node", "2", "--log-dir", str(tmp_path), "--rdzv-id", "job1",
-            "--redirects", "1", "--tee", "0:2", "--local-ranks-filter", "0",
-            str(SCRIPTS / "echo_args.py"), "a",
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            str(tmp_path),
+            "--rdzv-id",
+            "job1",
+            "--redirects",
+            "1",
+            "--tee",
+            "0:2",
+            "--local-ranks-filter",
+            "0",
+            str(SCRIPTS / "echo_args.py"),
+            "a",
         )
     )
     assert proc.returncode == 0, proc.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+
 from support.cluster import free_port, wait_until
 from support.launch import SCRIPTS, hyperpodrun_cmd, run
 from support.prom import scrape, value
@@ -18,9 +19,11 @@ def test_metrics_move_as_the_event_log_says(make_job) -> None:
     job = make_job(nnodes="1:2")
     job.start_node("a", "--metrics-port", str(port))
     job.wait_for_world(1)
+
     def stepping():
         s = scrape(url)
         return s if value(s, "hyperpodrun_rank_step_rate", local_rank="0") else None
+
     before = wait_until(stepping, timeout=30, what="the agent to report its rank's step rate")
     assert value(before, "hyperpodrun_world_size") == 1
     assert value(before, "hyperpodrun_members") == 1
@@ -29,10 +32,12 @@ def test_metrics_move_as_the_event_log_says(make_job) -> None:
 
     job.start_node("b")
     worlds = []  # world size at each scrape during the event, until the new round has trained a step
+
     def grown():
         s = scrape(url)
         worlds.append(value(s, "hyperpodrun_world_size"))
         return s if value(s, "hyperpodrun_scale_downtime_seconds_count", kind="join") else None
+
     after = wait_until(grown, timeout=90, what="the scale event's downtime to be observed", interval=0.05)
     job.wait_steps(3)
     assert job.finish() == {"a": 0, "b": 0}
@@ -50,7 +55,9 @@ def test_metrics_move_as_the_event_log_says(make_job) -> None:
     # downtime: from this agent's first record of the event to the trainer's first step of the new round
     start = decided[0] if decided else next(e for e in mine if e["event"] == "workers_signalled")
     first = next(e for e in job.events("first_step") if e["round"] == last_round["round"])
-    assert value(after, "hyperpodrun_scale_downtime_seconds_sum", kind="join") == pytest.approx(first["ts"] - start["ts"])
+    assert value(after, "hyperpodrun_scale_downtime_seconds_sum", kind="join") == pytest.approx(
+        first["ts"] - start["ts"]
+    )
     stopped = next(e for e in mine if e["event"] == "workers_stopped")
     signalled = next(e for e in mine if e["event"] == "workers_signalled")
     assert value(after, "hyperpodrun_scale_phase_seconds_count", phase="workers_stopped") == 1
@@ -65,7 +72,9 @@ def test_metrics_port_in_use_is_one_line_before_anything_starts() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = run(hyperpodrun_cmd("--standalone", "--metrics-port", str(port), str(SCRIPTS / "allreduce.py")), timeout=60)
+        proc = run(
+            hyperpodrun_cmd("--standalone", "--metrics-port", str(port), str(SCRIPTS / "allreduce.py")), timeout=60
+        )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"hyperpodrun: error: --metrics-port {port}: cannot listen on 127.0.0.1:{port}: Address already in use"

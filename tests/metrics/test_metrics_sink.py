@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
-from support.prom import parse, scrape, value
 
 from hyperpodrun.events import EventLog
 from hyperpodrun.metrics import AgentMetrics, MetricsError, TrainerRecords, serve
 from hyperpodrun.store import EmbeddedStoreServer, StoreError, create_store
+from support.prom import parse, scrape, value
 
 
 def _values(metrics: AgentMetrics) -> dict:
@@ -38,7 +38,11 @@ def fed() -> tuple[AgentMetrics, EventLog]:
     log = EventLog(None, job="j", node="a", clock=lambda: float(next(clock)), sink=metrics)
 
     def emit(event, ts=None, **fields):  # records with the ts a test chooses
-        return EventLog.emit(log, event, **fields) if ts is None else metrics({"ts": ts, "event": event, "round": log.round, "world_size": log.world_size, **fields})
+        return (
+            EventLog.emit(log, event, **fields)
+            if ts is None
+            else metrics({"ts": ts, "event": event, "round": log.round, "world_size": log.world_size, **fields})
+        )
 
     log.emit = emit  # type: ignore[method-assign]
     return metrics, log
@@ -61,8 +65,15 @@ def test_scale_event_counts_downtime_and_phases(fed) -> None:
     assert value(v, "hyperpodrun_scale_events_total", kind="join", mode="restart") == 1
     assert value(v, "hyperpodrun_scale_downtime_seconds_count", kind="join") == 1
     assert value(v, "hyperpodrun_scale_downtime_seconds_sum", kind="join") == 8.0
-    expected = {"workers_signalled": 1, "checkpoint_saved": 1, "workers_stopped": 1, "rendezvous_done": 1,
-                "workers_started": 1, "checkpoint_loaded": 2, "first_step": 1}  # fmt: skip
+    expected = {
+        "workers_signalled": 1,
+        "checkpoint_saved": 1,
+        "workers_stopped": 1,
+        "rendezvous_done": 1,
+        "workers_started": 1,
+        "checkpoint_loaded": 2,
+        "first_step": 1,
+    }
     for phase, seconds in expected.items():
         assert value(v, "hyperpodrun_scale_phase_seconds_sum", phase=phase) == seconds, phase
     assert value(v, "hyperpodrun_restarts_total", reason="scale") == 1
@@ -201,7 +212,8 @@ def test_docs_list_every_metric_and_the_dashboard_queries_only_real_ones() -> No
     dashboard = json.loads((docs / "grafana" / "hyperpodrun_dashboard.json").read_text())
     queried = {
         re.sub(r"_(bucket|sum|count)$", "", name)
-        for panel in dashboard["panels"] for target in panel["targets"]
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
         for name in re.findall(r"hyperpodrun_[a-z_]+", target["expr"])
-    }  # fmt: skip
+    }
     assert queried == _metric_names()  # every metric on a panel, no panel on a metric that does not exist

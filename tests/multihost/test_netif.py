@@ -18,7 +18,11 @@ class Addr(NamedTuple):  # the fields of psutil's snicaddr that matter here
 TABLE = {
     "lo": [Addr(socket.AF_INET, "127.0.0.1"), Addr(socket.AF_INET6, "::1")],
     "eth0": [Addr(socket.AF_PACKET, "02:fc:00:00:00:01"), Addr(socket.AF_INET, "10.0.0.5")],
-    "ib0": [Addr(socket.AF_INET, "192.168.7.2"), Addr(socket.AF_INET6, "fe80::1%ib0"), Addr(socket.AF_INET6, "fd00::7")],
+    "ib0": [
+        Addr(socket.AF_INET, "192.168.7.2"),
+        Addr(socket.AF_INET6, "fe80::1%ib0"),
+        Addr(socket.AF_INET6, "fd00::7"),
+    ],
 }
 
 

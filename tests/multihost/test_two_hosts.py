@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from support.cluster import ElasticJob, wait_until
-from support.jsonl import read_jsonl
 from support.etcd import EtcdServer
+from support.jsonl import read_jsonl
 from support.netns import Host, two_hosts
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_steps.py"
@@ -39,9 +40,13 @@ def etcd(hosts: tuple[Host, Host]) -> Iterator[EtcdServer]:
 def job(tmp_path: Path, etcd: EtcdServer) -> Iterator[ElasticJob]:
     # Torn down before etcd and the namespaces (fixture order): no launcher outlives its host.
     job = ElasticJob(
-        tmp_path, backend="etcd", endpoint=etcd.endpoint, nnodes="1:2", script=SCRIPT,
+        tmp_path,
+        backend="etcd",
+        endpoint=etcd.endpoint,
+        nnodes="1:2",
+        script=SCRIPT,
         flags=("--scaling-timeout", "60"),  # start at once when both are there; never at 1 by chance
-    )  # fmt: skip
+    )
     yield job
     job.close()
 
@@ -66,7 +71,9 @@ def test_job_forms_across_two_hosts_and_survives_a_graceful_leave(hosts, job: El
 
     both = wait_until(lambda: _round_at(job, 2), timeout=90, what="a round training at world size 2")
     files = [job.run_dir / f"params-{both['round']}-{r}.json" for r in (0, 1)]
-    wait_until(lambda: all(f.exists() for f in files), timeout=30, what="both ranks' parameters (rank 0 logs progress first)")
+    wait_until(
+        lambda: all(f.exists() for f in files), timeout=30, what="both ranks' parameters (rank 0 logs progress first)"
+    )
     replicas = [json.loads(f.read_text()) for f in files]
     assert [r["world"] for r in replicas] == [2, 2]
     assert replicas[0]["step"] == replicas[1]["step"]

@@ -197,9 +197,7 @@ _YAML_MANIFEST = (
     "  replicaSpecs:\n    - name: pods\n      replicas: 2\n"
     "  elasticPolicy:\n" + "".join(f"    {line}\n" for line in _YAML_BARE.splitlines())
 )
-_JSON_BARE = json.dumps(
-    {"minReplicas": 1, "maxReplicas": 8, "replicaIncrementStep": 2, "scalingTimeoutInSeconds": 30}
-)
+_JSON_BARE = json.dumps({"minReplicas": 1, "maxReplicas": 8, "replicaIncrementStep": 2, "scalingTimeoutInSeconds": 30})
 
 
 @pytest.mark.parametrize(

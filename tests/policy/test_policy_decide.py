@@ -85,8 +85,14 @@ def running(
         # Enough for max: start at once, in join order, ignoring first_min.
         (POLICY, before_start(*"fedcba", first_min=None), 0.0, Action.START, tuple("abcdef"), None),
         # More than max: the latest joiner stays a standby.
-        (POLICY, before_start(("z", 0.0), *(("n%d" % i, 1.0) for i in range(6))), 0.0, Action.START,
-         ("z", "n0", "n1", "n2", "n3", "n4"), None),
+        (
+            POLICY,
+            before_start(("z", 0.0), *((f"n{i}", 1.0) for i in range(6))),
+            0.0,
+            Action.START,
+            ("z", "n0", "n1", "n2", "n3", "n4"),
+            None,
+        ),
         # Between min and max: the torchrun "last call" wait of scaling_timeout from first_min.
         (POLICY, before_start("a", "b", "c", first_min=100.0), 109.999, Action.NONE, (), 110.0),
         (POLICY, before_start("a", "b", "c", first_min=100.0), 110.0, Action.START, ("a", "b", "c"), None),
@@ -137,14 +143,29 @@ def test_resume_after_insufficient_uses_start_rules() -> None:
     ("policy", "view", "now", "action", "members"),
     [
         # A leaving member is dropped at once, even right after a scale event.
-        (POLICY, running(("a", "b", "c"), alive=(("b", 0.0, True),), events=((100.0, 3),)), 100.0,
-         Action.SCALE_DOWN, ("a", "c")),
+        (
+            POLICY,
+            running(("a", "b", "c"), alive=(("b", 0.0, True),), events=((100.0, 3),)),
+            100.0,
+            Action.SCALE_DOWN,
+            ("a", "c"),
+        ),
         # A standby replaces it: same size, new member last, order of the others kept.
-        (POLICY, running(("a", "b", "c"), alive=(("b", 0.0, True), ("s", 50.0))), 51.0,
-         Action.SCALE_DOWN, ("a", "c", "s")),
+        (
+            POLICY,
+            running(("a", "b", "c"), alive=(("b", 0.0, True), ("s", 50.0))),
+            51.0,
+            Action.SCALE_DOWN,
+            ("a", "c", "s"),
+        ),
         # Refill never grows past the current size: growth is a gated scale-up.
-        (POLICY, running(("a", "b", "c"), alive=(("b", 0.0, True), "s", "t", "u")), 100.0,
-         Action.SCALE_DOWN, ("a", "c", "s")),
+        (
+            POLICY,
+            running(("a", "b", "c"), alive=(("b", 0.0, True), "s", "t", "u")),
+            100.0,
+            Action.SCALE_DOWN,
+            ("a", "c", "s"),
+        ),
         # Rank 0 leaving: the next existing member becomes rank 0, not the standby.
         (POLICY, running(("a", "b", "c"), alive=(("a", 0.0, True), "s")), 1.0, Action.SCALE_DOWN, ("b", "c", "s")),
         # Discrete sizes: 3 healthy of 4 round down to 2, dropping the highest group ranks.
@@ -152,19 +173,34 @@ def test_resume_after_insufficient_uses_start_rules() -> None:
         # Below min with no standby: the job must wait for nodes.
         (POLICY, running(("a", "b"), alive=(("b", 0.0, True),)), 1.0, Action.INSUFFICIENT, ()),
         # A member gone without being reported lost (lease revoked) is dropped at once.
-        (POLICY, ClusterView(round=2, members=("a", "b", "c"), alive=nodes("a", "c"), lost_since={}), 1.0,
-         Action.SCALE_DOWN, ("a", "c")),
+        (
+            POLICY,
+            ClusterView(round=2, members=("a", "b", "c"), alive=nodes("a", "c"), lost_since={}),
+            1.0,
+            Action.SCALE_DOWN,
+            ("a", "c"),
+        ),
         # Cap below the current size: shrink at once, regardless of anti-thrashing.
-        (POLICY, running(tuple("abcde"), cap=3, events=((99.0, 4), (100.0, 5))), 100.0, Action.SCALE_DOWN,
-         ("a", "b", "c")),
+        (
+            POLICY,
+            running(tuple("abcde"), cap=3, events=((99.0, 4), (100.0, 5))),
+            100.0,
+            Action.SCALE_DOWN,
+            ("a", "b", "c"),
+        ),
         (STEP, running(tuple("abcd"), cap=3), 1.0, Action.SCALE_DOWN, ("a", "b")),
         (POLICY, running(("a", "b", "c"), cap=1), 1.0, Action.INSUFFICIENT, ()),
         # A current size that is not allowed (policy changed across a resume) is reshaped at once.
         (STEP, running(("a", "b", "c")), 1.0, Action.SCALE_DOWN, ("a", "b")),
         (POLICY, running(("a",), alive=(("s", 3.0), ("t", 4.0))), 1.0, Action.SCALE_DOWN, ("a", "s")),
         # Leaving plus a pending lost member: one reshape drops both.
-        (POLICY, running(("a", "b", "c", "d"), alive=(("b", 0.0, True),), lost={"c": 100.0}), 101.0,
-         Action.SCALE_DOWN, ("a", "d")),
+        (
+            POLICY,
+            running(("a", "b", "c", "d"), alive=(("b", 0.0, True),), lost={"c": 100.0}),
+            101.0,
+            Action.SCALE_DOWN,
+            ("a", "d"),
+        ),
     ],
 )
 def test_forced_changes(policy, view, now, action, members) -> None:
@@ -340,8 +376,12 @@ def test_decide_is_pure() -> None:
         (dict(round=1, members=("a",), alive={"b": NodeState("a", 0.0)}, lost_since={}), "holds the state of 'a'"),
         (dict(round=1, members=("a",), alive={}, lost_since={"x": 1.0}), "'x', which is not a member"),
         (dict(round=1, members=("a",), alive={}, lost_since={"a": math.nan}), "lost_since['a']"),
-        (dict(round=1, members=("a",), alive={}, lost_since={}, last_events=(ScaleEvent(2.0, 1), ScaleEvent(1.0, 1))),
-         "oldest first"),
+        (
+            dict(
+                round=1, members=("a",), alive={}, lost_since={}, last_events=(ScaleEvent(2.0, 1), ScaleEvent(1.0, 1))
+            ),
+            "oldest first",
+        ),
         (dict(round=1, members=("a",), alive={}, lost_since={}, last_events=(2.0,)), "must hold ScaleEvent records"),
         (dict(round=1, members=("a",), alive={}, lost_since={}, cap=-1), "cap must be None or an integer >= 0"),
         (dict(round=0, members=(), alive={}, lost_since={}, capacity_since=math.inf), "capacity_since"),
@@ -403,11 +443,7 @@ times = st.floats(0.0, 100.0, allow_nan=False).map(lambda t: round(t, 1))
 @st.composite
 def views(draw) -> ClusterView:
     ids = [f"n{i}" for i in range(draw(st.integers(0, 9)))]
-    alive = {
-        i: NodeState(i, draw(times), draw(st.booleans()))
-        for i in ids
-        if draw(st.booleans())
-    }
+    alive = {i: NodeState(i, draw(times), draw(st.booleans())) for i in ids if draw(st.booleans())}
     started = draw(st.booleans())
     members: tuple[str, ...] = tuple(draw(st.permutations(ids))[: draw(st.integers(1, 9))]) if started and ids else ()
     lost = {}
@@ -446,7 +482,7 @@ def test_decisions_are_always_valid(policy, view, now, nproc, max_world) -> None
         assert all(m in view.alive and not view.alive[m].leaving for m in new)
         kept = tuple(m for m in view.members if m in new)
         assert new[: len(kept)] == kept, "existing members must come first, in their order"
-        newcomers = [view.alive[m] for m in new[len(kept):]]
+        newcomers = [view.alive[m] for m in new[len(kept) :]]
         assert newcomers == sorted(newcomers, key=lambda s: (s.joined_at, s.node_id))
         if kept:
             assert new[0] == kept[0], "rank 0 must be an existing member"

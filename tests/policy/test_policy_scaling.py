@@ -11,7 +11,9 @@ DEFAULT = ElasticPolicy(min_replicas=1, max_replicas=8)  # scaling_timeout 60, s
 
 def _view(members: tuple[str, ...], standbys: dict[str, float], events: list[ScaleEvent], **kwargs) -> ClusterView:
     alive = {m: NodeState(m, 0.0) for m in members} | {n: NodeState(n, t) for n, t in standbys.items()}
-    return ClusterView(round=len(events), members=members, alive=alive, lost_since={}, last_events=tuple(events), **kwargs)
+    return ClusterView(
+        round=len(events), members=members, alive=alive, lost_since={}, last_events=tuple(events), **kwargs
+    )
 
 
 # --------------------------------------------------------------------------- growth streaks

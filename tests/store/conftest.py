@@ -8,9 +8,9 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-from support.etcd import EtcdServer
 
 from hyperpodrun.store import EmbeddedStoreServer, Store, create_store
+from support.etcd import EtcdServer
 
 BACKEND_NAMES = ["etcd", "embedded"]
 

@@ -113,7 +113,9 @@ def test_secret_from_file_and_env(tmp_path: Path, run_id: str) -> None:
     ],
     ids=["world-readable", "too-short", "missing"],
 )
-def test_bad_secret_files_are_refused(tmp_path: Path, run_id: str, content: bytes | None, mode: int, match: str) -> None:
+def test_bad_secret_files_are_refused(
+    tmp_path: Path, run_id: str, content: bytes | None, mode: int, match: str
+) -> None:
     secret_file = tmp_path / "secret"
     if content is not None:
         secret_file.write_bytes(content)
@@ -168,9 +170,19 @@ def test_scrub_secrets_removes_credentials_only() -> None:
 
 @pytest.mark.parametrize(
     ("run_id", "ok"),
-    [("llama-ft", True), ("Job_1.v2", True), ("a" * 63, True), ("a" * 64, False), ("-x", False),
-     ("x-", False), ("a/b", False), ("..", False), ("a b", False), ("", False)],
-)  # fmt: skip
+    [
+        ("llama-ft", True),
+        ("Job_1.v2", True),
+        ("a" * 63, True),
+        ("a" * 64, False),
+        ("-x", False),
+        ("x-", False),
+        ("a/b", False),
+        ("..", False),
+        ("a b", False),
+        ("", False),
+    ],
+)
 def test_run_id_pattern(run_id: str, ok: bool) -> None:
     assert (run_id_problem(run_id) is None) is ok
 

@@ -8,7 +8,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from support.etcd import EtcdServer, free_port
 
 from hyperpodrun.store import (
     BACKENDS,
@@ -27,6 +26,7 @@ from hyperpodrun.store import (
     create_store,
 )
 from hyperpodrun.store.embedded import KeyValueState
+from support.etcd import EtcdServer, free_port
 
 WAIT = 30.0
 

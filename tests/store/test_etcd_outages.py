@@ -13,10 +13,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from support.etcd import EtcdServer
 
 from hyperpodrun.store import EtcdStore, LeaseKeeper, PrefixedStore, StoreUnavailableError, create_store
 from hyperpodrun.store.etcd_support import Retry
+from support.etcd import EtcdServer
 
 STORE_TIMEOUT = 30.0
 WAIT = 60.0
@@ -59,7 +59,9 @@ def _until(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> N
         time.sleep(0.01)
 
 
-def test_writes_sent_while_etcd_is_down_land_once_it_is_back(etcd: EtcdServer, open_store: Callable[[], PrefixedStore]) -> None:
+def test_writes_sent_while_etcd_is_down_land_once_it_is_back(
+    etcd: EtcdServer, open_store: Callable[[], PrefixedStore]
+) -> None:
     store = open_store()
     rev = store.put("k", b"before")
     etcd.kill()
@@ -106,7 +108,9 @@ def test_a_client_keeps_reading_and_writing_through_a_restart(
     assert all(f"w/{i}" in stored for i in acknowledged)  # every acknowledged write survived
 
 
-def test_a_waiter_survives_an_etcd_restart_and_still_wakes(etcd: EtcdServer, open_store: Callable[[], PrefixedStore]) -> None:
+def test_a_waiter_survives_an_etcd_restart_and_still_wakes(
+    etcd: EtcdServer, open_store: Callable[[], PrefixedStore]
+) -> None:
     store, writer = open_store(), open_store()
     rev = store.current_revision()
     waiter = _in_thread(lambda: store.wait_for_change("round/", after_revision=rev, timeout=WAIT))

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import etcd3gw
 import pytest
-from support.etcd import EtcdServer, EtcdTls, free_port, make_tls_files
 
 from hyperpodrun.store import (
     EtcdConfig,
@@ -22,6 +21,7 @@ from hyperpodrun.store import (
     create_store,
     job_prefix,
 )
+from support.etcd import EtcdServer, EtcdTls, free_port, make_tls_files
 
 SLACK = 4.0  # scheduling slack on a shared 2-core machine
 

@@ -200,9 +200,7 @@ def test_concurrent_compare_and_swap_has_one_winner(backend, run_id: str) -> Non
         entry = store.get("leader")
         assert entry is not None
         barrier.wait()  # everyone read the same revision before anyone writes
-        wins["update"].append(
-            store.compare_and_swap("leader", f"{i}+".encode(), expected_revision=entry.revision)
-        )
+        wins["update"].append(store.compare_and_swap("leader", f"{i}+".encode(), expected_revision=entry.revision))
 
     threads = [threading.Thread(target=contend, args=(i, s)) for i, s in enumerate(stores)]
     for t in threads:

@@ -14,8 +14,8 @@ from typing import Any
 
 import psutil
 
-from support.launch import clean_env, hyperpodrun_cmd
 from support.jsonl import read_jsonl
+from support.launch import clean_env, hyperpodrun_cmd
 
 COUNTER = Path(__file__).resolve().parent.parent / "elastic" / "scripts" / "counter.py"
 
@@ -31,8 +31,13 @@ def run_rank_scripts(script: Path, world: int, *args: str, timeout: float = 120)
     importable); each rank's last line of output, parsed as JSON, in rank order."""
     port, src = free_port(), Path(__file__).resolve().parents[2] / "src"
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), str(world), str(port), *args], env=clean_env(PYTHONPATH=str(src)),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(world), str(port), *args],
+            env=clean_env(PYTHONPATH=str(src)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(world)
     ]
     results = []
@@ -73,18 +78,40 @@ class ElasticJob:
         self.endpoint = endpoint or f"127.0.0.1:{free_port()}"
         self.events_path = run_dir / "events.jsonl"
         self.base = [
-            "--nnodes", nnodes, "--nproc-per-node", "1",
-            "--rdzv-backend", backend, "--rdzv-endpoint", self.endpoint, "--rdzv-id", f"job-{free_port()}",
-            "--rdzv-conf", "lease_ttl=2,tick=0.1",
-            "--scaling-timeout", "1", "--min-stable-period", "1", "--faulty-scale-down-timeout", "2",
-            "--graceful-shutdown-timeout", "30", "--monitor-interval", "0.05",
-            "--event-log", str(self.events_path), "--log-dir", str(run_dir / "logs"),
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            backend,
+            "--rdzv-endpoint",
+            self.endpoint,
+            "--rdzv-id",
+            f"job-{free_port()}",
+            "--rdzv-conf",
+            "lease_ttl=2,tick=0.1",
+            "--scaling-timeout",
+            "1",
+            "--min-stable-period",
+            "1",
+            "--faulty-scale-down-timeout",
+            "2",
+            "--graceful-shutdown-timeout",
+            "30",
+            "--monitor-interval",
+            "0.05",
+            "--event-log",
+            str(self.events_path),
+            "--log-dir",
+            str(run_dir / "logs"),
             *flags,
-        ]  # fmt: skip
+        ]
         self.script = [str(script), *(script_args if script_args is not None else (str(run_dir),))]
         self.nodes: dict[str, subprocess.Popen] = {}
 
-    def start_node(self, name: str, *extra: str, wrap: Callable[[list[str]], list[str]] | None = None) -> subprocess.Popen:
+    def start_node(
+        self, name: str, *extra: str, wrap: Callable[[list[str]], list[str]] | None = None
+    ) -> subprocess.Popen:
         """Start a launcher; ``wrap`` runs it elsewhere (e.g. on a support.netns host) and must exec it."""
         out = open(self.run_dir / f"{name}.out", "w")
         err = open(self.run_dir / f"{name}.err", "w")
@@ -94,8 +121,9 @@ class ElasticJob:
         # Started in order: the first launcher hosts the embedded store before the next one looks for it.
         wait_until(
             lambda: any(e.get("pid") == proc.pid for e in self.events("agent_started")) or proc.poll() is not None,
-            timeout=60, what=f"launcher {name} to start",
-        )  # fmt: skip
+            timeout=60,
+            what=f"launcher {name} to start",
+        )
         return proc
 
     def stderr(self, name: str) -> str:
@@ -112,19 +140,22 @@ class ElasticJob:
 
     def wait_for_world(self, world: int, *, timeout: float = 90, after_step: int = 0) -> int:
         """Wait until training ran a step at ``world`` ranks (after ``after_step``); returns that step."""
+
         def seen() -> int | None:
             for p in self.progress():
                 if p["world"] == world and p["step"] > after_step:
                     return p["step"]
             return None
+
         return wait_until(seen, timeout=timeout, what=f"a training step at world size {world}")
 
     def wait_steps(self, n: int, *, timeout: float = 60) -> int:
         start = self.progress()[-1]["step"] if self.progress() else 0
         return wait_until(
             lambda: self.progress() and self.progress()[-1]["step"] >= start + n and self.progress()[-1]["step"],
-            timeout=timeout, what=f"{n} more training steps",
-        )  # fmt: skip
+            timeout=timeout,
+            what=f"{n} more training steps",
+        )
 
     def finish(self, *, timeout: float = 60) -> dict[str, int]:
         """Ask the trainer to stop and return each launcher's exit code."""

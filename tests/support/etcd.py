@@ -62,11 +62,23 @@ def make_tls_files(directory: Path, *, client_cert_auth: bool = False) -> EtcdTl
     directory.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     _openssl(
-        "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=hyperpodrun test CA",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=hyperpodrun test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
         cwd=directory,
-    )  # fmt: skip
+    )
     (directory / "leaf.ext").write_text(
         "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
         "basicConstraints=CA:FALSE\n"
@@ -77,10 +89,23 @@ def make_tls_files(directory: Path, *, client_cert_auth: bool = False) -> EtcdTl
     for name in ("server", "client"):
         _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=directory)
         _openssl(
-            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.crt", "-days", "2", "-extfile", "leaf.ext",
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "leaf.ext",
             cwd=directory,
-        )  # fmt: skip
+        )
     return EtcdTls(
         cacert=str(directory / "ca.crt"),
         server_cert=str(directory / "server.crt"),
@@ -137,16 +162,25 @@ class EtcdServer:
             peer = f"http://127.0.0.1:{self.host.free_port() if self.host else free_port()}"
             args = [
                 self.binary,
-                "--name", "test",
-                "--data-dir", os.path.join(self._dir, f"data{attempt}"),
-                "--listen-client-urls", self.url,
-                "--advertise-client-urls", self.url,
-                "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"test={peer}",
-                "--logger", "zap",
-                "--log-level", "warn",
-            ]  # fmt: skip
+                "--name",
+                "test",
+                "--data-dir",
+                os.path.join(self._dir, f"data{attempt}"),
+                "--listen-client-urls",
+                self.url,
+                "--advertise-client-urls",
+                self.url,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"test={peer}",
+                "--logger",
+                "zap",
+                "--log-level",
+                "warn",
+            ]
             if self.tls is not None:
                 args += ["--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key]
                 args += ["--trusted-ca-file", self.tls.cacert]

@@ -13,10 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic_events.control import ControlWriter, EventKind, RankPhase, RankProgress
 from support.cluster import free_port, wait_until
 from support.launch import clean_env
-
-from elastic_events.control import ControlWriter, EventKind, RankPhase, RankProgress
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -46,7 +45,9 @@ class FakeNode:
         self.logs: list[Path] = []
         self._event_id = 0
 
-    def start(self, cmd: list[str], *, round: Round | None, group_rank: int = -1, extra_env: dict[str, str] | None = None) -> None:
+    def start(
+        self, cmd: list[str], *, round: Round | None, group_rank: int = -1, extra_env: dict[str, str] | None = None
+    ) -> None:
         """Start the ranks; ``round=None`` starts them parked (a pre-warmed joiner)."""
         for local in range(self.nproc):
             env = clean_env(
@@ -64,11 +65,16 @@ class FakeNode:
             else:
                 rank = group_rank * self.nproc + local
                 env.update(
-                    RANK=str(rank), WORLD_SIZE=str(round.world_size), GROUP_RANK=str(group_rank),
-                    GROUP_WORLD_SIZE=str(round.nodes), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(round.world_size),
-                    MASTER_ADDR=round.master_addr, MASTER_PORT=str(round.master_port),
+                    RANK=str(rank),
+                    WORLD_SIZE=str(round.world_size),
+                    GROUP_RANK=str(group_rank),
+                    GROUP_WORLD_SIZE=str(round.nodes),
+                    ROLE_RANK=str(rank),
+                    ROLE_WORLD_SIZE=str(round.world_size),
+                    MASTER_ADDR=round.master_addr,
+                    MASTER_PORT=str(round.master_port),
                     HYPERPODRUN_ROUND=str(round.number),
-                )  # fmt: skip
+                )
             log = self.tmp / f"{self.name}-{local}.log"
             self.logs.append(log)
             with log.open("w") as out:
@@ -80,17 +86,26 @@ class FakeNode:
         """Publish the RECONFIGURE event every agent of the job publishes for ``round``."""
         self._event_id += 1
         self.channel.publish(
-            event_id=self._event_id, target_step=target_step, kind=EventKind.RECONFIGURE, round=round.number,
-            world_size=round.world_size, group_rank=group_rank, group_world_size=round.nodes,
-            master_addr=round.master_addr, master_port=round.master_port,
-        )  # fmt: skip
+            event_id=self._event_id,
+            target_step=target_step,
+            kind=EventKind.RECONFIGURE,
+            round=round.number,
+            world_size=round.world_size,
+            group_rank=group_rank,
+            group_world_size=round.nodes,
+            master_addr=round.master_addr,
+            master_port=round.master_port,
+        )
 
     def save_and_exit(self, *, target_step: int, round: int, world_size: int) -> None:
         self._event_id += 1
         self.channel.publish(
-            event_id=self._event_id, target_step=target_step, kind=EventKind.SAVE_AND_EXIT, round=round,
+            event_id=self._event_id,
+            target_step=target_step,
+            kind=EventKind.SAVE_AND_EXIT,
+            round=round,
             world_size=world_size,
-        )  # fmt: skip
+        )
 
     def progress(self) -> list[RankProgress]:
         return self.channel.progress()
@@ -98,9 +113,10 @@ class FakeNode:
     def wait_phase(self, phase: RankPhase, *, round: int, timeout: float = 60) -> None:
         wait_until(
             lambda: all(p.phase is phase and p.round == round for p in self.progress()),
-            timeout=timeout, what=f"node {self.name}'s ranks in phase {phase.name} of round {round}",
+            timeout=timeout,
+            what=f"node {self.name}'s ranks in phase {phase.name} of round {round}",
             interval=0.01,
-        )  # fmt: skip
+        )
 
     def wait(self, timeout: float = 60) -> list[int]:
         """The ranks' exit codes (raises TimeoutError naming the node if one does not exit)."""

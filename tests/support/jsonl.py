@@ -1,4 +1,5 @@
 """Read the JSON-lines files that test jobs append to while the test polls them."""
+
 from __future__ import annotations
 
 import json

@@ -27,6 +27,4 @@ def torchrun_cmd(*args: str) -> list[str]:
 
 
 def run(cmd: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path | None = None):
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=cwd
-    )
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=cwd)

@@ -61,8 +61,11 @@ class Host:
         probe = f"import socket; s = socket.socket(); s.bind(({self.addr!r}, 0)); print(s.getsockname()[1])"
         done = subprocess.run(
             ["ip", "netns", "exec", self.netns, sys.executable, "-c", probe],
-            capture_output=True, text=True, timeout=30, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         return int(done.stdout)
 
 
@@ -75,7 +78,9 @@ def _create(a: Host, b: Host, created: list[str]) -> None:
             created.append(host.netns)
             _ip("-n", host.netns, "link", "set", "lo", "up")
         # Made in a's namespace with the peer in b's: nothing ever sits in the caller's namespace.
-        _ip("-n", a.netns, "link", "add", f"{a.netns}v", "type", "veth", "peer", "name", f"{b.netns}v", "netns", b.netns)
+        _ip(
+            "-n", a.netns, "link", "add", f"{a.netns}v", "type", "veth", "peer", "name", f"{b.netns}v", "netns", b.netns
+        )
         for host in (a, b):
             _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", f"{host.netns}v")
             _ip("-n", host.netns, "link", "set", f"{host.netns}v", "up")

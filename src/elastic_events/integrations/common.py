@@ -124,7 +124,9 @@ def read_marker(path: Path) -> ResumeMarker | None:
     except TypeError as exc:
         raise ElasticIntegrationError(f"elastic checkpoint marker {path} is malformed: {exc}") from None
     if marker.version != MARKER_VERSION:
-        raise ElasticIntegrationError(f"elastic checkpoint marker {path} has version {marker.version}, expected {MARKER_VERSION}")
+        raise ElasticIntegrationError(
+            f"elastic checkpoint marker {path} has version {marker.version}, expected {MARKER_VERSION}"
+        )
     return marker
 
 

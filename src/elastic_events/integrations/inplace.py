@@ -209,13 +209,17 @@ class Rounds:
         if why:
             if self._admission is not None:
                 self._phase(RankPhase.FAILED)
-                raise InPlaceError(f"rank admitted in place, but {framework} cannot train in place here: {'; '.join(why)}")
+                raise InPlaceError(
+                    f"rank admitted in place, but {framework} cannot train in place here: {'; '.join(why)}"
+                )
             self._refusal_said = True  # said once: on stderr from each node's first rank, in the event log from rank 0
             rank, _ = rank_and_world()
             reason = "; ".join(why)
             if self.local_rank == 0:
-                _say(f"rank {rank}: in-place scale events not offered ({framework}): {reason}; "
-                     "scale events save a checkpoint and restart the ranks")  # fmt: skip
+                _say(
+                    f"rank {rank}: in-place scale events not offered ({framework}): {reason}; "
+                    "scale events save a checkpoint and restart the ranks"
+                )
             eventlog.emit(IN_PLACE_UNAVAILABLE, framework=framework, reason=reason)
             return False
         if not self.offered:
@@ -238,8 +242,10 @@ class Rounds:
         if not self.offered:
             return
         rank, _ = rank_and_world()
-        why = ("the launcher asked for a restart (--restart-mode process, or a rank of the job does not support "
-               "in-place events; see in_place_unavailable in the event log)")  # fmt: skip
+        why = (
+            "the launcher asked for a restart (--restart-mode process, or a rank of the job does not support "
+            "in-place events; see in_place_unavailable in the event log)"
+        )
         if rank == 0:
             _say(f"rank 0: event {event.event_id} at step {step}: {why}: saving a checkpoint and exiting")
         eventlog.emit(RESTART_REQUESTED, event_id=event.event_id, step=step, reason=why)
@@ -255,12 +261,18 @@ class Rounds:
         """
         self._phase(RankPhase.RECONFIGURING)
         try:
-            backend = dist.get_backend() if dist.is_initialized() else self.config.backend or backend_for(default_device(self.local_rank))
+            backend = (
+                dist.get_backend()
+                if dist.is_initialized()
+                else self.config.backend or backend_for(default_device(self.local_rank))
+            )
             t0 = time.monotonic()
             teardown_group()
             torn_down = time.monotonic() - t0
             if event.leaves:
-                eventlog.emit(names.GROUP_TORN_DOWN, event_id=event.event_id, step=kept.step, seconds=torn_down, left=True)
+                eventlog.emit(
+                    names.GROUP_TORN_DOWN, event_id=event.event_id, step=kept.step, seconds=torn_down, left=True
+                )
                 self._phase(RankPhase.LEAVING)
                 return Moved(left=True, payload=None, survivor=True, event=event)
             self._form(event, backend=backend, torn_down=(kept.step, torn_down))
@@ -315,12 +327,19 @@ class Rounds:
         rank, world = dist.get_rank(), dist.get_world_size()
         survivor = kept is not None
         report = RankReport(
-            rank=rank, survivor=survivor, source_ready=survivor, step=kept.step if survivor else -1,
-            structure=structure_digest(module), checksum=value_checksum(module) if survivor else None,
-            sharded=False if survivor else None, control_step=self._reader.step if self._reader is not None else 0,
-        )  # fmt: skip
+            rank=rank,
+            survivor=survivor,
+            source_ready=survivor,
+            step=kept.step if survivor else -1,
+            structure=structure_digest(module),
+            checksum=value_checksum(module) if survivor else None,
+            sharded=False if survivor else None,
+            control_step=self._reader.step if self._reader is not None else 0,
+        )
         reports: list[Any] = [None] * world
-        with collective_failures(InPlaceError, rank=rank, round=event.round, world_size=world, timeout_s=self.config.timeout_s):
+        with collective_failures(
+            InPlaceError, rank=rank, round=event.round, world_size=world, timeout_s=self.config.timeout_s
+        ):
             dist.all_gather_object(reports, report)
             plan = plan_hydration(reports, recovering=event.repair, local_world_size=self.local_world_size)
             payload = kept.payload if survivor else None
@@ -330,13 +349,19 @@ class Rounds:
         if received and self._reader is not None:  # later events target the survivors' count of steps
             self._reader.set_step(next(r.control_step for r in reports if r.rank == plan.source))
         eventlog.emit(
-            names.HYDRATED, event_id=event.event_id, step=plan.step, seconds=time.monotonic() - t0,
-            newcomers=len(plan.newcomers), from_rank=plan.source, sharded=False,
-        )  # fmt: skip
+            names.HYDRATED,
+            event_id=event.event_id,
+            step=plan.step,
+            seconds=time.monotonic() - t0,
+            newcomers=len(plan.newcomers),
+            from_rank=plan.source,
+            sharded=False,
+        )
         return payload
 
-    def _exchange(self, source: int, newcomers: tuple[int, ...], *, module: torch.nn.Module,
-                  payload: dict[str, Any] | None) -> dict[str, Any] | None:  # fmt: skip
+    def _exchange(
+        self, source: int, newcomers: tuple[int, ...], *, module: torch.nn.Module, payload: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
         """The source streams the model's tensors into the newcomers' own, then the payload (skeleton + tensors)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         members = sorted((source, *newcomers))
@@ -352,11 +377,16 @@ class Rounds:
         dist.broadcast_object_list(box, src=source, group=group)
         if not sending:
             payload, tensors = allocate_tensors(box[0], default_device(self.local_rank))
-        comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        comm = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
         broadcast_tensors(
-            [*(t for _, t in model_tensors(module)), *tensors], src=source, group=group, device=comm,
+            [*(t for _, t in model_tensors(module)), *tensors],
+            src=source,
+            group=group,
+            device=comm,
             bucket_bytes=self.config.bucket_bytes,
-        )  # fmt: skip
+        )
         return payload
 
 

@@ -74,6 +74,7 @@ except ImportError:  # the standalone package
     from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
 
 from elastic_events import elastic_event_detected, eventlog, names
+from elastic_events.integrations import lightning_inplace
 from elastic_events.integrations.common import (
     ElasticIntegrationError,
     GlobalBatchError,
@@ -84,7 +85,6 @@ from elastic_events.integrations.common import (
     reseed_rank,
     write_marker,
 )
-from elastic_events.integrations import lightning_inplace
 from elastic_events.integrations.inplace import InPlaceConfig, elastic_init, rounds
 from elastic_events.sampler import ElasticSampler
 
@@ -175,7 +175,12 @@ class ElasticCallback(Callback):
         in-place scale events: the ranks that stay keep their process (see :mod:`.lightning_inplace`)."""
         if self not in trainer.callbacks:
             raise ElasticIntegrationError("fit(): this ElasticCallback is not among the trainer's callbacks")
-        fit_args = {"train_dataloaders": train_dataloaders, "val_dataloaders": val_dataloaders, "datamodule": datamodule, **kwargs}
+        fit_args = {
+            "train_dataloaders": train_dataloaders,
+            "val_dataloaders": val_dataloaders,
+            "datamodule": datamodule,
+            **kwargs,
+        }
         lightning_inplace.fit(self, trainer, model, fit_args, ckpt_path)
 
     def take_in_place_event(self) -> Any:
@@ -198,9 +203,14 @@ class ElasticCallback(Callback):
                 raise ElasticIntegrationError(f"dataloader(): {name} is set by the elastic sampler; leave it out")
         rank, world = rank_and_world()
         sampler = _FullEpochSampler(
-            len(dataset), global_batch=self.global_batch, micro_batch=self.micro_batch,
-            rank=rank, world_size=world, seed=self.seed, shuffle=self.shuffle,
-        )  # fmt: skip
+            len(dataset),
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            rank=rank,
+            world_size=world,
+            seed=self.seed,
+            shuffle=self.shuffle,
+        )
         if self._loaded is not None:
             sampler.load_state_dict(self._loaded["sampler"])
         self.sampler = sampler
@@ -282,7 +292,9 @@ class ElasticCallback(Callback):
         eventlog.emit(names.CHECKPOINT_LOADED, step=trainer.global_step, saved_world_size=self._loaded["world_size"])
 
     # ------------------------------------------------------------------ stop
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self._last_step:
             return  # a micro-batch inside an accumulation: no optimizer step yet
         self._last_step = trainer.global_step
@@ -306,7 +318,9 @@ class ElasticCallback(Callback):
         trainer.strategy.barrier("elastic_checkpoint_saved")  # every rank finished its part
         if trainer.is_global_zero:
             rank, world = rank_and_world()
-            marker = ResumeMarker(step=trainer.global_step, world_size=world, global_batch=self.global_batch, seed=self.seed)
+            marker = ResumeMarker(
+                step=trainer.global_step, world_size=world, global_batch=self.global_batch, seed=self.seed
+            )
             write_marker(self.dirpath / MARKER.format(name=path.name), marker)
             eventlog.emit(names.CHECKPOINT_SAVED, step=trainer.global_step, path=str(path))
         trainer.should_stop = True
@@ -316,4 +330,3 @@ class ElasticCallback(Callback):
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
             sys.exit(0)
-

@@ -77,7 +77,9 @@ def in_place_blockers(trainer: Any, model: Any) -> list[str]:
     elif getattr(strategy, "_start_method", "popen") != "popen":
         why.append("a DDP strategy that spawns its own processes: hyperpodrun starts the ranks")
     elif not isinstance(strategy.cluster_environment, TorchElasticEnvironment):
-        why.append(f"cluster environment {type(strategy.cluster_environment).__name__}: ranks are not read from the launcher's variables")
+        why.append(
+            f"cluster environment {type(strategy.cluster_environment).__name__}: ranks are not read from the launcher's variables"
+        )
     if model is None:
         why.append("fit() without the LightningModule: in-place events need the model to carry")
     return why
@@ -120,11 +122,15 @@ def fit(callback: Any, trainer: Any, model: Any, fit_args: dict[str, Any], ckpt_
         ckpt_path = _resume(rounds, moved, callback, trainer, model, None)
 
 
-def _resume(rounds: inplace.Rounds, moved: inplace.Moved, callback: Any, trainer: Any, model: Any, fallback: Any) -> Any:
+def _resume(
+    rounds: inplace.Rounds, moved: inplace.Moved, callback: Any, trainer: Any, model: Any, fallback: Any
+) -> Any:
     """Point the strategy at the new round and the next ``fit`` at the in-memory checkpoint; mark the rank READY."""
     try:
         strategy = trainer.strategy
-        strategy.num_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))  # ranks and world: from the round's environment
+        strategy.num_nodes = int(
+            os.environ.get("GROUP_WORLD_SIZE", "1")
+        )  # ranks and world: from the round's environment
         strategy._configure_launcher()  # its launcher checks devices x num_nodes against the world at every fit
         if moved.payload is None:  # no rank held the state (all were replaced after a failure): storage
             path = fallback

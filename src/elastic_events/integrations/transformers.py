@@ -147,7 +147,9 @@ class ElasticOrderSampler(Sampler[int]):
 
     def __init__(self, num_samples: int, *, global_batch: int, seed: int, shuffle: bool = True) -> None:
         if num_samples < global_batch:
-            raise GlobalBatchError(f"the dataset has {num_samples} samples, fewer than one global batch ({global_batch})")
+            raise GlobalBatchError(
+                f"the dataset has {num_samples} samples, fewer than one global batch ({global_batch})"
+            )
         self.num_samples = num_samples
         self.global_batch = global_batch
         self.seed = seed
@@ -274,7 +276,9 @@ class ElasticCallback(TrainerCallback):
     """
 
     def __init__(self, *, global_batch: int | None = None, exit_on_event: bool = True) -> None:
-        if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1):
+        if global_batch is not None and (
+            isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1
+        ):
             raise GlobalBatchError(f"global_batch must be a positive int or None, got {global_batch!r}")
         self.global_batch = global_batch
         self.exit_on_event = exit_on_event
@@ -310,8 +314,10 @@ class ElasticCallback(TrainerCallback):
         self._reseed_pending = False
         self._in_place_event = None
         if not self.in_place:  # under hyperpodrun: say once why events take the restart path
-            rounds().offer("transformers", ["the Trainer is not an ElasticTrainer (or ElasticTrainerMixin): in-place "
-                                            "events need its train()"])  # fmt: skip
+            rounds().offer(
+                "transformers",
+                ["the Trainer is not an ElasticTrainer (or ElasticTrainerMixin): in-place events need its train()"],
+            )
         if self.resumed_in_place:  # from memory, after an in-place event: a new round, maybe a new world
             self.resumed_in_place = False
             self._reseed_pending = True
@@ -367,7 +373,9 @@ class ElasticCallback(TrainerCallback):
             )
             write_marker(_checkpoint_dir(args, state.global_step) / MARKER, marker)
             if self.stopped_for_event:
-                eventlog.emit(names.CHECKPOINT_SAVED, step=state.global_step, path=str(_checkpoint_dir(args, state.global_step)))
+                eventlog.emit(
+                    names.CHECKPOINT_SAVED, step=state.global_step, path=str(_checkpoint_dir(args, state.global_step))
+                )
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self.stopped_for_event and self.exit_on_event and not self.in_place:  # ElasticTrainer.train exits itself

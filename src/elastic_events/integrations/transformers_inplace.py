@@ -59,8 +59,10 @@ def in_place_blockers(trainer: Any) -> list[str]:
     if trainer.is_deepspeed_enabled:
         why.append("DeepSpeed: its engine and ZeRO partitions are not rebuilt in place")
     if trainer.is_fsdp_enabled:
-        why.append("FSDP: accelerate's sharded model and optimizer are not re-sharded in place (the restart path "
-                   "reshards the Trainer's checkpoint)")  # fmt: skip
+        why.append(
+            "FSDP: accelerate's sharded model and optimizer are not re-sharded in place (the restart path "
+            "reshards the Trainer's checkpoint)"
+        )
     if getattr(trainer, "is_distributed_loading_by_transformers", False):
         why.append("a model sharded at load time (tensor parallel) is not re-sharded in place")
     if trainer.model_init is not None:
@@ -94,25 +96,44 @@ class InPlaceTrainerMixin:
         found = [cb for cb in self.callback_handler.callbacks if isinstance(cb, ElasticCallback)]  # type: ignore[attr-defined]
         return found[0] if found else None
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:  # fmt: skip
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
         """``Trainer.train``; under hyperpodrun, with :func:`elastic_init` called, in-place scale events too."""
         base = super().train  # type: ignore[misc]
         callback = self._elastic_callback()
         rounds = inplace.rounds()
-        blockers = in_place_blockers(self) if callback is not None else ["no ElasticCallback among the Trainer's callbacks"]
+        blockers = (
+            in_place_blockers(self) if callback is not None else ["no ElasticCallback among the Trainer's callbacks"]
+        )
         if not rounds.offer("transformers", blockers):
-            return base(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            return base(
+                resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
         callback.in_place = True
         args = self.args  # type: ignore[attr-defined]
-        global_batch = callback.global_batch or args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        global_batch = (
+            callback.global_batch
+            or args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        )
         resume = resume_from_checkpoint
         if rounds.admitted:
-            resume = self._elastic_resume(rounds, rounds.admitted_state(module=self.model), callback, global_batch, resume)  # type: ignore[attr-defined]
+            resume = self._elastic_resume(
+                rounds, rounds.admitted_state(module=self.model), callback, global_batch, resume
+            )  # type: ignore[attr-defined]
         outputs: list[tuple[TrainOutput, int]] = []
         while True:
             try:
-                out = base(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+                out = base(
+                    resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+                )
             finally:
                 self._elastic_memory = None
             outputs.append((out, out.global_step - getattr(self, "_initial_global_step", 0)))
@@ -181,8 +202,14 @@ class InPlaceTrainerMixin:
         )
         self.create_accelerator_and_postprocess()  # type: ignore[attr-defined]
 
-    def _elastic_resume(self, rounds: inplace.Rounds, moved: inplace.Moved, callback: Any, global_batch: int,
-                        fallback: str | bool | None) -> str | bool | None:  # fmt: skip
+    def _elastic_resume(
+        self,
+        rounds: inplace.Rounds,
+        moved: inplace.Moved,
+        callback: Any,
+        global_batch: int,
+        fallback: str | bool | None,
+    ) -> str | bool | None:
         """Make the next train() resume from ``moved``'s state; mark the rank READY. Returns its ``resume_from_checkpoint``."""
         try:
             if moved.survivor:
@@ -215,8 +242,11 @@ class InPlaceTrainerMixin:
 
     # ------------------------------------------- the Trainer's resume, from memory
     def _in_memory(self, checkpoint: Any) -> bool:
-        return (self._elastic_memory is not None and isinstance(checkpoint, (str, os.PathLike))
-                and os.path.abspath(checkpoint) == self._elastic_memory_dir)  # fmt: skip
+        return (
+            self._elastic_memory is not None
+            and isinstance(checkpoint, (str, os.PathLike))
+            and os.path.abspath(checkpoint) == self._elastic_memory_dir
+        )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if self._in_memory(resume_from_checkpoint):

@@ -38,10 +38,28 @@ from hyperpodrun.ctl.steer import FollowEnd, cap_after_yield, follow_history, se
 from hyperpodrun.rendezvous.records import HistoryEntry
 
 __all__ = [
-    "ConnectionSettings", "CtlError", "FollowEnd", "HistoryEntry", "JobClosedError", "JobRecords", "JobState",
-    "JobStatus", "Member", "MemberState", "NoSuchJobError", "PendingEvent", "app", "cap_after_yield",
-    "follow_history", "job_status", "main", "read_job", "render_status", "set_cap", "yield_replicas",
-]  # fmt: skip
+    "ConnectionSettings",
+    "CtlError",
+    "FollowEnd",
+    "HistoryEntry",
+    "JobClosedError",
+    "JobRecords",
+    "JobState",
+    "JobStatus",
+    "Member",
+    "MemberState",
+    "NoSuchJobError",
+    "PendingEvent",
+    "app",
+    "cap_after_yield",
+    "follow_history",
+    "job_status",
+    "main",
+    "read_job",
+    "render_status",
+    "set_cap",
+    "yield_replicas",
+]
 
 
 def main(argv: list[str] | None = None) -> int:

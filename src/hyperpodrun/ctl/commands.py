@@ -20,7 +20,14 @@ import typer
 
 from hyperpodrun import __version__
 from hyperpodrun.ctl.job import ConnectionSettings, read_job
-from hyperpodrun.ctl.status import JobRecords, NoSuchJobError, format_history_entry, job_exists, job_status, render_status
+from hyperpodrun.ctl.status import (
+    JobRecords,
+    NoSuchJobError,
+    format_history_entry,
+    job_exists,
+    job_status,
+    render_status,
+)
 from hyperpodrun.ctl.steer import FollowEnd, follow_history, set_cap, yield_replicas
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.rendezvous.records import HistoryEntry
@@ -48,12 +55,48 @@ def _param(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -
 
 
 _CONNECTION = (
-    _param("rdzv_id", Annotated[str, _opt("--rdzv-id", env="PET_RDZV_ID", help="The job's --rdzv-id.", show_default=False)]),
-    _param("rdzv_backend", Annotated[str, _opt("--rdzv-backend", env="PET_RDZV_BACKEND", help="etcd, or c10d/embedded (an agent hosts the store).")], "etcd"),
-    _param("rdzv_endpoint", Annotated[str, _opt("--rdzv-endpoint", env="PET_RDZV_ENDPOINT", help="HOST:PORT of the store (etcd: a comma-separated list); default 127.0.0.1 at the backend's port.", show_default=False)], ""),
-    _param("rdzv_conf", Annotated[str, _opt("--rdzv-conf", env="PET_RDZV_CONF", help="The job's key=value,...: the store's keys (etcd TLS/auth: cacert, cert, key, protocol, user, password) apply; the rendezvous' settings are ignored.")], ""),
-    _param("store_timeout", Annotated[float, _opt("--store-timeout", help="Seconds to keep trying to reach the store.")], 10.0),
-)  # fmt: skip
+    _param(
+        "rdzv_id", Annotated[str, _opt("--rdzv-id", env="PET_RDZV_ID", help="The job's --rdzv-id.", show_default=False)]
+    ),
+    _param(
+        "rdzv_backend",
+        Annotated[
+            str,
+            _opt("--rdzv-backend", env="PET_RDZV_BACKEND", help="etcd, or c10d/embedded (an agent hosts the store)."),
+        ],
+        "etcd",
+    ),
+    _param(
+        "rdzv_endpoint",
+        Annotated[
+            str,
+            _opt(
+                "--rdzv-endpoint",
+                env="PET_RDZV_ENDPOINT",
+                help="HOST:PORT of the store (etcd: a comma-separated list); default 127.0.0.1 at the backend's port.",
+                show_default=False,
+            ),
+        ],
+        "",
+    ),
+    _param(
+        "rdzv_conf",
+        Annotated[
+            str,
+            _opt(
+                "--rdzv-conf",
+                env="PET_RDZV_CONF",
+                help="The job's key=value,...: the store's keys (etcd TLS/auth: cacert, cert, key, protocol, user, password) apply; the rendezvous' settings are ignored.",
+            ),
+        ],
+        "",
+    ),
+    _param(
+        "store_timeout",
+        Annotated[float, _opt("--store-timeout", help="Seconds to keep trying to reach the store.")],
+        10.0,
+    ),
+)
 
 
 def _connected(command: Callable[..., None]) -> Callable[..., None]:
@@ -62,7 +105,9 @@ def _connected(command: Callable[..., None]) -> Callable[..., None]:
     params = [p for name, p in own.parameters.items() if name != "connection"]
 
     @functools.wraps(command)
-    def wrapper(*, rdzv_id: str, rdzv_backend: str, rdzv_endpoint: str, rdzv_conf: str, store_timeout: float, **kwargs: Any) -> None:
+    def wrapper(
+        *, rdzv_id: str, rdzv_backend: str, rdzv_endpoint: str, rdzv_conf: str, store_timeout: float, **kwargs: Any
+    ) -> None:
         connection = ConnectionSettings.from_flags(
             backend=rdzv_backend, endpoint=rdzv_endpoint, run_id=rdzv_id, rdzv_conf=rdzv_conf, timeout=store_timeout
         )
@@ -80,7 +125,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+    ] = False,
 ) -> None:
     """Inspect and steer hyperpodrun jobs through their rendezvous store."""
 
@@ -102,7 +149,9 @@ def status(
 @_connected
 def cap(
     connection: ConnectionSettings,
-    replicas: Annotated[int, typer.Argument(min=0, help="Most replicas (nodes) the job may run at.", show_default=False)],
+    replicas: Annotated[
+        int, typer.Argument(min=0, help="Most replicas (nodes) the job may run at.", show_default=False)
+    ],
 ) -> None:
     """Cap the job at REPLICAS; a larger job shrinks to the largest allowed size <= REPLICAS."""
     with connection.connect() as store:
@@ -136,8 +185,12 @@ def yield_(
 @_connected
 def events(
     connection: ConnectionSettings,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new decisions until the job ends or --timeout.")] = False,
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to follow before giving up (with --follow).")] = 3600.0,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new decisions until the job ends or --timeout.")
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Seconds to follow before giving up (with --follow).")
+    ] = 3600.0,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
 ) -> None:
     """The job's decisions (rounds and scale events) with their reasons, oldest first."""

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hyperpodrun.config import parse_rdzv_conf, split_rdzv_conf
-from hyperpodrun.errors import ConfigError
 from hyperpodrun.ctl.status import JobRecords
+from hyperpodrun.errors import ConfigError
 from hyperpodrun.rendezvous.records import (
     ClosedRecord,
     EventRecord,
@@ -60,8 +60,12 @@ class ConnectionSettings:
             object.__setattr__(self, "endpoint", f"127.0.0.1:{spec.default_port}")
 
     @classmethod
-    def from_flags(cls, *, backend: str, endpoint: str, run_id: str, rdzv_conf: str, timeout: float) -> ConnectionSettings:
-        return cls(backend=backend, endpoint=endpoint, run_id=run_id, conf=store_conf(rdzv_conf, backend), timeout=timeout)
+    def from_flags(
+        cls, *, backend: str, endpoint: str, run_id: str, rdzv_conf: str, timeout: float
+    ) -> ConnectionSettings:
+        return cls(
+            backend=backend, endpoint=endpoint, run_id=run_id, conf=store_conf(rdzv_conf, backend), timeout=timeout
+        )
 
     def connect(self) -> Store:
         """A client of the job's store; never hosts one (an embedded store lives in an agent)."""

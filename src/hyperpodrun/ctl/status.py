@@ -197,10 +197,15 @@ def _pending(records: JobRecords) -> PendingEvent | None:
     if ev is None or rnd is None or ev.round != rnd.round or ev.complete:
         return None
     return PendingEvent(
-        event_id=ev.id, kind=ev.kind, mode=ev.mode, reason=ev.reason, target_step=ev.target,
-        next_members=ev.next_members, decided_at=ev.decided_at,
+        event_id=ev.id,
+        kind=ev.kind,
+        mode=ev.mode,
+        reason=ev.reason,
+        target_step=ev.target,
+        next_members=ev.next_members,
+        decided_at=ev.decided_at,
         next_master=f"{ev.master_addr}:{ev.master_port}" if ev.master_addr and ev.master_port else None,
-    )  # fmt: skip
+    )
 
 
 def _member_state(node: NodeRecord | None) -> MemberState:
@@ -221,8 +226,14 @@ def job_status(records: JobRecords, *, run_id: str, endpoint: str) -> JobStatus:
         node = nodes.get(node_id)
         first, last = (group_rank * nproc, (group_rank + 1) * nproc - 1) if nproc is not None else (None, None)
         members.append(
-            Member(group_rank=group_rank, node_id=node_id, addr=node.addr if node else None, state=_member_state(node),
-                   first_rank=first, last_rank=last)  # fmt: skip
+            Member(
+                group_rank=group_rank,
+                node_id=node_id,
+                addr=node.addr if node else None,
+                state=_member_state(node),
+                first_rank=first,
+                last_rank=last,
+            )
         )
     pending = _pending(records)
     state, detail = _summary(records, pending)
@@ -235,7 +246,9 @@ def job_status(records: JobRecords, *, run_id: str, endpoint: str) -> JobStatus:
         round_reason=rnd.reason if rnd is not None else None,
         members=tuple(members),
         nproc_per_node=nproc,
-        master=f"{rnd.master_addr}:{rnd.master_port}" if rnd is not None and rnd.master_addr and rnd.master_port else None,
+        master=f"{rnd.master_addr}:{rnd.master_port}"
+        if rnd is not None and rnd.master_addr and rnd.master_port
+        else None,
         restarts=rnd.restarts if rnd is not None else 0,
         standbys=tuple(n for n in sorted(nodes) if n not in member_ids and not nodes[n].leaving),
         leaving=tuple(n for n in sorted(nodes) if nodes[n].leaving),
@@ -259,7 +272,10 @@ def _summary(records: JobRecords, pending: PendingEvent | None) -> tuple[JobStat
         if rnd.halt_kind is EventKind.RANK_FAILURE:
             return JobState.HALTED, f"stopped after a rank failure: {rnd.failure or 'rank failed'}"
         if rnd.halt_kind is EventKind.INSUFFICIENT:
-            return JobState.HALTED, "stopped for lack of nodes (or by the cap); waiting until an allowed size can be formed"
+            return (
+                JobState.HALTED,
+                "stopped for lack of nodes (or by the cap); waiting until an allowed size can be formed",
+            )
         return JobState.HALTED, "stopped after a lost node or a failure; waiting for nodes"
     if pending is not None:
         return JobState.RUNNING, f"scale event {pending.event_id} in progress: {pending.reason}"
@@ -299,7 +315,10 @@ def _event_lines(ev: PendingEvent | None) -> list[str]:
         if ev.next_master:
             nxt += f" (master {ev.next_master})"
     return [
-        _row("scale event", f"{ev.event_id} ({ev.kind.value}, {ev.mode.value}) decided {_time(ev.decided_at)}: {ev.ranks}"),
+        _row(
+            "scale event",
+            f"{ev.event_id} ({ev.kind.value}, {ev.mode.value}) decided {_time(ev.decided_at)}: {ev.ranks}",
+        ),
         _row("", f"next members: {nxt}"),
         _row("", f"reason: {ev.reason}"),
     ]
@@ -310,11 +329,17 @@ def render_status(status: JobStatus, *, history: int = 10) -> str:
     s = status
     lines = [f"job {s.run_id} at {s.endpoint}", _row("state", s.state.value + (f" ({s.detail})" if s.detail else ""))]
     if s.round:
-        lines.append(_row("round", f"{s.round}" + (f" ({s.round_reason})" if s.round_reason else "") + f", restarts {s.restarts}"))
+        lines.append(
+            _row(
+                "round", f"{s.round}" + (f" ({s.round_reason})" if s.round_reason else "") + f", restarts {s.restarts}"
+            )
+        )
     if s.nproc_per_node is not None:
         lines.append(_row("world size", f"{s.world_size} ({len(s.members)} node(s) x {s.nproc_per_node} rank(s))"))
     else:
-        lines.append(_row("world size", f"unknown ({len(s.members)} node(s); the node records do not say nproc per node)"))
+        lines.append(
+            _row("world size", f"unknown ({len(s.members)} node(s); the node records do not say nproc per node)")
+        )
     if s.master:
         lines.append(_row("master", s.master))
     lines.append(_row("members", f"{len(s.members)}" + (", in group-rank order" if s.members else "")))

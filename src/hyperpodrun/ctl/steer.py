@@ -14,7 +14,16 @@ from enum import Enum
 from hyperpodrun.ctl.job import ConnectionSettings, read_job
 from hyperpodrun.ctl.status import CtlError, JobClosedError, JobRecords, NoSuchJobError, job_exists
 from hyperpodrun.errors import ConfigError
-from hyperpodrun.rendezvous.records import CapRecord, ClosedRecord, HistoryEntry, Keys, cap_of, decode, decode_list, encode
+from hyperpodrun.rendezvous.records import (
+    CapRecord,
+    ClosedRecord,
+    HistoryEntry,
+    Keys,
+    cap_of,
+    decode,
+    decode_list,
+    encode,
+)
 from hyperpodrun.store import Store
 
 __all__ = ["FollowEnd", "cap_after_yield", "follow_history", "set_cap", "yield_replicas"]
@@ -54,7 +63,9 @@ def cap_after_yield(*, members: int, current_cap: int | None, count: int) -> int
     return base - count
 
 
-def yield_replicas(store: Store, settings: ConnectionSettings, count: int, *, attempts: int = 5) -> tuple[int, JobRecords]:
+def yield_replicas(
+    store: Store, settings: ConnectionSettings, count: int, *, attempts: int = 5
+) -> tuple[int, JobRecords]:
     """Set the cap ``count`` below the job's size, atomically against concurrent caps.
 
     Returns the new cap and the records it was computed from.

@@ -63,7 +63,7 @@ def create_rendezvous(config: LaunchConfig, events: EventLog | None = None) -> R
     settings = config.rdzv_settings
     store = create_store(
         config.rdzv_backend,
-        config.rdzv_endpoint or "127.0.0.1:{}".format(config.backend.default_port),
+        config.rdzv_endpoint or f"127.0.0.1:{config.backend.default_port}",
         run_id=config.rdzv_id,
         conf=config.store_conf,
         timeout=settings.store_timeout,

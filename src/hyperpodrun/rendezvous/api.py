@@ -44,6 +44,7 @@ class RoundInfo:
     restarts: int = 0  # failure restarts used by the job so far (TORCHELASTIC_RESTART_COUNT)
     admission: Directive | None = None  # admitted in place (RECONFIGURE) into a running job
 
+
 class DirectiveKind(str, Enum):
     """What the agent must do with its running ranks.
 

@@ -55,7 +55,17 @@ from hyperpodrun.rendezvous.records import (
     evolve,
 )
 
-__all__ = ["DeciderContext", "DeciderMemory", "JobSnapshot", "Note", "Plan", "RestartMode", "Write", "choose_target_step", "plan"]
+__all__ = [
+    "DeciderContext",
+    "DeciderMemory",
+    "JobSnapshot",
+    "Note",
+    "Plan",
+    "RestartMode",
+    "Write",
+    "choose_target_step",
+    "plan",
+]
 
 
 #: The share of the propagation budget after which a repair leaves out members that stayed silent while
@@ -168,26 +178,59 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
     if rnd is not None and rnd.state is RoundState.RUNNING:
         if rnd.members and all(m in snap.done for m in rnd.members):
             closed = ClosedRecord(status=JobOutcome.SUCCEEDED, message="all ranks exited 0")
-            return Plan(writes=(Write(Keys.CLOSED, encode(closed), 0),), memory=mem,
-                        notes=(Note(round=rnd.round, what="job succeeded", reason=closed.message, event="job_succeeded"),))  # fmt: skip
+            return Plan(
+                writes=(Write(Keys.CLOSED, encode(closed), 0),),
+                memory=mem,
+                notes=(Note(round=rnd.round, what="job succeeded", reason=closed.message, event="job_succeeded"),),
+            )
         in_place = _repairs_in_place(rnd, ctx)
-        if snap.failed and not (in_place and any(m not in snap.nodes for m in rnd.members)):  # a lost member: the policy's rules below
+        if snap.failed and not (
+            in_place and any(m not in snap.nodes for m in rnd.members)
+        ):  # a lost member: the policy's rules below
             crashed = [f for f in snap.failed.values() if not f.peer]
             message = (crashed or list(snap.failed.values()))[0].message
-            if in_place and all(f.repairable for f in snap.failed.values()) and (not crashed or rnd.restarts < ctx.max_restarts):
-                kind = EventKind.RANK_FAILURE if crashed else EventKind.NODE_LOST  # no rank died here: a node elsewhere did
-                return _new_event(snap, rnd, now, mem, kind=kind, mode=EventMode.RECONFIGURE, next_members=rnd.members,
-                                  reason=f"{'rank failure' if crashed else 'peer failure'}, repaired in place: {message}", failure=message)  # fmt: skip
-            return _new_event(snap, rnd, now, mem, kind=EventKind.RANK_FAILURE, mode=EventMode.STOP,
-                              next_members=None, reason=f"rank failure: {message}", failure=message)  # fmt: skip
+            if (
+                in_place
+                and all(f.repairable for f in snap.failed.values())
+                and (not crashed or rnd.restarts < ctx.max_restarts)
+            ):
+                kind = (
+                    EventKind.RANK_FAILURE if crashed else EventKind.NODE_LOST
+                )  # no rank died here: a node elsewhere did
+                return _new_event(
+                    snap,
+                    rnd,
+                    now,
+                    mem,
+                    kind=kind,
+                    mode=EventMode.RECONFIGURE,
+                    next_members=rnd.members,
+                    reason=f"{'rank failure' if crashed else 'peer failure'}, repaired in place: {message}",
+                    failure=message,
+                )
+            return _new_event(
+                snap,
+                rnd,
+                now,
+                mem,
+                kind=EventKind.RANK_FAILURE,
+                mode=EventMode.STOP,
+                next_members=None,
+                reason=f"rank failure: {message}",
+                failure=message,
+            )
         if (
             not rnd.inprocess
             and ctx.restart_mode is RestartMode.AUTO
             and all(m in snap.nodes and snap.nodes[m].reconfigurable for m in rnd.members)
         ):  # standbys now pre-warm their ranks, so an admission costs no process start
             marked = evolve(rnd, inprocess=True)
-            note = Note(round=rnd.round, what=f"round {rnd.round} runs in-process", reason="every rank declared the in-process API",
-                        event="round_in_process")  # fmt: skip
+            note = Note(
+                round=rnd.round,
+                what=f"round {rnd.round} runs in-process",
+                reason="every rank declared the in-process API",
+                event="round_in_process",
+            )
             return Plan(writes=(Write(Keys.ROUND, encode(marked), snap.round_rev),), notes=(note,), memory=mem)
     if rnd is not None and rnd.state is RoundState.HALTED and rnd.halt_kind is EventKind.RANK_FAILURE:
         after = _after_failure(snap, rnd, now, ctx, mem)
@@ -201,25 +244,56 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
     if decision.action is Action.INSUFFICIENT:
         if not running:
             return Plan(memory=mem, waiting_for=decision.reason)
-        return _new_event(snap, rnd, now, mem, kind=EventKind.INSUFFICIENT, mode=EventMode.RESTART,
-                          next_members=None, reason=decision.reason)  # fmt: skip
+        return _new_event(
+            snap,
+            rnd,
+            now,
+            mem,
+            kind=EventKind.INSUFFICIENT,
+            mode=EventMode.RESTART,
+            next_members=None,
+            reason=decision.reason,
+        )
     if decision.action is Action.WAIT_FOR_LOST:
         if not running:  # halted already: wait for the lost members to come back or time out
             return Plan(memory=mem, waiting_for=decision.reason)
         if _repairs_in_place(rnd, ctx):  # the survivors cannot step without a new group: re-form it now
-            reshape = decide(ctx.policy, dataclasses.replace(view, lost_since={}), now,
-                             nproc_per_node=ctx.nproc_per_node, max_world_size=ctx.max_world_size)  # fmt: skip
+            reshape = decide(
+                ctx.policy,
+                dataclasses.replace(view, lost_since={}),
+                now,
+                nproc_per_node=ctx.nproc_per_node,
+                max_world_size=ctx.max_world_size,
+            )
             if reshape.members and reshape.members[0] in snap.nodes:
-                return _new_event(snap, rnd, now, mem, kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE,
-                                  next_members=reshape.members, reason=f"lost member(s) repaired in place: {reshape.reason}")  # fmt: skip
-        return _new_event(snap, rnd, now, mem, kind=EventKind.NODE_LOST, mode=EventMode.STOP,
-                          next_members=None, reason=decision.reason)  # fmt: skip
+                return _new_event(
+                    snap,
+                    rnd,
+                    now,
+                    mem,
+                    kind=EventKind.NODE_LOST,
+                    mode=EventMode.RECONFIGURE,
+                    next_members=reshape.members,
+                    reason=f"lost member(s) repaired in place: {reshape.reason}",
+                )
+        return _new_event(
+            snap,
+            rnd,
+            now,
+            mem,
+            kind=EventKind.NODE_LOST,
+            mode=EventMode.STOP,
+            next_members=None,
+            reason=decision.reason,
+        )
     if running:
         kind = _event_kind(snap, rnd, decision)
         mode = EventMode.STOP if kind is EventKind.NODE_LOST else EventMode.RESTART
         if kind is EventKind.NODE_LOST and _repairs_in_place(rnd, ctx) and decision.members[0] in snap.nodes:
             mode = EventMode.RECONFIGURE
-        return _new_event(snap, rnd, now, mem, kind=kind, mode=mode, next_members=decision.members, reason=decision.reason)
+        return _new_event(
+            snap, rnd, now, mem, kind=kind, mode=mode, next_members=decision.members, reason=decision.reason
+        )
     if rnd is None:
         reason = RestartReason.START
     elif rnd.halt_kind in (EventKind.RANK_FAILURE, EventKind.NODE_LOST):
@@ -256,8 +330,13 @@ def _view(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext
     first_min = mem.first_min_reached_at
     if first_min is None and len(alive) >= ctx.policy.min_replicas:
         first_min = now
-    new_mem = DeciderMemory(first_seen=first_seen, lost_since=lost_since, capacity_since=capacity_since,
-                            first_min_reached_at=first_min, left_out=left_out)  # fmt: skip
+    new_mem = DeciderMemory(
+        first_seen=first_seen,
+        lost_since=lost_since,
+        capacity_since=capacity_since,
+        first_min_reached_at=first_min,
+        left_out=left_out,
+    )
     if rnd is not None and rnd.state is RoundState.HALTED and rnd.halt_kind is EventKind.INSUFFICIENT:
         members = ()  # halted for lack of nodes: the start rules apply again
     view = ClusterView(
@@ -286,23 +365,43 @@ def _new_event(
     failure: str | None = None,
 ) -> Plan:
     ev = EventRecord(
-        id=(snap.event.id if snap.event else 0) + 1, round=rnd.round, kind=kind, mode=mode,
-        next_members=next_members, reason=reason, decided_at=now, failure=failure,
-    )  # fmt: skip
+        id=(snap.event.id if snap.event else 0) + 1,
+        round=rnd.round,
+        kind=kind,
+        mode=mode,
+        next_members=next_members,
+        reason=reason,
+        decided_at=now,
+        failure=failure,
+    )
     note = Note(
-        round=rnd.round, what=f"event {ev.id} ({kind.value}, {mode.value})", reason=reason, event="scale_decided",
-        fields={"event_id": ev.id, "kind": kind.value, "mode": mode.value, "next_members": list(next_members) if next_members is not None else None},
-    )  # fmt: skip
+        round=rnd.round,
+        what=f"event {ev.id} ({kind.value}, {mode.value})",
+        reason=reason,
+        event="scale_decided",
+        fields={
+            "event_id": ev.id,
+            "kind": kind.value,
+            "mode": mode.value,
+            "next_members": list(next_members) if next_members is not None else None,
+        },
+    )
     return Plan(writes=(Write(Keys.EVENT, encode(ev), snap.event_rev),), notes=(note,), memory=mem)
 
 
-def _drive_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: float, ctx: DeciderContext, mem: DeciderMemory) -> Plan:
+def _drive_event(
+    snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: float, ctx: DeciderContext, mem: DeciderMemory
+) -> Plan:
     live = [m for m in rnd.members if m in snap.nodes]
     if ev.mode is not EventMode.STOP and ev.target is None:
         return _target_event(snap, ev, live, now, ctx, mem)
     gone = [m for m in ev.next_members or () if m not in snap.nodes]
     if ev.mode is EventMode.RECONFIGURE and gone:  # the new group can never form: stop everyone now
-        return _update(snap, evolve(ev, mode=EventMode.STOP, reason=f"{ev.reason}; {gone} vanished during the in-place reconfiguration"), mem)
+        return _update(
+            snap,
+            evolve(ev, mode=EventMode.STOP, reason=f"{ev.reason}; {gone} vanished during the in-place reconfiguration"),
+            mem,
+        )
     reporting = live + _joiners(snap, ev, rnd)
     if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:  # a member left out of the repair is gone
         reporting = [m for m in ev.next_members or () if m in snap.nodes]
@@ -313,7 +412,9 @@ def _drive_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: floa
     return _finish_event(snap, ev, rnd, now, mem)
 
 
-def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: float, ctx: DeciderContext, mem: DeciderMemory) -> Plan:
+def _target_event(
+    snap: JobSnapshot, ev: EventRecord, live: list[str], now: float, ctx: DeciderContext, mem: DeciderMemory
+) -> Plan:
     """Every live member acked: agree on the step (or stop ranks that do not cooperate)."""
     elapsed = now - ev.decided_at
     if not live:  # every member's lease lapsed (a store outage): nobody can act at a step
@@ -340,7 +441,9 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
             return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for the ranks' step rate")
         times.append(rate_wait)  # no second step seen within the bound: steps are at least that slow
     # Ranks kept stepping since they acked: budget for the oldest ack's age (at most the event's).
-    target = choose_target_step([a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, min(age, elapsed)))
+    target = choose_target_step(
+        [a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, min(age, elapsed))
+    )
     mode = ev.mode
     master_addr, master_port = "", 0
     if ev.next_members:
@@ -360,8 +463,13 @@ def _target_event(snap: JobSnapshot, ev: EventRecord, live: list[str], now: floa
             if cold and elapsed <= ctx.ack_timeout:  # survivors would wait in the new group for their start-up
                 return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for {cold} to park their ranks")
     how = "ranks reconfigure in place" if mode is EventMode.RECONFIGURE else "ranks save and restart"
-    note = Note(round=ev.round, what=f"event {ev.id} ({ev.kind.value}, {mode.value})", reason=f"{how} at step {target}",
-                event="scale_targeted", fields={"event_id": ev.id, "kind": ev.kind.value, "mode": mode.value, "target_step": target})  # fmt: skip
+    note = Note(
+        round=ev.round,
+        what=f"event {ev.id} ({ev.kind.value}, {mode.value})",
+        reason=f"{how} at step {target}",
+        event="scale_targeted",
+        fields={"event_id": ev.id, "kind": ev.kind.value, "mode": mode.value, "target_step": target},
+    )
     updated = _update(snap, evolve(ev, target=target, mode=mode, master_addr=master_addr, master_port=master_port), mem)
     return Plan(writes=updated.writes, notes=(note,), memory=mem)
 
@@ -377,12 +485,16 @@ def _superseded_by_repair(snap: JobSnapshot, ev: EventRecord) -> EventRecord:
     crashed = [f for f in snap.failed.values() if not f.peer]
     message = (crashed or list(snap.failed.values()))[0].message
     kind = EventKind.RANK_FAILURE if crashed else EventKind.NODE_LOST
-    nxt = tuple(m for m in ev.next_members or rnd.members if m in rnd.members or (m in snap.nodes and snap.nodes[m].parked))
+    nxt = tuple(
+        m for m in ev.next_members or rnd.members if m in rnd.members or (m in snap.nodes and snap.nodes[m].parked)
+    )
     reason = f"{'rank failure' if crashed else 'peer failure'}, repaired in place with {ev.kind.value} event {ev.id}: {message}"
     return evolve(ev, kind=kind, mode=EventMode.RECONFIGURE, next_members=nxt, failure=message, reason=reason)
 
 
-def _watch_acks(ev: EventRecord, acks: Mapping[str, AckRecord], mem: DeciderMemory, now: float, ctx: DeciderContext) -> tuple[DeciderMemory, float]:
+def _watch_acks(
+    ev: EventRecord, acks: Mapping[str, AckRecord], mem: DeciderMemory, now: float, ctx: DeciderContext
+) -> tuple[DeciderMemory, float]:
     """Note when each ack was first seen; the age of the oldest one (members re-ack while an event waits).
 
     An ack this decider has watched since an earlier ack of the same event is at most a tick older
@@ -404,7 +516,13 @@ def _watch_acks(ev: EventRecord, acks: Mapping[str, AckRecord], mem: DeciderMemo
 
 
 def _target_repair(
-    snap: JobSnapshot, ev: EventRecord, acks: Mapping[str, AckRecord], missing: Sequence[str], elapsed: float, ctx: DeciderContext, mem: DeciderMemory
+    snap: JobSnapshot,
+    ev: EventRecord,
+    acks: Mapping[str, AckRecord],
+    missing: Sequence[str],
+    elapsed: float,
+    ctx: DeciderContext,
+    mem: DeciderMemory,
 ) -> Plan:
     """A failure repaired in place: at once (step 0), rank 0 on the first surviving member's fresh port.
 
@@ -416,30 +534,64 @@ def _target_repair(
         return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for acks from {missing}")
     crashed = [f for f in snap.failed.values() if not f.peer]
     if crashed and ev.kind is EventKind.NODE_LOST and not missing:  # made from the survivors' reports; a rank died
-        ev = evolve(ev, kind=EventKind.RANK_FAILURE, failure=crashed[0].message, reason=f"rank failure, repaired in place: {crashed[0].message}")
+        ev = evolve(
+            ev,
+            kind=EventKind.RANK_FAILURE,
+            failure=crashed[0].message,
+            reason=f"rank failure, repaired in place: {crashed[0].message}",
+        )
         if snap.round is not None and snap.round.restarts >= ctx.max_restarts:
-            return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{ev.reason}; --max-restarts {ctx.max_restarts} used up"), mem)
+            return _update(
+                snap,
+                evolve(
+                    ev, mode=EventMode.STOP, target=-1, reason=f"{ev.reason}; --max-restarts {ctx.max_restarts} used up"
+                ),
+                mem,
+            )
     vanished = [m for m in ev.next_members or () if m not in snap.nodes]  # its lease expired meanwhile
     nxt = tuple(m for m in ev.next_members or () if m not in missing and m not in vanished)
-    reason = ev.reason + (f"; left out {missing}: no answer within {min(elapsed, ctx.propagation):.2g}s" if missing else "")
+    reason = ev.reason + (
+        f"; left out {missing}: no answer within {min(elapsed, ctx.propagation):.2g}s" if missing else ""
+    )
     reason += f"; left out {vanished}: gone" if vanished else ""
     if len(nxt) not in ctx.policy.allowed_sizes():
-        return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{reason}; {len(nxt)} node(s) is not an allowed size"), mem)
+        return _update(
+            snap,
+            evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{reason}; {len(nxt)} node(s) is not an allowed size"),
+            mem,
+        )
     head = nxt[0]
     if head not in acks:
-        return _update(snap, evolve(ev, mode=EventMode.STOP, reason=f"{reason}; rank 0 of the repaired round would not be a survivor"), mem)
+        return _update(
+            snap,
+            evolve(ev, mode=EventMode.STOP, reason=f"{reason}; rank 0 of the repaired round would not be a survivor"),
+            mem,
+        )
     cold = [m for m in nxt if m not in acks and m in snap.nodes and not snap.nodes[m].parked]
     if cold and elapsed <= ctx.ack_timeout:  # a standby refills the lost node's place: wait for it to park
         return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for {cold} to park their ranks")
     master_port = acks[head].port or snap.nodes[head].port
-    note = Note(round=ev.round, what=f"event {ev.id} ({ev.kind.value}, reconfigure)", reason="ranks repair their group in place",
-                event="scale_targeted", fields={"event_id": ev.id, "kind": ev.kind.value, "mode": EventMode.RECONFIGURE.value, "target_step": 0})  # fmt: skip
-    updated = _update(snap, evolve(ev, target=0, next_members=nxt, reason=reason, master_addr=snap.nodes[head].addr, master_port=master_port), mem)
+    note = Note(
+        round=ev.round,
+        what=f"event {ev.id} ({ev.kind.value}, reconfigure)",
+        reason="ranks repair their group in place",
+        event="scale_targeted",
+        fields={"event_id": ev.id, "kind": ev.kind.value, "mode": EventMode.RECONFIGURE.value, "target_step": 0},
+    )
+    updated = _update(
+        snap,
+        evolve(
+            ev, target=0, next_members=nxt, reason=reason, master_addr=snap.nodes[head].addr, master_port=master_port
+        ),
+        mem,
+    )
     left_out = {**mem.left_out, **{m: snap.nodes[m] for m in missing if m in snap.nodes}}
     return Plan(writes=updated.writes, notes=(note,), memory=dataclasses.replace(mem, left_out=left_out))
 
 
-def _silent_since_the_failure(snap: JobSnapshot, acks: Mapping[str, AckRecord], missing: Sequence[str], elapsed: float, ctx: DeciderContext) -> bool:
+def _silent_since_the_failure(
+    snap: JobSnapshot, acks: Mapping[str, AckRecord], missing: Sequence[str], elapsed: float, ctx: DeciderContext
+) -> bool:
     """Whether the members that have not answered a repair are gone, before its propagation budget ends.
 
     A lost node's agent died with its ranks; its lease outlives it. Every other member reported a
@@ -473,9 +625,18 @@ def _finish_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: flo
     if ev.mode is EventMode.RECONFIGURE and nxt and all(m in snap.nodes for m in nxt):
         if all(m in snap.stopped and snap.stopped[m].reconfigured for m in nxt):
             repaired = ev.kind in REPAIR_KINDS
-            published = _publish_round(snap, nxt, now, mem, ev.reason, RestartReason.FAILURE if repaired else RestartReason.SCALE,
-                                       mode=ev.mode, master=(ev.master_addr, ev.master_port), inprocess=True,
-                                       count_restart=ev.kind is EventKind.RANK_FAILURE)  # fmt: skip
+            published = _publish_round(
+                snap,
+                nxt,
+                now,
+                mem,
+                ev.reason,
+                RestartReason.FAILURE if repaired else RestartReason.SCALE,
+                mode=ev.mode,
+                master=(ev.master_addr, ev.master_port),
+                inprocess=True,
+                count_restart=ev.kind is EventKind.RANK_FAILURE,
+            )
         else:  # some node could not move in place: every rank restarts; the skipped number tells the others
             failed = [m for m in nxt if not (m in snap.stopped and snap.stopped[m].reconfigured)]
             why = f"{ev.reason}; in-place reconfiguration failed on {failed}: restarting the ranks"
@@ -483,7 +644,9 @@ def _finish_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: flo
         return Plan(writes=(complete, *published.writes), notes=published.notes, memory=mem)
     if nxt and all(m in snap.nodes for m in nxt):
         reason = RestartReason.FAILURE if ev.mode is EventMode.STOP else RestartReason.SCALE
-        published = _publish_round(snap, nxt, now, mem, ev.reason, reason, mode=ev.mode, master=(ev.master_addr, ev.master_port))
+        published = _publish_round(
+            snap, nxt, now, mem, ev.reason, reason, mode=ev.mode, master=(ev.master_addr, ev.master_port)
+        )
         return Plan(writes=(complete, *published.writes), notes=published.notes, memory=mem)
     halt_kind = ev.kind
     if nxt:  # a next member vanished since the decision: let the start rules choose from the live nodes
@@ -493,7 +656,9 @@ def _finish_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: flo
     return Plan(writes=(complete, Write(Keys.ROUND, encode(halted), snap.round_rev)), notes=(note,), memory=mem)
 
 
-def _after_failure(snap: JobSnapshot, rnd: RoundRecord, now: float, ctx: DeciderContext, mem: DeciderMemory) -> Plan | None:
+def _after_failure(
+    snap: JobSnapshot, rnd: RoundRecord, now: float, ctx: DeciderContext, mem: DeciderMemory
+) -> Plan | None:
     """Halted after a rank failure. Wait one lease ttl: if a member vanished meanwhile, the failure
     was collateral damage of a lost node (the policy handles it, no restart is counted: None);
     otherwise restart the same members, counting a restart, or close the job when none are left."""
@@ -507,7 +672,9 @@ def _after_failure(snap: JobSnapshot, rnd: RoundRecord, now: float, ctx: Decider
         closed = ClosedRecord(status=JobOutcome.FAILED, message=failure + suffix)
         note = Note(round=rnd.round, what="job failed", reason=failure, event="job_failed")
         return Plan(writes=(Write(Keys.CLOSED, encode(closed), 0),), notes=(note,), memory=mem)
-    return _publish_round(snap, rnd.members, now, mem, f"rank failure: {failure}", RestartReason.FAILURE, count_restart=True)
+    return _publish_round(
+        snap, rnd.members, now, mem, f"rank failure: {failure}", RestartReason.FAILURE, count_restart=True
+    )
 
 
 def _publish_round(
@@ -529,11 +696,17 @@ def _publish_round(
     master_addr, master_port = master if master[1] else (head.addr, head.port)
     events = ((rnd.events if rnd is not None else ()) + ((now, len(members)),))[-16:]
     new = RoundRecord(
-        round=number or (rnd.round if rnd is not None else 0) + 1, members=tuple(members), master_addr=master_addr,
-        master_port=master_port, restarts=(rnd.restarts if rnd is not None else 0) + int(count_restart),
-        events=events, reason=reason.value, why=why, mode=mode if mode is EventMode.RECONFIGURE else EventMode.RESTART,
+        round=number or (rnd.round if rnd is not None else 0) + 1,
+        members=tuple(members),
+        master_addr=master_addr,
+        master_port=master_port,
+        restarts=(rnd.restarts if rnd is not None else 0) + int(count_restart),
+        events=events,
+        reason=reason.value,
+        why=why,
+        mode=mode if mode is EventMode.RECONFIGURE else EventMode.RESTART,
         inprocess=inprocess,
-    )  # fmt: skip
+    )
     world = len(members) * head.nproc
     note = Note(round=new.round, what=f"round {new.round}: {len(members)} node(s), world {world}", reason=why)
     return Plan(writes=(Write(Keys.ROUND, encode(new), snap.round_rev),), notes=(note,), memory=mem)

@@ -164,7 +164,9 @@ class ElasticRendezvous(RendezvousHandler):
         self._keeper = LeaseKeeper(self._lease, on_lost=lambda e: log.warning("membership lease lost: %s", e)).start()
 
     def _settings(self) -> dict[str, Any]:
-        return job_settings(nproc_per_node=self.ctx.nproc_per_node, policy=self.ctx.policy, max_world_size=self.ctx.max_world_size)
+        return job_settings(
+            nproc_per_node=self.ctx.nproc_per_node, policy=self.ctx.policy, max_world_size=self.ctx.max_world_size
+        )
 
     def rejoin(self) -> None:
         """Register again under a fresh lease after this node's lease expired (a store outage longer
@@ -181,10 +183,15 @@ class ElasticRendezvous(RendezvousHandler):
     def _put_node(self) -> None:
         """(Re)write this node's record with a port free now: the next round's master port if it hosts rank 0."""
         record = NodeRecord(
-            addr=self._local_addr, port=free_port(self._local_addr), nproc=self.ctx.nproc_per_node,
-            pid=os.getpid(), leaving=self._leaving, reconfigurable=self._reconfigurable, parked=self._parked,
+            addr=self._local_addr,
+            port=free_port(self._local_addr),
+            nproc=self.ctx.nproc_per_node,
+            pid=os.getpid(),
+            leaving=self._leaving,
+            reconfigurable=self._reconfigurable,
+            parked=self._parked,
             settings=self._settings(),
-        )  # fmt: skip
+        )
         self.store.put(Keys.node(self._node_id), encode(record), lease=self._lease)
 
     def request_leave(self) -> None:
@@ -255,9 +262,16 @@ class ElasticRendezvous(RendezvousHandler):
                 self._last_decide = time.monotonic()
                 if self._decide():
                     rnd, _, _ = self._read_round()
-            if rnd is not None and rnd.round > last and rnd.state is RoundState.RUNNING and self._node_id in rnd.members:
+            if (
+                rnd is not None
+                and rnd.round > last
+                and rnd.state is RoundState.RUNNING
+                and self._node_id in rnd.members
+            ):
                 return self._enter(rnd)
-            standby_in_process = rnd is not None and rnd.inprocess and rnd.state is RoundState.RUNNING and not self._leaving
+            standby_in_process = (
+                rnd is not None and rnd.inprocess and rnd.state is RoundState.RUNNING and not self._leaving
+            )
             if standby_in_process and (admission := self._admission(rnd, self._read_event())) is not None:
                 return admission
             if standby_in_process and prewarm is not None and not self._parked and prewarm():
@@ -282,7 +296,9 @@ class ElasticRendezvous(RendezvousHandler):
             patience = self.ctx.tick * 5 if decider or standby_in_process else self.ctx.lease_ttl
             self.store.wait_for_change(watch, after_revision=rev, timeout=min(patience, max(0.0, deadline - now)))
             if standby_in_process and not decider:
-                self.store.wait_for_change(Keys.ROUND, after_revision=rev, timeout=self.ctx.tick)  # at most one read per tick
+                self.store.wait_for_change(
+                    Keys.ROUND, after_revision=rev, timeout=self.ctx.tick
+                )  # at most one read per tick
 
     def poll(self, status: LocalStatus) -> Directive | None:
         """Called every monitor tick while this node's ranks run (or have just finished)."""
@@ -303,9 +319,16 @@ class ElasticRendezvous(RendezvousHandler):
             failed = FailedRecord(message=status.failure or "rank failed", repairable=status.repairing)
             self._put_once(Keys.failed(my_round) + self._node_id, encode(failed))
         elif status.peer_failed:  # the first sign of a lost node, long before its lease expires
-            failed = FailedRecord(message=f"a collective failed on {self._node_id}: a peer died or hung", repairable=True, peer=True)
+            failed = FailedRecord(
+                message=f"a collective failed on {self._node_id}: a peer died or hung", repairable=True, peer=True
+            )
             self._put_once(Keys.failed(my_round) + self._node_id, encode(failed))
-        if rnd is not None and self._round is not None and rnd.round == my_round and rnd.inprocess != self._round.inprocess:
+        if (
+            rnd is not None
+            and self._round is not None
+            and rnd.round == my_round
+            and rnd.inprocess != self._round.inprocess
+        ):
             self._round = rnd  # the decider marked the round in-process
         directive = None
         if event_of_round and ev.id > self._handled_event:
@@ -323,7 +346,9 @@ class ElasticRendezvous(RendezvousHandler):
             self._handled_event = max(self._handled_event, event_id)
             if not reconfigured:
                 self._put_node()  # a fresh port for the next round before the decider publishes it
-            self.store.put(Keys.stopped(event_id) + self._node_id, encode(StoppedRecord(ok=ok, reconfigured=reconfigured)))
+            self.store.put(
+                Keys.stopped(event_id) + self._node_id, encode(StoppedRecord(ok=ok, reconfigured=reconfigured))
+            )
 
     # -- member side of an event ---------------------------------------------------------
 
@@ -351,18 +376,32 @@ class ElasticRendezvous(RendezvousHandler):
         """This node's place in a targeted RECONFIGURE event's round (group rank -1: it leaves)."""
         nxt = ev.next_members or ()
         return Directive(
-            kind=DirectiveKind.RECONFIGURE, event_id=ev.id, event_kind=ev.kind, reason=ev.reason, next_round=ev.next_round,
-            target_step=ev.target, world_size=len(nxt) * self.ctx.nproc_per_node if nxt else -1,
-            group_rank=nxt.index(self._node_id) if self._node_id in nxt else -1, group_world_size=len(nxt),
-            master_addr=ev.master_addr, master_port=ev.master_port, members=nxt,
-        )  # fmt: skip
+            kind=DirectiveKind.RECONFIGURE,
+            event_id=ev.id,
+            event_kind=ev.kind,
+            reason=ev.reason,
+            next_round=ev.next_round,
+            target_step=ev.target,
+            world_size=len(nxt) * self.ctx.nproc_per_node if nxt else -1,
+            group_rank=nxt.index(self._node_id) if self._node_id in nxt else -1,
+            group_world_size=len(nxt),
+            master_addr=ev.master_addr,
+            master_port=ev.master_port,
+            members=nxt,
+        )
 
     def _admission(self, rnd: RoundRecord, ev: EventRecord | None) -> RoundInfo | None:
         """A targeted RECONFIGURE event of the running round that admits this standby in place."""
         if (
-            ev is None or ev.round != rnd.round or ev.complete or ev.mode is not EventMode.RECONFIGURE
-            or ev.target is None or ev.target < 0 or not ev.next_members or self._node_id not in ev.next_members
-        ):  # fmt: skip
+            ev is None
+            or ev.round != rnd.round
+            or ev.complete
+            or ev.mode is not EventMode.RECONFIGURE
+            or ev.target is None
+            or ev.target < 0
+            or not ev.next_members
+            or self._node_id not in ev.next_members
+        ):
             return None
         directive = self._reconfigure_directive(ev)
         self._handled_event = ev.id
@@ -377,9 +416,14 @@ class ElasticRendezvous(RendezvousHandler):
         # The decider completes the event and then publishes the round: two writes, so between them the
         # event is complete and the round not yet written. Only a halted previous round means "never published".
         unpublished = (
-            placed is not None and ev is not None and ev.id == placed.id and ev.complete
-            and rnd is not None and rnd.round == my_round - 1 and rnd.state is RoundState.HALTED
-        )  # fmt: skip
+            placed is not None
+            and ev is not None
+            and ev.id == placed.id
+            and ev.complete
+            and rnd is not None
+            and rnd.round == my_round - 1
+            and rnd.state is RoundState.HALTED
+        )
         if not (moved_on or unpublished):
             return None
         self._in_place_event = None
@@ -398,9 +442,13 @@ class ElasticRendezvous(RendezvousHandler):
                 return
         seq = self._acked.seq + 1 if self._acked_event == ev.id and self._acked is not None else 0
         ack = AckRecord(
-            step=max(status.steps, default=0), step_time=step_time, cooperative=status.cooperative,
-            reconfigurable=status.reconfigurable, port=self._acked.port if seq else free_port(self._local_addr), seq=seq,
-        )  # fmt: skip
+            step=max(status.steps, default=0),
+            step_time=step_time,
+            cooperative=status.cooperative,
+            reconfigurable=status.reconfigurable,
+            port=self._acked.port if seq else free_port(self._local_addr),
+            seq=seq,
+        )
         self._acked, self._acked_event, self._acked_at = ack, ev.id, now
         self.store.put(Keys.acks(ev.id) + self._node_id, encode(ack))
 
@@ -436,20 +484,39 @@ class ElasticRendezvous(RendezvousHandler):
         acks, stopped, done, failed = {}, {}, frozenset(), {}
         pending = ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete
         if pending and ev.target is None and ev.mode is not EventMode.STOP:
-            acks = {Keys.leaf(k): decode(AckRecord, k, e.value) for k, e in self.store.get_prefix(Keys.acks(ev.id)).items()}
+            acks = {
+                Keys.leaf(k): decode(AckRecord, k, e.value) for k, e in self.store.get_prefix(Keys.acks(ev.id)).items()
+            }
             # a rank's crash reported after its peers' failed collectives names a repair; in a round that repairs in
             # place, a failure turns a scale event still waiting for acks or joiners into its repair
             if ev.kind in REPAIR_KINDS or rnd.inprocess:
-                failed = {Keys.leaf(k): decode(FailedRecord, k, e.value) for k, e in self.store.get_prefix(Keys.failed(rnd.round)).items()}
+                failed = {
+                    Keys.leaf(k): decode(FailedRecord, k, e.value)
+                    for k, e in self.store.get_prefix(Keys.failed(rnd.round)).items()
+                }
         elif pending:
-            stopped = {Keys.leaf(k): decode(StoppedRecord, k, e.value) for k, e in self.store.get_prefix(Keys.stopped(ev.id)).items()}
+            stopped = {
+                Keys.leaf(k): decode(StoppedRecord, k, e.value)
+                for k, e in self.store.get_prefix(Keys.stopped(ev.id)).items()
+            }
         elif rnd is not None and rnd.state is RoundState.RUNNING:
             done = frozenset(Keys.leaf(k) for k in self.store.get_prefix(Keys.done(rnd.round)))
-            failed = {Keys.leaf(k): decode(FailedRecord, k, e.value) for k, e in self.store.get_prefix(Keys.failed(rnd.round)).items()}
+            failed = {
+                Keys.leaf(k): decode(FailedRecord, k, e.value)
+                for k, e in self.store.get_prefix(Keys.failed(rnd.round)).items()
+            }
         return JobSnapshot(
-            nodes=nodes, round=rnd, round_rev=rnd_entry.revision if rnd_entry else 0, event=ev,
-            event_rev=ev_entry.revision if ev_entry else 0, acks=acks, stopped=stopped, done=done, failed=failed, cap=cap,
-        )  # fmt: skip
+            nodes=nodes,
+            round=rnd,
+            round_rev=rnd_entry.revision if rnd_entry else 0,
+            event=ev,
+            event_rev=ev_entry.revision if ev_entry else 0,
+            acks=acks,
+            stopped=stopped,
+            done=done,
+            failed=failed,
+            cap=cap,
+        )
 
     def _execute(self, result: Plan) -> bool:
         """Apply the plan's writes in order; stop at the first that lost a race (the next tick re-plans)."""
@@ -469,7 +536,9 @@ class ElasticRendezvous(RendezvousHandler):
             entry = self.store.get(Keys.HISTORY)
             items = decode_list(HistoryEntry, Keys.HISTORY, _value(entry))
             items = (items + [HistoryEntry(ts=self.clock(), round=round_no, what=what, reason=reason)])[-HISTORY_KEEP:]
-            if self.store.compare_and_swap(Keys.HISTORY, encode(items), expected_revision=entry.revision if entry else 0):
+            if self.store.compare_and_swap(
+                Keys.HISTORY, encode(items), expected_revision=entry.revision if entry else 0
+            ):
                 return
 
     # -- helpers -------------------------------------------------------------------------
@@ -477,7 +546,9 @@ class ElasticRendezvous(RendezvousHandler):
     def _read_event(self) -> EventRecord | None:
         return decode(EventRecord, Keys.EVENT, _value(self.store.get(Keys.EVENT)))
 
-    def _read_round(self, *, with_event: bool = False) -> tuple[RoundRecord | None, EventRecord | None, ClosedRecord | None]:
+    def _read_round(
+        self, *, with_event: bool = False
+    ) -> tuple[RoundRecord | None, EventRecord | None, ClosedRecord | None]:
         """What every node reads each tick: O(1) keys, whatever the size of the job."""
         rnd = decode(RoundRecord, Keys.ROUND, _value(self.store.get(Keys.ROUND)))
         ev = self._read_event() if with_event else None
@@ -518,22 +589,35 @@ class ElasticRendezvous(RendezvousHandler):
         if directive.group_rank < 0:
             raise RendezvousError("this node left the job at the reconfiguration")
         rnd = RoundRecord(
-            round=directive.next_round, members=directive.members, master_addr=directive.master_addr, master_port=directive.master_port,
-            reason=(RestartReason.FAILURE if directive.repair else RestartReason.SCALE).value, mode=EventMode.RECONFIGURE, inprocess=True,
-        )  # fmt: skip
+            round=directive.next_round,
+            members=directive.members,
+            master_addr=directive.master_addr,
+            master_port=directive.master_port,
+            reason=(RestartReason.FAILURE if directive.repair else RestartReason.SCALE).value,
+            mode=EventMode.RECONFIGURE,
+            inprocess=True,
+        )
         self._round = rnd
         self._in_place_event = EventRecord(
-            id=directive.event_id, round=directive.next_round - 1, kind=directive.event_kind or EventKind.JOIN,
-            mode=EventMode.RECONFIGURE, next_members=None, reason=directive.reason, decided_at=0.0,
-        )  # fmt: skip
+            id=directive.event_id,
+            round=directive.next_round - 1,
+            kind=directive.event_kind or EventKind.JOIN,
+            mode=EventMode.RECONFIGURE,
+            next_members=None,
+            reason=directive.reason,
+            decided_at=0.0,
+        )
         if self.events:
             self.events.round, self.events.world_size = rnd.round, directive.world_size
         return RoundInfo(
             round=rnd.round,
             assignment=GroupAssignment(
-                group_rank=directive.group_rank, group_world_size=directive.group_world_size,
-                nproc_per_node=self.ctx.nproc_per_node, master_addr=directive.master_addr, master_port=directive.master_port,
-            ),  # fmt: skip
+                group_rank=directive.group_rank,
+                group_world_size=directive.group_world_size,
+                nproc_per_node=self.ctx.nproc_per_node,
+                master_addr=directive.master_addr,
+                master_port=directive.master_port,
+            ),
             members=directive.members,
             reason=RestartReason.FAILURE if directive.repair else RestartReason.SCALE,
         )
@@ -541,4 +625,3 @@ class ElasticRendezvous(RendezvousHandler):
 
 def _value(entry) -> bytes | None:
     return entry.value if entry is not None else None
-

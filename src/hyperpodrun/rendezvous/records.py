@@ -29,10 +29,26 @@ from typing import Any, TypeVar
 from hyperpodrun.errors import RendezvousError
 
 __all__ = [
-    "AckRecord", "CapRecord", "ClosedRecord", "EventKind", "EventMode", "EventRecord", "FailedRecord", "HistoryEntry",
-    "JobOutcome", "Keys", "NodeRecord", "REPAIR_KINDS", "RecordError", "RoundRecord", "RoundState", "StoppedRecord",
-    "cap_of", "decode", "encode",
-]  # fmt: skip
+    "AckRecord",
+    "CapRecord",
+    "ClosedRecord",
+    "EventKind",
+    "EventMode",
+    "EventRecord",
+    "FailedRecord",
+    "HistoryEntry",
+    "JobOutcome",
+    "Keys",
+    "NodeRecord",
+    "REPAIR_KINDS",
+    "RecordError",
+    "RoundRecord",
+    "RoundState",
+    "StoppedRecord",
+    "cap_of",
+    "decode",
+    "encode",
+]
 
 
 class RecordError(RendezvousError):
@@ -280,7 +296,9 @@ def from_dict(cls: type[_R], key: str, data: dict[str, Any]) -> _R:
             try:
                 value = _ENUMS[name](value)
             except ValueError:
-                raise RecordError(f"key {key!r}: {name}={value!r} is not one of {[e.value for e in _ENUMS[name]]}") from None
+                raise RecordError(
+                    f"key {key!r}: {name}={value!r} is not one of {[e.value for e in _ENUMS[name]]}"
+                ) from None
         elif name in _TUPLES and value is not None:
             value = tuple(value)
         elif name == "events":
@@ -295,5 +313,3 @@ def from_dict(cls: type[_R], key: str, data: dict[str, Any]) -> _R:
 def evolve(record: _R, **changes: Any) -> _R:
     """A copy of a frozen record with some fields changed."""
     return replace(record, **changes)  # type: ignore[type-var]
-
-

@@ -74,7 +74,9 @@ class StaticRendezvous(RendezvousHandler):
         if self._restarts >= self._max_restarts:
             n = self._restarts
             suffix = f" (after {n} restart{'s' * (n != 1)})" if n else ""
-            return Directive(kind=DirectiveKind.EXIT, exit_code=1, event_kind=EventKind.RANK_FAILURE, reason=failure + suffix)
+            return Directive(
+                kind=DirectiveKind.EXIT, exit_code=1, event_kind=EventKind.RANK_FAILURE, reason=failure + suffix
+            )
         self._restarts += 1
         return Directive(
             kind=DirectiveKind.STOP,

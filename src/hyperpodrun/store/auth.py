@@ -71,15 +71,16 @@ def resolve_store_secret(conf: Mapping[str, str], env: Mapping[str, str]) -> byt
         return None
     if len(data) < _MIN_SECRET_BYTES:
         raise StoreConfigError(
-            f"{where}: the store secret must be at least {_MIN_SECRET_BYTES} characters "
-            "(e.g. openssl rand -hex 32)"
+            f"{where}: the store secret must be at least {_MIN_SECRET_BYTES} characters (e.g. openssl rand -hex 32)"
         )
     return data
 
 
 def _private_dir() -> Path:
     """``hyperpodrun-<uid>`` under a per-user or memory-backed folder, 0700 and ours."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+    base = os.environ.get("XDG_RUNTIME_DIR") or (
+        "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    )
     directory = Path(base) / f"hyperpodrun-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         directory.mkdir(mode=0o700)

@@ -57,7 +57,6 @@ logger = logging.getLogger(__name__)
 KEY_ROOT = "/hyperpodrun/v1/"
 
 
-
 # --------------------------------------------------------------------------- errors
 
 
@@ -178,9 +177,7 @@ class Store(abc.ABC):
         """Write unconditionally; returns the new revision (the key's new mod revision)."""
 
     @abc.abstractmethod
-    def compare_and_swap(
-        self, key: str, value: bytes, *, expected_revision: int, lease: Lease | None = None
-    ) -> bool:
+    def compare_and_swap(self, key: str, value: bytes, *, expected_revision: int, lease: Lease | None = None) -> bool:
         """Write only if the key's mod revision equals ``expected_revision``.
 
         ``expected_revision=0`` means "only if the key does not exist". Returns whether
@@ -304,12 +301,8 @@ class PrefixedStore(Store):
     def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
         return self.inner.put(self.prefix + key, value, lease=lease)
 
-    def compare_and_swap(
-        self, key: str, value: bytes, *, expected_revision: int, lease: Lease | None = None
-    ) -> bool:
-        return self.inner.compare_and_swap(
-            self.prefix + key, value, expected_revision=expected_revision, lease=lease
-        )
+    def compare_and_swap(self, key: str, value: bytes, *, expected_revision: int, lease: Lease | None = None) -> bool:
+        return self.inner.compare_and_swap(self.prefix + key, value, expected_revision=expected_revision, lease=lease)
 
     def delete(self, key: str) -> bool:
         return self.inner.delete(self.prefix + key)
@@ -324,9 +317,7 @@ class PrefixedStore(Store):
         return self.inner.current_revision()
 
     def wait_for_change(self, prefix: str, *, after_revision: int, timeout: float) -> int | None:
-        return self.inner.wait_for_change(
-            self.prefix + prefix, after_revision=after_revision, timeout=timeout
-        )
+        return self.inner.wait_for_change(self.prefix + prefix, after_revision=after_revision, timeout=timeout)
 
     def close(self) -> None:
         self.inner.close()
@@ -366,17 +357,14 @@ class LeaseKeeper:
         _check_timeout("LeaseKeeper interval", self.interval)
         if self.interval >= lease.ttl:
             raise StoreConfigError(
-                f"LeaseKeeper interval ({self.interval:g}s) must be shorter than the "
-                f"lease ttl ({lease.ttl:g}s)"
+                f"LeaseKeeper interval ({self.interval:g}s) must be shorter than the lease ttl ({lease.ttl:g}s)"
             )
         self._on_lost = on_lost
         self._clock = clock
         self._stop = threading.Event()
         self._lost = threading.Event()
         self._error: StoreError | None = None
-        self._thread = threading.Thread(
-            target=self._run, name=f"lease-keeper-{lease.id:#x}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"lease-keeper-{lease.id:#x}", daemon=True)
 
     @property
     def lost(self) -> bool:

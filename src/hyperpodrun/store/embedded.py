@@ -39,7 +39,17 @@ from hyperpodrun.store.base import (
 )
 from hyperpodrun.store.embedded_server import EmbeddedHostNotLocalError, EmbeddedStoreGoneError, EmbeddedStoreServer
 from hyperpodrun.store.memory import KeyValueState
-from hyperpodrun.store.wire import PROTOCOL_VERSION, ProtocolError, b64, new_nonce, proof, proofs_match, recv_frame, send_frame, unb64
+from hyperpodrun.store.wire import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    b64,
+    new_nonce,
+    proof,
+    proofs_match,
+    recv_frame,
+    send_frame,
+    unb64,
+)
 
 __all__ = [
     "DEFAULT_PORT",
@@ -148,7 +158,9 @@ class EmbeddedStoreClient(Store):
             self._discard(sock)
             if isinstance(e, ProtocolError):
                 raise
-            raise ProtocolError(f"no handshake: {os.strerror(e.errno).lower() if e.errno else e or type(e).__name__}") from e
+            raise ProtocolError(
+                f"no handshake: {os.strerror(e.errno).lower() if e.errno else e or type(e).__name__}"
+            ) from e
         except BaseException:
             self._discard(sock)
             raise
@@ -176,7 +188,9 @@ class EmbeddedStoreClient(Store):
             )
         server_nonce = str(hello.get("nonce", ""))
         if not proofs_match(proof(secret, "server", client_nonce, server_nonce), hello.get("proof")):
-            raise StoreAuthError(f"the embedded store at {self.endpoint} does not know this job's secret (wrong secret?)")
+            raise StoreAuthError(
+                f"the embedded store at {self.endpoint} does not know this job's secret (wrong secret?)"
+            )
         send_frame(sock, {"op": "auth", "proof": proof(secret, "client", client_nonce, server_nonce)})
         if (answer := recv_frame(sock)) is None or answer.get("ok") is not True:
             raise StoreAuthError(f"the embedded store at {self.endpoint} refused this job's secret (wrong secret?)")
@@ -268,7 +282,9 @@ class EmbeddedStoreClient(Store):
                     raise StoreClosedError(f"embedded store client for {self.endpoint} is closed") from e.cause
                 if resent or (e.sent and request["op"] not in _RESENDABLE):
                     raise EmbeddedStoreGoneError(self.endpoint) from e.cause
-                logger.info("embedded store connection to %s dropped during %s; resending", self.endpoint, request["op"])
+                logger.info(
+                    "embedded store connection to %s dropped during %s; resending", self.endpoint, request["op"]
+                )
                 resent = True
         if "error" in response:
             error = response["error"]
@@ -293,9 +309,7 @@ class EmbeddedStoreClient(Store):
     def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
         return int(self._call({"op": "put", "key": key, "value": b64(value), "lease": _lease_id(lease)}))
 
-    def compare_and_swap(
-        self, key: str, value: bytes, *, expected_revision: int, lease: Lease | None = None
-    ) -> bool:
+    def compare_and_swap(self, key: str, value: bytes, *, expected_revision: int, lease: Lease | None = None) -> bool:
         if expected_revision < 0:
             raise ValueError(f"expected_revision must be >= 0, got {expected_revision}")
         request = {

@@ -29,7 +29,17 @@ from hyperpodrun.store.base import (
     format_endpoint,
 )
 from hyperpodrun.store.memory import KeyValueState
-from hyperpodrun.store.wire import PROTOCOL_VERSION, arg, b64, new_nonce, proof, proofs_match, recv_frame, send_frame, unb64
+from hyperpodrun.store.wire import (
+    PROTOCOL_VERSION,
+    arg,
+    b64,
+    new_nonce,
+    proof,
+    proofs_match,
+    recv_frame,
+    send_frame,
+    unb64,
+)
 
 __all__ = ["EmbeddedHostNotLocalError", "EmbeddedStoreGoneError", "EmbeddedStoreServer"]
 
@@ -261,7 +271,9 @@ class EmbeddedStoreServer:
         if hello is None:
             return False
         if hello.get("op") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
-            send_frame(conn, {"error": {"kind": "protocol", "message": f"expected hello of protocol {PROTOCOL_VERSION}"}})
+            send_frame(
+                conn, {"error": {"kind": "protocol", "message": f"expected hello of protocol {PROTOCOL_VERSION}"}}
+            )
             return False
         if self._secret is None:
             send_frame(conn, {"ok": {"protocol": PROTOCOL_VERSION, "auth": False}})

@@ -23,28 +23,6 @@ import etcd3gw
 import requests
 import urllib3.exceptions
 
-from hyperpodrun.store.etcd_support import (
-    Backoff,
-    Broken,
-    DEFAULT_PORT,
-    EtcdApiError,
-    EtcdConfig,
-    INVALID_ARGUMENT,
-    MIN_ATTEMPT_TIMEOUT,
-    NOT_APPLIED,
-    NOT_FOUND,
-    PERMISSION_DENIED,
-    Retry,
-    UNAUTHENTICATED,
-    UNAVAILABLE,
-    b64,
-    json_lines,
-    key_range,
-    never_sent,
-    os_reason,
-    stream_socket,
-    unb64,
-)
 from hyperpodrun.store.base import (
     KEY_ROOT,
     Entry,
@@ -60,10 +38,33 @@ from hyperpodrun.store.base import (
     format_endpoint,
     parse_endpoint,
 )
+from hyperpodrun.store.etcd_support import (
+    DEFAULT_PORT,
+    INVALID_ARGUMENT,
+    MIN_ATTEMPT_TIMEOUT,
+    NOT_APPLIED,
+    NOT_FOUND,
+    PERMISSION_DENIED,
+    UNAUTHENTICATED,
+    UNAVAILABLE,
+    Backoff,
+    Broken,
+    EtcdApiError,
+    EtcdConfig,
+    Retry,
+    b64,
+    json_lines,
+    key_range,
+    never_sent,
+    os_reason,
+    stream_socket,
+    unb64,
+)
 
 __all__ = ["DEFAULT_PORT", "EtcdConfig", "EtcdStore"]
 
 logger = logging.getLogger(__name__)
+
 
 class _EtcdLease(Lease):
     def __init__(self, store: EtcdStore, lease_id: int, ttl: float) -> None:
@@ -325,9 +326,7 @@ class EtcdStore(Store):
             raise self._lease_error(e, lease) from e
         return int(reply["header"]["revision"])
 
-    def compare_and_swap(
-        self, key: str, value: bytes, *, expected_revision: int, lease: Lease | None = None
-    ) -> bool:
+    def compare_and_swap(self, key: str, value: bytes, *, expected_revision: int, lease: Lease | None = None) -> bool:
         self._check_revision("expected_revision", expected_revision)
         txn = {
             "compare": [
@@ -399,16 +398,19 @@ class EtcdStore(Store):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            logger.info("etcd watch on %r broke (%s); watching again from revision %d", prefix, outcome.reason, after_revision + 1)
+            logger.info(
+                "etcd watch on %r broke (%s); watching again from revision %d",
+                prefix,
+                outcome.reason,
+                after_revision + 1,
+            )
             if self._closed.wait(min(backoff.next(), remaining)):
                 raise StoreClosedError(f"etcd store for {self._names} was closed during a wait")
 
     def _watch_once(self, prefix: str, *, after_revision: int, deadline: float) -> int | None | Broken:
         """One watch stream: the revision of a change, ``None`` at the deadline, or why it broke."""
         start, end = key_range(prefix)
-        request = {
-            "create_request": {"key": b64(start), "range_end": b64(end), "start_revision": after_revision + 1}
-        }
+        request = {"create_request": {"key": b64(start), "range_end": b64(end), "start_revision": after_revision + 1}}
         response = self._send("watch", request, idempotent=True, stream=True)
         name = response.url
         sock = stream_socket(response)

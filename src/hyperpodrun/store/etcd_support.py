@@ -76,7 +76,9 @@ class EtcdConfig:
         _check_tls_files(self.cacert, self.cert, self.key)
         if (self.user is None) != (self.password is None):
             missing = "password" if self.password is None else "user"
-            raise StoreConfigError(f"{missing} is required when {'user' if missing == 'password' else 'password'} is given")
+            raise StoreConfigError(
+                f"{missing} is required when {'user' if missing == 'password' else 'password'} is given"
+            )
         if self.user == "":
             raise StoreConfigError("user must be non-empty")
         if self.password is not None and self.scheme == "http" and not self.insecure:
@@ -108,7 +110,9 @@ def _check_tls_files(cacert: str | None, cert: str | None, key: str | None) -> N
         if cert is not None:
             context.load_cert_chain(cert, key)
     except (ssl.SSLError, ValueError) as e:
-        raise StoreConfigError(f"cert/key: {cert!r} and {key!r} are not a matching PEM certificate and key ({e})") from None
+        raise StoreConfigError(
+            f"cert/key: {cert!r} and {key!r} are not a matching PEM certificate and key ({e})"
+        ) from None
 
 
 class EtcdApiError(StoreError):
@@ -203,9 +207,7 @@ def stream_socket(response: requests.Response) -> socket.socket | None:
     return getattr(getattr(response.raw, "connection", None), "sock", None)
 
 
-def json_lines(
-    response: requests.Response, sock: socket.socket | None, *, deadline: float
-) -> Iterator[dict[str, Any]]:
+def json_lines(response: requests.Response, sock: socket.socket | None, *, deadline: float) -> Iterator[dict[str, Any]]:
     """The newline-delimited JSON messages of a gateway stream, read until ``deadline``.
 
     Each read of ``sock`` is given the time left, so a quiet stream raises urllib3's

@@ -40,7 +40,17 @@ from hyperpodrun.store.embedded import DEFAULT_PORT as EMBEDDED_DEFAULT_PORT
 from hyperpodrun.store.embedded import EmbeddedHostNotLocalError, EmbeddedStoreClient, EmbeddedStoreServer
 from hyperpodrun.store.etcd import EtcdConfig, EtcdStore
 
-__all__ = ["BACKENDS", "BACKEND_SPECS", "BackendSpec", "STORE_CONF_KEYS", "backend_spec", "check_store_conf", "create_store", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "BACKEND_SPECS",
+    "BackendSpec",
+    "STORE_CONF_KEYS",
+    "backend_spec",
+    "check_store_conf",
+    "create_store",
+    "resolve_backend",
+]
+
 
 @dataclass(frozen=True, kw_only=True)
 class BackendSpec:
@@ -84,9 +94,29 @@ def backend_spec(backend: str) -> BackendSpec:
 # Words that only make sense in a store/TLS/auth key: a key containing one of them that is
 # not in STORE_CONF_KEYS is a typo, not a rendezvous option.
 _STORE_WORDS = frozenset(
-    {"ca", "cafile", "cacrt", "cert", "certfile", "certificate", "crt", "keyfile", "key", "tls", "ssl",
-     "https", "user", "username", "password", "passwd", "pass", "token", "secret", "insecure"}
-)  # fmt: skip
+    {
+        "ca",
+        "cafile",
+        "cacrt",
+        "cert",
+        "certfile",
+        "certificate",
+        "crt",
+        "keyfile",
+        "key",
+        "tls",
+        "ssl",
+        "https",
+        "user",
+        "username",
+        "password",
+        "passwd",
+        "pass",
+        "token",
+        "secret",
+        "insecure",
+    }
+)
 
 
 def resolve_backend(backend: str) -> str:

@@ -71,9 +71,7 @@ class KeyValueState:
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
         with self._cond:
             self._prepare()
-            return {
-                k: Entry(r.value, r.revision) for k, r in self._data.items() if k.startswith(prefix)
-            }
+            return {k: Entry(r.value, r.revision) for k, r in self._data.items() if k.startswith(prefix)}
 
     # ---- writes
 

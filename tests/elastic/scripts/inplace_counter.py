@@ -57,14 +57,24 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 elastic = ElasticTraining(
-    model_fn=build, wrap=shard if FSDP else None,
+    model_fn=build,
+    wrap=shard if FSDP else None,
     optimizer_fn=lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-).start()  # fmt: skip
+).start()
 
 
 def note(how: str) -> None:
-    log("worlds.jsonl", {"pid": os.getpid(), "rank": elastic.rank, "world": elastic.world_size,
-                         "round": elastic.round, "step": elastic.step, "how": how})  # fmt: skip
+    log(
+        "worlds.jsonl",
+        {
+            "pid": os.getpid(),
+            "rank": elastic.rank,
+            "world": elastic.world_size,
+            "round": elastic.round,
+            "step": elastic.step,
+            "how": how,
+        },
+    )
 
 
 note(elastic.resumed_from)

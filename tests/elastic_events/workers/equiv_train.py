@@ -18,7 +18,6 @@ after every step of this phase.
 
 from __future__ import annotations
 
-
 import argparse
 import contextlib
 import json

@@ -24,7 +24,9 @@ SAMPLES, FEATURES, GLOBAL_BATCH = 60, 4, 6
 
 def build() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5), torch.nn.Linear(5, 2))
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5), torch.nn.Linear(5, 2)
+    )
 
 
 def fsdp_wrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -53,12 +55,19 @@ def dump(args: argparse.Namespace, elastic: ElasticTraining, tag: str) -> None:
         else:
             params[name] = p.detach().clone()
     state = {
-        "pid": os.getpid(), "rank": elastic.rank, "world_size": elastic.world_size, "round": elastic.round,
-        "step": elastic.step, "extra": dict(elastic.extra), "sampler": elastic.sampler.state_dict(),
-        "scheduler": elastic.scheduler.state_dict(), "params": params, "shards": shards,
+        "pid": os.getpid(),
+        "rank": elastic.rank,
+        "world_size": elastic.world_size,
+        "round": elastic.round,
+        "step": elastic.step,
+        "extra": dict(elastic.extra),
+        "sampler": elastic.sampler.state_dict(),
+        "scheduler": elastic.scheduler.state_dict(),
+        "params": params,
+        "shards": shards,
         "optimizer": full_optimizer_state(elastic) if shards else elastic.optimizer.state_dict(),
         "plan": (elastic.sampler.rank, elastic.sampler.world_size),
-    }  # fmt: skip
+    }
     torch.save(state, args.out / f"{tag}-{os.environ['HYPERPODRUN_NODE_ID']}-{os.environ['LOCAL_RANK']}.pt")
 
 

@@ -51,8 +51,16 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) ->
 
 def piece_of(rank: int, world: int, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Piece:
     c = capture(model, opt)
-    return Piece(owner=rank, round=1, world_size=world, step=step, layout=c.layout, small={"step": step},
-                 param_groups=c.param_groups(opt), tensors=c.tensors)  # fmt: skip
+    return Piece(
+        owner=rank,
+        round=1,
+        world_size=world,
+        step=step,
+        layout=c.layout,
+        small={"step": step},
+        param_groups=c.param_groups(opt),
+        tensors=c.tensors,
+    )
 
 
 def full_equal(a: dict, b: dict) -> bool:
@@ -75,8 +83,17 @@ def main() -> int:
     sockets: set[int] = set()
     with abort.tracking(sockets):
         group, acks = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
-    rep = Replicator(group=group, acks=acks, sockets=sockets, round=1, rank=rank, world_size=world,
-                     local_world_size=local_world, bucket_bytes=64, timeout_s=60)  # fmt: skip
+    rep = Replicator(
+        group=group,
+        acks=acks,
+        sockets=sockets,
+        round=1,
+        rank=rank,
+        world_size=world,
+        local_world_size=local_world,
+        bucket_bytes=64,
+        timeout_s=60,
+    )
     opt.register_step_pre_hook(lambda *_: rep.wait(broken=lambda: None))
     twin = build()  # the same training, never snapshotted: snapshots must not change what is trained
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.01)
@@ -97,8 +114,17 @@ def main() -> int:
                 sockets = set()
                 with abort.tracking(sockets):
                     group, acks = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
-                rep = Replicator(group=group, acks=acks, sockets=sockets, round=1 + again, rank=rank, world_size=world,
-                                 local_world_size=local_world, bucket_bytes=64, timeout_s=60)  # fmt: skip
+                rep = Replicator(
+                    group=group,
+                    acks=acks,
+                    sockets=sockets,
+                    round=1 + again,
+                    rank=rank,
+                    world_size=world,
+                    local_world_size=local_world,
+                    bucket_bytes=64,
+                    timeout_s=60,
+                )
                 rep.snapshot(piece_of(rank, world, STEPS, model, opt))
                 rep.wait(broken=lambda: None)
             dist.barrier()  # every rank's chain is done: an abort here breaks only idle waits
@@ -115,6 +141,7 @@ def main() -> int:
             if rank == holder and holder != 0:
                 send_piece(rep.held_piece(owner, STEPS), dst=0, group=group, bucket_bytes=64)
         if rank == 0:
+
             def pieces():
                 for owner in range(world):
                     holder = snapshot.holder_of(owner, world_size=world, local_world_size=local_world)
@@ -122,12 +149,20 @@ def main() -> int:
                         yield rep.held_piece(owner, STEPS)
                         continue
                     piece = recv_header(src=holder, group=group)
-                    yield recv_body(piece, torch.empty(piece.layout.nbytes, dtype=torch.uint8), src=holder, group=group, bucket_bytes=64)
+                    yield recv_body(
+                        piece,
+                        torch.empty(piece.layout.nbytes, dtype=torch.uint8),
+                        src=holder,
+                        group=group,
+                        bucket_bytes=64,
+                    )
 
             model_sd, optim_sd, first = assemble(pieces())
             out["model_equal"] = full_equal(model_sd, full.model)
             out["optim_equal"] = full_equal(optim_sd, full.optimizer)
-            out["untouched_equal"] = full_equal(full.model, untouched.model) and full_equal(full.optimizer, untouched.optimizer)
+            out["untouched_equal"] = full_equal(full.model, untouched.model) and full_equal(
+                full.optimizer, untouched.optimizer
+            )
             out["small"] = first.small
         # the same world again (a crashed rank replaced): a fresh model takes this rank's copy as its local shards
         fresh = build()
@@ -135,7 +170,9 @@ def main() -> int:
         load_local_state(fresh, fresh_opt, rep.held_piece(rank, STEPS))
         reloaded = gather_full_state(fresh, fresh_opt, holder=0)
         if rank == 0:
-            out["reloaded_equal"] = full_equal(reloaded.model, full.model) and full_equal(reloaded.optimizer, full.optimizer)
+            out["reloaded_equal"] = full_equal(reloaded.model, full.model) and full_equal(
+                reloaded.optimizer, full.optimizer
+            )
         try:  # another rank's piece: its shards lie elsewhere on the mesh
             load_local_state(build(), None, rep.held_piece(rep.owner, STEPS))
             out["wrong_piece"] = None
@@ -143,6 +180,7 @@ def main() -> int:
             out["wrong_piece"] = str(exc)
     else:  # the last rank dies in the middle of sending its snapshot of the next step: after its header
         if rank == world - 1:
+
             def die(*_args, **_kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
 

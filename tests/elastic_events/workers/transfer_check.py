@@ -38,8 +38,18 @@ def main() -> int:
     mine = tensors(fill=rank == 0)
     stats = broadcast_tensors(mine, src=0, device=torch.device("cpu"), bucket_bytes=bucket)
     same = all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(mine, tensors(fill=True)))
-    print(json.dumps({"rank": rank, "same": same, "nbytes": stats.nbytes, "broadcasts": stats.broadcasts,
-                      "staging": stats.staging_bytes}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "same": same,
+                "nbytes": stats.nbytes,
+                "broadcasts": stats.broadcasts,
+                "staging": stats.staging_bytes,
+            }
+        ),
+        flush=True,
+    )
     dist.destroy_process_group()
     return 0
 

@@ -50,7 +50,9 @@ class Record(TrainerCallback):
         self.model = model
 
     def on_step_end(self, args, state, control, **kwargs):
-        log_step(run, rank=args.process_index, world=args.world_size, step=state.global_step, ids=self.model.seen, loss=None)
+        log_step(
+            run, rank=args.process_index, world=args.world_size, step=state.global_step, ids=self.model.seen, loss=None
+        )
         self.model.seen = []
         hold_for_event(run, rank=args.process_index, step=state.global_step)
 
@@ -63,17 +65,28 @@ class Record(TrainerCallback):
 if in_place:
     elastic_init()  # a pre-warmed joiner waits here for its admission
 args = TrainingArguments(
-    output_dir=str(run / "out"), per_device_train_batch_size=MICRO_BATCH, max_steps=max_steps, learning_rate=0.05,
-    logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
-    dataloader_num_workers=0, remove_unused_columns=False,
-)  # fmt: skip
+    output_dir=str(run / "out"),
+    per_device_train_batch_size=MICRO_BATCH,
+    max_steps=max_steps,
+    learning_rate=0.05,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    seed=0,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+    remove_unused_columns=False,
+)
 set_global_batch(args, GLOBAL_BATCH)
 set_seed(args.seed)  # the initial weights, the same in every run
 model = Regressor()
 trainer = (ElasticTrainer if in_place else Trainer)(
-    model=model, args=args, train_dataset=Samples(),
+    model=model,
+    args=args,
+    train_dataset=Samples(),
     callbacks=[ElasticCallback(global_batch=GLOBAL_BATCH), Record(model)],
-)  # fmt: skip
+)
 trainer.train(resume_from_checkpoint=elastic_resume_checkpoint(args.output_dir))
 sys.stdout.flush()
 sys.stderr.flush()

@@ -70,11 +70,18 @@ if in_place:
 elastic = ElasticCallback(dirpath=run / "ckpt", global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH)
 distributed = "WORLD_SIZE" in os.environ
 trainer = L.Trainer(
-    accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
-    strategy="ddp" if distributed else "auto", max_steps=max_steps, callbacks=[elastic, Record()],
-    use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    accelerator="cpu",
+    devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+    strategy="ddp" if distributed else "auto",
+    max_steps=max_steps,
+    callbacks=[elastic, Record()],
+    use_distributed_sampler=False,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
     enable_model_summary=False,
-)  # fmt: skip
+)
 loader = elastic.dataloader(Samples(target="y"))
 if in_place:
     elastic.fit(trainer, model, loader, ckpt_path=elastic_resume_checkpoint(run / "ckpt"))

@@ -1,4 +1,5 @@
 """Sum of (rank + 1) over the world with gloo; prints it from every rank."""
+
 import torch
 import torch.distributed as dist
 

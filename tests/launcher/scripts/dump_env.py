@@ -1,4 +1,5 @@
 """Writes this rank's environment to OUT_DIR/env_<RANK>.json (argv[1] is OUT_DIR)."""
+
 import json
 import os
 import sys

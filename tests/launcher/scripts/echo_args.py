@@ -1,4 +1,5 @@
 """Prints its argv so tests can check that options after the script reach the script."""
+
 import json
 import os
 import sys

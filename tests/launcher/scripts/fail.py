@@ -3,6 +3,7 @@
 With argv[2] == "first-attempt-only", it fails only when TORCHELASTIC_RESTART_COUNT is 0.
 Other ranks wait (they must be stopped by the launcher).
 """
+
 import os
 import signal
 import sys
@@ -16,7 +17,9 @@ def main() -> None:
     mode, _, arg = sys.argv[1].partition(":")
     only_first = len(sys.argv) > 2 and sys.argv[2] == "first-attempt-only"
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    print(f"rank {os.environ['RANK']} attempt {attempt} reason {os.environ.get('HYPERPODRUN_RESTART_REASON')}", flush=True)
+    print(
+        f"rank {os.environ['RANK']} attempt {attempt} reason {os.environ.get('HYPERPODRUN_RESTART_REASON')}", flush=True
+    )
     if only_first and attempt > 0:
         return
     if os.environ["RANK"] != os.environ.get("FAIL_RANK", "1"):

@@ -2,6 +2,7 @@
 
 Run it with:  torchrun --standalone --nproc-per-node 2 torchrun_ddp_example.py --steps 5
 """
+
 import argparse
 import gc
 import os

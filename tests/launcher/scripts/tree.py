@@ -1,4 +1,5 @@
 """Each rank starts a grandchild process, writes both pids to argv[1]/pids_<RANK>, then sleeps."""
+
 import os
 import subprocess
 import sys

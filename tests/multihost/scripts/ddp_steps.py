@@ -58,7 +58,9 @@ while True:
         params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
         record = {"round": int(round_no), "world": world, "rank": rank, "step": step, "params": params}
         (run / f"params-{round_no}-{rank}.tmp").write_text(json.dumps(record))
-        (run / f"params-{round_no}-{rank}.tmp").replace(run / f"params-{round_no}-{rank}.json")  # never read half-written
+        (run / f"params-{round_no}-{rank}.tmp").replace(
+            run / f"params-{round_no}-{rank}.json"
+        )  # never read half-written
         if rank == 0:
             with open(run / "progress.jsonl", "a") as f:
                 f.write(json.dumps({"round": int(round_no), "world": world, "step": step}) + "\n")
