@@ -37,7 +37,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
-from elastic_events import names
+from elastic_events import contract
 
 __all__ = [
     "LAUNCHERS",
@@ -409,7 +409,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def bench_env(**extra: str) -> dict[str, str]:
     """The environment for children: no inherited launcher variables, the repo's ``src`` importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", names.ENV_PREFIX))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", contract.ENV_PREFIX))}
     src = str(REPO_ROOT / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"

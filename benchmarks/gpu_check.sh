@@ -20,7 +20,7 @@
 #         the host/device ordering hazard of a stuck collective
 #   B1a   abort from another thread while the main thread is blocked in a CUDA sync, then the aborted group
 #         used again and a new round formed; with TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (hyperpodrun's) and =0
-#   B2    in-memory snapshots (elastic_events.snapshot.Replicator) of a 190M-parameter Llama + fused AdamW on
+#   B2    in-memory snapshots (elastic_events.rounds.snapshot.Replicator) of a 190M-parameter Llama + fused AdamW on
 #         the GPU: 2 ranks share the GPU over gloo; copies checked bit for bit; step time without / every
 #         step / every 5th; D2H bandwidth pageable vs pinned; pinned memory held
 #   C3/C1/C4  llama3.2-1b (the example's largest preset that fits one GPU), DDP world 1: tokens/s under
@@ -149,7 +149,7 @@ def gpu_apps():
 
 def kind(cmd):
     s = " ".join(cmd)
-    if "hyperpodrun.spare" in s:
+    if "elastic_events.rounds.spare" in s:
         return "spare"
     if "-m hyperpodrun" in s:
         return "launcher"
@@ -194,15 +194,15 @@ json.dump(samples, open(out, "w"))
 EOF
 
 cat > "$WORK/py/prewarm_check.py" <<'EOF'
-"""What a spare or a parked rank does before it has a GPU: import torch, hyperpodrun.spare, prewarm(). CUDA untouched?"""
+"""What a spare or a parked rank does before it has a GPU: import torch, elastic_events.rounds.spare, prewarm(). CUDA untouched?"""
 import json, os, subprocess, sys, time
 import torch
 import torch.distributed  # noqa: F401
 
 res = {}
 t = time.perf_counter()
-import hyperpodrun.spare  # noqa: F401,E402
-from elastic_events.inprocess_rounds import prewarm  # noqa: E402
+import elastic_events.rounds.spare  # noqa: F401,E402
+from elastic_events.rounds.state import prewarm  # noqa: E402
 prewarm()
 res["imports_and_prewarm_s"] = round(time.perf_counter() - t, 2)
 res["cuda_initialized_after_prewarm"] = torch.cuda.is_initialized()
@@ -243,8 +243,8 @@ import argparse, gc, json, os, socket, statistics, sys, threading, time, traceba
 import torch
 import torch.distributed as dist
 
-from elastic_events.group import RoundSpec, init_round_group, teardown_group
-from elastic_events.transfer import broadcast_tensors
+from elastic_events.rounds.group import RoundSpec, init_round_group, teardown_group
+from elastic_events.rounds.transfer import broadcast_tensors
 
 DEV = torch.device("cuda", 0)
 torch.cuda.set_device(DEV)
@@ -441,7 +441,7 @@ if __name__ == "__main__":
 EOF
 
 cat > "$WORK/py/snap_check.py" <<'EOF'
-"""In-memory snapshots on the GPU with elastic_events.snapshot.Replicator, as ElasticTraining drives it.
+"""In-memory snapshots on the GPU with elastic_events.rounds.snapshot.Replicator, as ElasticTraining drives it.
 
 Two ranks (torchrun --nproc-per-node 2) share the one GPU over a gloo default group (NCCL refuses two ranks
 on one device; the snapshots travel over gloo anyway), each training its own Llama + fused AdamW on cuda:0.
@@ -458,7 +458,7 @@ import torch.distributed as dist  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
 from elastic_events import abort  # noqa: E402
-from elastic_events.snapshot import Piece, Replicator, capture, optimizer_state_count  # noqa: E402
+from elastic_events.rounds.snapshot import Piece, Replicator, capture, optimizer_state_count  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)

@@ -40,8 +40,8 @@ def worker_main(rank: int, world: int, port: int, state_mb: int, bucket_mb: floa
     import torch
     import torch.distributed as dist
 
-    from elastic_events.hydration import allocate_tensors, model_tensors, split_tensors
-    from elastic_events.transfer import broadcast_tensors
+    from elastic_events.rounds.hydration import allocate_tensors, model_tensors, split_tensors
+    from elastic_events.rounds.transfer import broadcast_tensors
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=300))

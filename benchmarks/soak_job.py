@@ -110,8 +110,8 @@ class SoakSettings:
         import torch
         from train import Runtime, TrainConfig, prepare_dataset
 
-        from elastic_events.dataset import ByteTokenizer
-        from elastic_events.sampler import epoch_permutation
+        from elastic_events.data.dataset import ByteTokenizer
+        from elastic_events.data.sampler import epoch_permutation
 
         rt = Runtime(
             rank=0,

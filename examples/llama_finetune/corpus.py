@@ -16,7 +16,7 @@ text is read from the interpreter that runs the example.
 
 The exact text depends on the Python version (each release updates the reference),
 so a token dataset built from it should be keyed on the file's fingerprint, as
-``elastic_events.dataset.build_token_dataset`` does.
+``elastic_events.data.dataset.build_token_dataset`` does.
 
 Usage::
 

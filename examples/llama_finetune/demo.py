@@ -36,14 +36,14 @@ from typing import Any, Literal, TextIO
 import torch
 from train import Runtime, TrainConfig, prepare_dataset
 
-from elastic_events import names
-from elastic_events.dataset import ByteTokenizer
-from elastic_events.sampler import epoch_permutation
+from elastic_events import contract
+from elastic_events.data.dataset import ByteTokenizer
+from elastic_events.data.sampler import epoch_permutation
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 STORE_HOST = "node-1"  # the first launcher hosts the embedded store: the job cannot outlive it
 SCALING_TIMEOUT_S = 2.0  # seconds a new launcher waits as a standby before the job grows
-_LAUNCHER_ENV_PREFIXES = ("PET_", "TORCHELASTIC_", names.ENV_PREFIX)
+_LAUNCHER_ENV_PREFIXES = ("PET_", "TORCHELASTIC_", contract.ENV_PREFIX)
 
 
 class DemoError(RuntimeError):

@@ -29,7 +29,7 @@ reads its weight after the last block.
 The model holds parameters only (no buffers): rotary tables are computed in ``forward``,
 so ``to_empty`` followed by ``init_weights`` or a state-dict load leaves nothing
 uninitialised. Labels are aligned with the inputs (``labels[:, t]`` is the target for
-position ``t``, as ``elastic_events.dataset.TokenDataset`` produces them); the model
+position ``t``, as ``elastic_events.data.dataset.TokenDataset`` produces them); the model
 does not shift them.
 """
 

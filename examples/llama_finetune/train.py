@@ -64,10 +64,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from elastic_events import ElasticConfig, ElasticTraining, ElasticTrainingError, elastic_event_detected, restart_reason
-from elastic_events.batching import BatchPlan, global_token_count, loss_scale, sum_in_batch_order
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
-from elastic_events.dataset import ByteTokenizer, DatasetError, TokenDataset, Tokenizer, build_token_dataset
-from elastic_events.sampler import ElasticSampler, ElasticSamplerError, GlobalStep
+from elastic_events.data.batching import BatchPlan, global_token_count, loss_scale, sum_in_batch_order
+from elastic_events.data.dataset import ByteTokenizer, DatasetError, TokenDataset, Tokenizer, build_token_dataset
+from elastic_events.data.sampler import ElasticSampler, ElasticSamplerError, GlobalStep
 from elastic_events.scale_config import DEFAULT_SCHEMA, ScaleConfigError, load_scale_config
 
 SCALE_CONFIG_KEYS = ("micro_batch", "num_workers", "prefetch_factor")  # what --scale-config may override

@@ -30,9 +30,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic_events import eventlog, names
+from elastic_events import contract, eventlog
+from elastic_events.contract import CONTROL_FILE_ENV, RESTART_REASON_ENV
 from elastic_events.control import ControlChannelError, ControlReader, Event, EventKind
-from elastic_events.names import CONTROL_FILE_ENV, RESTART_REASON_ENV
 
 # Heavier parts load on first use (PEP 562), so `from elastic_events import elastic_event_detected`
 # stays cheap; `from elastic_events import Checkpointer` works all the same.
@@ -40,17 +40,17 @@ _LAZY = {
     "Checkpointer": "elastic_events.checkpoint",
     "CheckpointConfig": "elastic_events.checkpoint",
     "CheckpointError": "elastic_events.checkpoint",
-    "ElasticSampler": "elastic_events.sampler",
-    "BatchPlan": "elastic_events.batching",
-    "plan_global_batch": "elastic_events.batching",
-    "loss_scale": "elastic_events.batching",
-    "global_token_count": "elastic_events.batching",
-    "TokenDataset": "elastic_events.dataset",
-    "ByteTokenizer": "elastic_events.dataset",
-    "build_token_dataset": "elastic_events.dataset",
+    "ElasticSampler": "elastic_events.data.sampler",
+    "BatchPlan": "elastic_events.data.batching",
+    "plan_global_batch": "elastic_events.data.batching",
+    "loss_scale": "elastic_events.data.batching",
+    "global_token_count": "elastic_events.data.batching",
+    "TokenDataset": "elastic_events.data.dataset",
+    "ByteTokenizer": "elastic_events.data.dataset",
+    "build_token_dataset": "elastic_events.data.dataset",
     "load_scale_config": "elastic_events.scale_config",
-    "ElasticTraining": "elastic_events.inprocess",
-    "ElasticConfig": "elastic_events.inprocess_config",
+    "ElasticTraining": "elastic_events.training",
+    "ElasticConfig": "elastic_events.rounds.config",
     "ElasticTrainingError": "elastic_events.errors",
     "HydrationError": "elastic_events.errors",
     "StateMismatchError": "elastic_events.errors",
@@ -88,7 +88,7 @@ class _FirstStep:
         global _reader
         _reader = self.reader
         fired = self.reader.check()
-        eventlog.emit(names.FIRST_STEP, reason=self.reason)
+        eventlog.emit(contract.FIRST_STEP, reason=self.reason)
         return fired
 
     def event(self) -> Event | None:
@@ -152,7 +152,7 @@ def elastic_event_detected() -> bool:
     on a node-local shared-memory page (well under a microsecond of work; see
     ``benchmarks/step_overhead.py``) and never a collective. Outside hyperpodrun
     it always returns False. With a sharded model under :class:`ElasticTraining` it also
-    starts the in-memory snapshot of the step that just ended (:mod:`elastic_events.snapshot`:
+    starts the in-memory snapshot of the step that just ended (:mod:`elastic_events.rounds.snapshot`:
     the bytes are sent in the background; call it after the step's bookkeeping).
     """
     if _step_hook is not None:

@@ -28,11 +28,11 @@ Layout (little-endian, fixed offsets)::
      24  u32  capabilities      (bit 0 CAP_RECONFIGURE: the script uses the in-process API)
      28  u32  phase             (RankPhase)
      32  u64  round the rank is in
-     40  i64  step of this rank's hand-off (-1 none, -2 being written; see elastic_events.handoff)
+     40  i64  step of this rank's hand-off (-1 none, -2 being written; see elastic_events.rounds.handoff)
      48  f64  unix time of the last phase change
      56  u32  spare slots only: the local rank this spare replaces, plus one (0: none yet)
      60  ..   reserved
-    spare slots (pre-started replacements, ``hyperpodrun.spare``) follow the ranks' slots
+    spare slots (pre-started replacements, ``elastic_events.rounds.spare``) follow the ranks' slots
 
 A rank's check is two ``struct`` operations on mapped memory while nothing is
 pending: it records its step and reads the target step. It returns True once per

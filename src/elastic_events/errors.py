@@ -25,4 +25,4 @@ class RecoveryError(ElasticTrainingError):
 
 class PeerFailureError(RuntimeError):
     """A peer died or hung while this rank waited on it outside a collective (e.g. for a snapshot):
-    :meth:`~elastic_events.inprocess.ElasticTraining.recover` treats it like a failed collective."""
+    :meth:`~elastic_events.training.ElasticTraining.recover` treats it like a failed collective."""

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any
 
-from elastic_events.names import EVENT_LOG_ENV, NODE_ID_ENV, ROUND_ENV
+from elastic_events.contract import EVENT_LOG_ENV, NODE_ID_ENV, ROUND_ENV
 
 
 def emit(event: str, **fields: Any) -> bool:

@@ -251,7 +251,9 @@ class LaunchConfig:
     restart_mode: RestartMode = RestartMode.AUTO
     hang_timeout: float | None = None  # seconds without progress; None: 10x the slowest step, at least 60; 0: off
     spare_ranks: int = 1  # pre-started replacements per node for a job repaired in place (0 or 1)
-    snapshot_every: int = 1  # a sharded model's in-memory snapshots, every N steps (0: off); elastic_events.snapshot
+    snapshot_every: int = (
+        1  # a sharded model's in-memory snapshots, every N steps (0: off); elastic_events.rounds.snapshot
+    )
     metrics_port: int = 0  # Prometheus endpoint of this agent; 0: off
     metrics_addr: str = "127.0.0.1"
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())

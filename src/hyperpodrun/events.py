@@ -36,7 +36,9 @@ class EventType(str, Enum):
     WORKERS_RECONFIGURED = "workers_reconfigured"  # every local rank runs in the next round, in place
     WORKER_FAILED = "worker_failed"
     RANKS_REPLACED = "ranks_replaced"  # failed ranks restarted parked: the job repairs its group in place
-    SPARE_READY = "spare_ready"  # a pre-started replacement waits beside the ranks, torch imported (hyperpodrun.spare)
+    SPARE_READY = (
+        "spare_ready"  # a pre-started replacement waits beside the ranks, torch imported (elastic_events.rounds.spare)
+    )
     RANK_HUNG = "rank_hung"  # no progress for --hang-timeout: stacks dumped, treated as a failure
     NODE_LOST = "node_lost"
     NODE_LEAVING = "node_leaving"

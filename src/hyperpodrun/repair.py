@@ -3,7 +3,7 @@
 In a round that runs in-process (every rank uses ``ElasticTraining``), a failed local rank is
 replaced alone, parked, while its siblings and the other nodes' ranks keep their processes and
 state (they wait in ``recover()``); the decider then makes the repair event. A spare
-(:mod:`hyperpodrun.spare`) kept beside the ranks takes the first failed rank's place without a
+(:mod:`elastic_events.rounds.spare`) kept beside the ranks takes the first failed rank's place without a
 process start. A hung rank is killed alone when it is the culprit (:func:`~hyperpodrun.hang.culprits`)
 and then repaired like a crash.
 """
@@ -21,12 +21,12 @@ from pathlib import Path
 import psutil
 
 from elastic_events.control import SNAPSHOT_WRITING, ControlWriter, RankPhase, RankProgress
+from elastic_events.rounds.spare import spare_command
 from hyperpodrun.config import LaunchConfig
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.hang import culprits
 from hyperpodrun.logs import RankLogs
 from hyperpodrun.progress import grace_s
-from hyperpodrun.spare import spare_command
 from hyperpodrun.supervisor import WorkerGroup, WorkerState
 
 __all__ = ["InPlaceRepair", "poll_interval", "spares_for", "stuck_in_broken_group"]
@@ -70,11 +70,11 @@ def stuck_in_broken_group(
     """Local ranks still training in the broken round ``waited`` seconds after its repair was published.
 
     A survivor learns that a peer died when a collective fails. Each rank's repair watch
-    (``elastic_events.abort``) shuts the broken round's connections down when the repair is
+    (``elastic_events.rounds.abort``) shuts the broken round's connections down when the repair is
     published, which ends a collective blocked on a live peer; now and then a survivor blocked in
     DDP's backward still never returns (cause not found). One still training in the old round after a
     few step times is blocked for good: its node replaces it, and it is hydrated with the other
-    newcomers. Its watch hands its state off first (``elastic_events.handoff``): a rank that has
+    newcomers. Its watch hands its state off first (``elastic_events.rounds.handoff``): a rank that has
     handed it off is replaced at once, one writing it is waited for (up to ``HANDOFF_WRITE_S``).
     """
     grace = grace_s(slowest_step_s, steps=STUCK_GRACE_STEPS, floor_s=STUCK_GRACE_MIN_S)

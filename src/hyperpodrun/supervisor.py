@@ -163,7 +163,7 @@ class WorkerGroup:
         self.assignment = assignment
         self._logs = logs
         self._ranks: list[_Rank] = []
-        self._spare: _Rank | None = None  # a pre-started replacement (hyperpodrun.spare)
+        self._spare: _Rank | None = None  # a pre-started replacement (elastic_events.rounds.spare)
         self.state = WorkerState.INIT
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class WorkerGroup:
         )
 
     def start_spare(self, command: list[str], *, env: dict[str, str], logs: RankLogs) -> int:
-        """Start a spare (see :mod:`hyperpodrun.spare`) beside the ranks; its pid. It is stopped with them."""
+        """Start a spare (see :mod:`elastic_events.rounds.spare`) beside the ranks; its pid. It is stopped with them."""
         if self._spare is not None and self._spare.proc.poll() is None:
             raise ValueError(f"a spare (pid {self._spare.proc.pid}) is already running")
         self._spare = self._start_process(command, {**self._base_env, **env}, logs, local_rank=-1, global_rank=-1)

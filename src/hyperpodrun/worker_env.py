@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from elastic_events import names
+from elastic_events import contract
 from hyperpodrun.config import LaunchConfig
 from hyperpodrun.rendezvous import RestartReason, RoundInfo
 from hyperpodrun.security import scrub_secrets
@@ -46,13 +46,13 @@ def worker_env(
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "TORCHELASTIC_ERROR_FILE": str(error_file),
-        names.CONTROL_FILE_ENV: str(control_file),
-        names.RESTART_REASON_ENV: reason.value,
-        names.ROUND_ENV: str(rnd.round),
-        names.NODE_ID_ENV: node_id,
+        contract.CONTROL_FILE_ENV: str(control_file),
+        contract.RESTART_REASON_ENV: reason.value,
+        contract.ROUND_ENV: str(rnd.round),
+        contract.NODE_ID_ENV: node_id,
     }
     if event_log is not None:
-        env[names.EVENT_LOG_ENV] = str(event_log)
+        env[contract.EVENT_LOG_ENV] = str(event_log)
     return env
 
 
@@ -71,7 +71,7 @@ ROUND_VARIABLES = (
 
 def parked_env(env: dict[str, str]) -> dict[str, str]:
     """A pre-warmed joiner's environment: no round yet (``HYPERPODRUN_PARKED=1``)."""
-    return {**{k: v for k, v in env.items() if k not in ROUND_VARIABLES}, names.PARKED_ENV: "1"}
+    return {**{k: v for k, v in env.items() if k not in ROUND_VARIABLES}, contract.PARKED_ENV: "1"}
 
 
 def parked_round(nproc: int) -> RoundInfo:
@@ -89,5 +89,5 @@ def base_env(config: LaunchConfig) -> dict[str, str]:
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: avoid oversubscribing the node's cores
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in config.signals_to_handle)
-    env[names.SNAPSHOT_EVERY_ENV] = str(config.snapshot_every)
+    env[contract.SNAPSHOT_EVERY_ENV] = str(config.snapshot_every)
     return env

@@ -187,7 +187,7 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     """kill -9 of one rank: its node replaces it (its spare, or a new process), parked; the survivors keep
     their processes and state, the replacement is hydrated from them, and no committed step is lost or trained twice.
 
-    Sharded (FSDP2): the failed rank's shards come from the copy its holder keeps (``elastic_events.snapshot``);
+    Sharded (FSDP2): the failed rank's shards come from the copy its holder keeps (``elastic_events.rounds.snapshot``);
     a step committed after the newest copy is trained again, and only such a step.
 
     Now and then a survivor never returns from the broken group's collective (gloo misses the failure); it
@@ -443,7 +443,7 @@ def test_a_failure_while_the_next_spare_is_still_starting_is_repaired_by_that_sp
     def next_spare() -> int | None:
         for proc in agent.children(recursive=True):
             try:
-                if proc.pid != replacement and "hyperpodrun.spare" in proc.cmdline():
+                if proc.pid != replacement and "elastic_events.rounds.spare" in proc.cmdline():
                     return proc.pid
             except psutil.Error:
                 continue

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from elastic_events.batching import global_token_count, loss_scale
-from elastic_events.dataset import TokenDataset
-from elastic_events.sampler import ElasticSampler
+from elastic_events.data.batching import global_token_count, loss_scale
+from elastic_events.data.dataset import TokenDataset
+from elastic_events.data.sampler import ElasticSampler
 
 
 class TinyModel(torch.nn.Module):

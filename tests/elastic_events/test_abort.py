@@ -1,4 +1,4 @@
-"""Aborting a broken gloo group by shutting down its sockets (elastic_events.abort)."""
+"""Aborting a broken gloo group by shutting down its sockets (elastic_events.rounds.abort)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_events import abort
 from elastic_events.control import ControlReader, ControlWriter, EventKind
+from elastic_events.rounds import abort
 from support.cluster import wait_until
 
 WORKER = Path(__file__).resolve().parent / "workers" / "blocked_collective.py"

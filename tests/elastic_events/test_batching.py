@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastic_events.batching import (
+from elastic_events.data.batching import (
     BatchPlan,
     BatchPlanError,
     global_mean_loss_factor,

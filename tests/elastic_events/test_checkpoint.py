@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_events import checkpoint
 from elastic_events.checkpoint import (
     MARKER_NAME,
     CheckpointConfig,
@@ -32,8 +31,9 @@ from elastic_events.checkpoint import (
     list_checkpoints,
     verify_checkpoint,
 )
+from elastic_events.checkpoint import checkpointer as checkpoint
+from elastic_events.data.sampler import ElasticSampler
 from elastic_events.rng import derive_rank_seed
-from elastic_events.sampler import ElasticSampler
 from support.launch import clean_env, run, torchrun_cmd
 
 WORKERS = Path(__file__).resolve().parent / "workers"

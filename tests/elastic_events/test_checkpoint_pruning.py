@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_events import checkpoint
 from elastic_events.checkpoint import (
     CheckpointConfig,
     Checkpointer,
@@ -16,7 +15,8 @@ from elastic_events.checkpoint import (
     CheckpointWarning,
     list_checkpoints,
 )
-from elastic_events.checkpoint_layout import prune, recover_interrupted
+from elastic_events.checkpoint import checkpointer as checkpoint
+from elastic_events.checkpoint.layout import prune, recover_interrupted
 
 
 class Model:

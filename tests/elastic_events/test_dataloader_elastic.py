@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import elastic_events
-from elastic_events.dataset import ByteTokenizer, build_token_dataset
-from elastic_events.sampler import epoch_permutation
+from elastic_events.data.dataset import ByteTokenizer, build_token_dataset
+from elastic_events.data.sampler import epoch_permutation
 from support.launch import clean_env, torchrun_cmd
 
 WORKER = Path(__file__).resolve().parent / "elastic_data_worker.py"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_events.dataset import (
+from elastic_events.data.dataset import (
     ByteTokenizer,
     DatasetBuildError,
     DatasetError,

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from elastic_events.errors import GroupError
-from elastic_events.group import wait_for_listener
+from elastic_events.rounds.group import wait_for_listener
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
-"""A blocked rank's state in node-local memory, for its replacement (elastic_events.handoff)."""
+"""A blocked rank's state in node-local memory, for its replacement (elastic_events.rounds.handoff)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from elastic_events.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
-from elastic_events.names import CONTROL_FILE_ENV
+from elastic_events.contract import CONTROL_FILE_ENV
+from elastic_events.rounds.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
 
 
 def test_a_hand_off_is_found_only_for_the_repair_it_was_written_for(tmp_path, monkeypatch) -> None:

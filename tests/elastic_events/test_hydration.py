@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_events.hydration import (
+from elastic_events.rounds.hydration import (
     HydrationError,
     RankReport,
     StateMismatchError,

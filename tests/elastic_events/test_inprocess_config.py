@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from elastic_events.inprocess_config import ElasticConfig
+from elastic_events.rounds.config import ElasticConfig
 from support.launch import clean_env
 
 
@@ -37,8 +37,8 @@ def test_what_exists_at_start_is_frozen_and_the_model_built_after_stays_collecta
     code = f"""
         import gc, json, weakref
         import torch
-        from elastic_events.inprocess import ElasticTraining
-        from elastic_events.inprocess_config import ElasticConfig
+        from elastic_events.training import ElasticTraining
+        from elastic_events.rounds.config import ElasticConfig
 
         before = gc.get_freeze_count()
         el = ElasticTraining(model_fn=lambda: torch.nn.Linear(4, 4), config=ElasticConfig(freeze_gc={freeze_gc})).start()

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from elastic_events.sampler import (
+from elastic_events.data.sampler import (
     ElasticSampler,
     SamplerConfigError,
     SamplerStateError,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_events.snapshot import Entry, Layout, Piece, holder_of, owner_held_by
-from elastic_events.snapshot_restore import SnapshotReport, assemble, plan_restore
+from elastic_events.rounds.snapshot import Entry, Layout, Piece, holder_of, owner_held_by
+from elastic_events.rounds.snapshot_restore import SnapshotReport, assemble, plan_restore
 from support.cluster import free_port
 from support.launch import clean_env
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_events.transfer import plan_buckets
+from elastic_events.rounds.transfer import plan_buckets
 from support.cluster import run_rank_scripts
 
 WORKER = Path(__file__).resolve().parent / "workers" / "transfer_check.py"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_events.sampler import epoch_permutation
+from elastic_events.data.sampler import epoch_permutation
 from support.launch import clean_env, run
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "llama_finetune"

@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from elastic_events.sampler import epoch_permutation
+from elastic_events.data.sampler import epoch_permutation
 from support.launch import clean_env, hyperpodrun_cmd, run
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "llama_finetune"
@@ -390,7 +390,7 @@ def test_tokenizer_json_without_the_tokenizers_package_is_a_clear_error(tmp_path
 
 
 def test_describe_plan_groups_ranks_with_equal_micro_batches() -> None:
-    from elastic_events.batching import plan_global_batch
+    from elastic_events.data.batching import plan_global_batch
 
     assert train.describe_plan(plan_global_batch(global_batch=8, micro_batch=4, world_size=1)) == "8 = 1 x [4, 4]"
     assert (

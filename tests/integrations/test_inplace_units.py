@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import lightning.pytorch as L
 import pytest
 
+from elastic_events.contract import CONTROL_FILE_ENV, PARKED_ENV
 from elastic_events.control import CAP_RECONFIGURE, ControlWriter, RankPhase
 from elastic_events.integrations.inplace import InPlaceConfig, InPlaceConfigError
-from elastic_events.names import CONTROL_FILE_ENV, PARKED_ENV
 from support.launch import clean_env
 
 

@@ -59,8 +59,8 @@ def test_malformed_marker_is_a_clear_error(tmp_path) -> None:
 
 
 def test_hf_elastic_order_is_the_same_global_order_at_every_world_size() -> None:
+    from elastic_events.data.sampler import epoch_permutation
     from elastic_events.integrations.transformers import ElasticOrderSampler
-    from elastic_events.sampler import epoch_permutation
 
     sampler = ElasticOrderSampler(50, global_batch=8, seed=3)
     sampler.set_epoch(2)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer, list_checkpoints, verify_checkpoint
-from elastic_events.sampler import ElasticSampler
+from elastic_events.data.sampler import ElasticSampler
 from hyperpodrun import agent, cli, ctl
 from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.rendezvous.decider import DeciderContext

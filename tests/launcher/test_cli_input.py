@@ -95,7 +95,7 @@ def test_parse_rdzv_conf_and_std() -> None:
 
 @pytest.mark.parametrize("argv", [[], ["ctl", "x", "--script", "t.py"], ["ctl", "0", "--exec", "t.py"]])
 def test_the_spare_entry_point_refuses_malformed_arguments_before_importing_torch(argv, capsys) -> None:
-    from hyperpodrun.spare import USAGE, main
+    from elastic_events.rounds.spare import USAGE, main
 
     assert main(argv) == 2
     assert capsys.readouterr().err.strip() == f"usage: {USAGE}"

@@ -9,7 +9,7 @@ integrations use the same protocol from outside the framework's loop:
    (``TrainingArguments``, ``L.Trainer``). Outside hyperpodrun, and on ranks started into a
    round, it returns at once. A pre-warmed joiner (``HYPERPODRUN_PARKED=1``: imported, model
    built, no rank yet) waits there until a ``RECONFIGURE`` event admits its node, then joins
-   the new round's process group (:func:`~elastic_events.group.init_round_group`), so the rest
+   the new round's process group (:func:`~elastic_events.rounds.group.init_round_group`), so the rest
    of the script builds its framework objects for the world it will train in.
 2. The framework driver (``ElasticTrainer.train`` / ``ElasticCallback.fit``) calls
    :meth:`Rounds.offer` once: the rank declares ``CAP_RECONFIGURE`` on the control channel only
@@ -20,10 +20,10 @@ integrations use the same protocol from outside the framework's loop:
    with the model, optimizer state, scheduler and trainer state in memory. :meth:`Rounds.move`
    tears the old group down (a leaving node's ranks stop there and exit 0), joins the new
    round's group, and hydrates the newcomers: every rank reports what it holds, the same plan
-   is made everywhere (:func:`~elastic_events.hydration.plan_hydration`: survivors at
+   is made everywhere (:func:`~elastic_events.rounds.hydration.plan_hydration`: survivors at
    different steps or with different replicas are refused), and one survivor streams the model
    tensors into the newcomers' own tensors and the rest of the framework's state as one
-   skeleton plus tensors (:func:`~elastic_events.transfer.broadcast_tensors`, bounded buckets).
+   skeleton plus tensors (:func:`~elastic_events.rounds.transfer.broadcast_tensors`, bounded buckets).
 4. The driver rebuilds the framework's world (accelerate's state, the Trainer's accelerator,
    Lightning's strategy) and calls :meth:`Rounds.ready`; then it re-enters the framework's loop,
    which resumes from the in-memory state through the framework's own resume path.
@@ -44,10 +44,11 @@ import torch
 import torch.distributed as dist
 
 import elastic_events
-from elastic_events import eventlog, names
+from elastic_events import contract, eventlog
 from elastic_events.control import CAP_RECONFIGURE, ControlReader, Event, EventKind, RankPhase
-from elastic_events.group import RoundSpec, backend_for, default_device, init_round_group, teardown_group
-from elastic_events.hydration import (
+from elastic_events.integrations.common import ElasticIntegrationError, rank_and_world
+from elastic_events.rounds.group import RoundSpec, backend_for, default_device, init_round_group, teardown_group
+from elastic_events.rounds.hydration import (
     RankReport,
     allocate_tensors,
     collective_failures,
@@ -57,8 +58,7 @@ from elastic_events.hydration import (
     structure_digest,
     value_checksum,
 )
-from elastic_events.integrations.common import ElasticIntegrationError, rank_and_world
-from elastic_events.transfer import broadcast_tensors
+from elastic_events.rounds.transfer import broadcast_tensors
 
 __all__ = [
     "IN_PLACE_UNAVAILABLE",
@@ -166,11 +166,11 @@ class Rounds:
         if self.initialised:
             raise InPlaceError("elastic_init() was already called in this process")
         self.config, self.initialised = config, True
-        parked = os.environ.get(names.PARKED_ENV) == "1"
+        parked = os.environ.get(contract.PARKED_ENV) == "1"
         if self._reader is None:
             if parked:
                 raise InPlaceError(
-                    f"{names.PARKED_ENV}=1 needs the control channel ({names.CONTROL_FILE_ENV}): only hyperpodrun parks ranks"
+                    f"{contract.PARKED_ENV}=1 needs the control channel ({contract.CONTROL_FILE_ENV}): only hyperpodrun parks ranks"
                 )
             return
         if parked:
@@ -178,7 +178,7 @@ class Rounds:
 
     def _admit(self) -> None:
         """A pre-warmed joiner: wait for the event that places this node in a round, and join its group."""
-        from elastic_events.inprocess_rounds import prewarm
+        from elastic_events.rounds.state import prewarm
 
         prewarm()  # what the first step would import, paid while parked
         event = self._reader.wait_for_admission(timeout_s=self.config.admission_timeout_s, poll_s=self.config.poll_s)
@@ -226,7 +226,7 @@ class Rounds:
             self.offered = True
             self._reader.declare(CAP_RECONFIGURE)
             if self._admission is None:
-                self._phase(RankPhase.RUNNING, round=int(os.environ.get(names.ROUND_ENV, "0")))
+                self._phase(RankPhase.RUNNING, round=int(os.environ.get(contract.ROUND_ENV, "0")))
         return True
 
     # ----------------------------------------------------------------- events
@@ -271,7 +271,7 @@ class Rounds:
             torn_down = time.monotonic() - t0
             if event.leaves:
                 eventlog.emit(
-                    names.GROUP_TORN_DOWN, event_id=event.event_id, step=kept.step, seconds=torn_down, left=True
+                    contract.GROUP_TORN_DOWN, event_id=event.event_id, step=kept.step, seconds=torn_down, left=True
                 )
                 self._phase(RankPhase.LEAVING)
                 return Moved(left=True, payload=None, survivor=True, event=event)
@@ -315,11 +315,11 @@ class Rounds:
         spec = RoundSpec.from_event(event, local_rank=self.local_rank, local_world_size=self.local_world_size)
         os.environ.update(spec.environment())
         if torn_down is not None:
-            eventlog.emit(names.GROUP_TORN_DOWN, event_id=event.event_id, step=torn_down[0], seconds=torn_down[1])
+            eventlog.emit(contract.GROUP_TORN_DOWN, event_id=event.event_id, step=torn_down[0], seconds=torn_down[1])
         device = torch.device("cuda", self.local_rank) if backend == "nccl" else torch.device("cpu")
         t0 = time.monotonic()
         self._store = init_round_group(spec, device=device, backend=backend, timeout_s=self.config.timeout_s)
-        eventlog.emit(names.GROUP_UP, event_id=event.event_id, seconds=time.monotonic() - t0)
+        eventlog.emit(contract.GROUP_UP, event_id=event.event_id, seconds=time.monotonic() - t0)
 
     def _hydrate(self, event: Event, *, module: torch.nn.Module, kept: Kept | None) -> dict[str, Any] | None:
         """Every rank reports what it holds; the plan's source sends the state to the newcomers."""
@@ -349,7 +349,7 @@ class Rounds:
         if received and self._reader is not None:  # later events target the survivors' count of steps
             self._reader.set_step(next(r.control_step for r in reports if r.rank == plan.source))
         eventlog.emit(
-            names.HYDRATED,
+            contract.HYDRATED,
             event_id=event.event_id,
             step=plan.step,
             seconds=time.monotonic() - t0,

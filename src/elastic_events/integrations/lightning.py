@@ -26,7 +26,7 @@ How it works, in Lightning's own terms:
   size)`` (as Lightning's own ``GradientAccumulationScheduler`` does), or raises
   :class:`GlobalBatchError` naming the world sizes that cannot keep it.
 * **Data order.** :meth:`ElasticCallback.dataloader` draws batches with
-  :class:`elastic_events.sampler.ElasticSampler`, whose state is the global
+  :class:`elastic_events.data.sampler.ElasticSampler`, whose state is the global
   position in the epoch: step ``s`` trains samples ``[s*G, (s+1)*G)`` of the epoch's
   order at any world size. The position is saved with the callback's state and
   restored before the loader is iterated; in place the same loader is re-split over
@@ -73,7 +73,8 @@ try:
 except ImportError:  # the standalone package
     from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
 
-from elastic_events import elastic_event_detected, eventlog, names
+from elastic_events import contract, elastic_event_detected, eventlog
+from elastic_events.data.sampler import ElasticSampler
 from elastic_events.integrations import lightning_inplace
 from elastic_events.integrations.common import (
     ElasticIntegrationError,
@@ -86,7 +87,6 @@ from elastic_events.integrations.common import (
     write_marker,
 )
 from elastic_events.integrations.inplace import InPlaceConfig, elastic_init, rounds
-from elastic_events.sampler import ElasticSampler
 
 __all__ = [
     "ElasticCallback",
@@ -289,7 +289,7 @@ class ElasticCallback(Callback):
             return
         if self._loaded["world_size"] != world:
             reseed_rank(self.seed, trainer.global_step, rank)
-        eventlog.emit(names.CHECKPOINT_LOADED, step=trainer.global_step, saved_world_size=self._loaded["world_size"])
+        eventlog.emit(contract.CHECKPOINT_LOADED, step=trainer.global_step, saved_world_size=self._loaded["world_size"])
 
     # ------------------------------------------------------------------ stop
     def on_train_batch_end(
@@ -322,7 +322,7 @@ class ElasticCallback(Callback):
                 step=trainer.global_step, world_size=world, global_batch=self.global_batch, seed=self.seed
             )
             write_marker(self.dirpath / MARKER.format(name=path.name), marker)
-            eventlog.emit(names.CHECKPOINT_SAVED, step=trainer.global_step, path=str(path))
+            eventlog.emit(contract.CHECKPOINT_SAVED, step=trainer.global_step, path=str(path))
         trainer.should_stop = True
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -37,8 +37,8 @@ except ImportError:  # the standalone package
     from lightning_fabric.plugins.environments import TorchElasticEnvironment  # type: ignore[no-redef]
     from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy  # type: ignore[no-redef]
 
-from elastic_events.group import teardown_group
 from elastic_events.integrations import inplace
+from elastic_events.rounds.group import teardown_group
 
 __all__ = ["MEMORY_CHECKPOINT", "fit", "in_place_blockers"]
 

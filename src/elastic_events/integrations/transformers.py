@@ -77,7 +77,8 @@ from torch.utils.data import Sampler
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from elastic_events import elastic_event_detected, eventlog, names
+from elastic_events import contract, elastic_event_detected, eventlog
+from elastic_events.data.sampler import epoch_permutation
 from elastic_events.integrations.common import (
     ElasticIntegrationError,
     GlobalBatchError,
@@ -90,7 +91,6 @@ from elastic_events.integrations.common import (
 )
 from elastic_events.integrations.inplace import InPlaceConfig, elastic_init, rounds
 from elastic_events.integrations.transformers_inplace import InPlaceTrainerMixin
-from elastic_events.sampler import epoch_permutation
 
 __all__ = [
     "ElasticCallback",
@@ -140,7 +140,7 @@ def set_global_batch(args: TrainingArguments, global_batch: int, *, world_sizes:
 class ElasticOrderSampler(Sampler[int]):
     """Each epoch's global order, truncated to whole global batches, the same at every world size.
 
-    The order is :func:`elastic_events.sampler.epoch_permutation` (``seed + epoch``);
+    The order is :func:`elastic_events.data.sampler.epoch_permutation` (``seed + epoch``);
     accelerate deals its batches out to the ranks, so step ``s`` trains samples
     ``[s*G, (s+1)*G)`` of it whatever the world size.
     """
@@ -334,7 +334,7 @@ class ElasticCallback(TrainerCallback):
                 f"gradient_accumulation_steps with set_global_batch(args, {marker.global_batch})"
             )
         self._reseed_pending = marker.world_size != args.world_size
-        eventlog.emit(names.CHECKPOINT_LOADED, step=state.global_step, saved_world_size=marker.world_size)
+        eventlog.emit(contract.CHECKPOINT_LOADED, step=state.global_step, saved_world_size=marker.world_size)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         # The epoch of ElasticTrainer's order, from the step: when the Trainer resumes mid-epoch on several ranks,
@@ -374,7 +374,9 @@ class ElasticCallback(TrainerCallback):
             write_marker(_checkpoint_dir(args, state.global_step) / MARKER, marker)
             if self.stopped_for_event:
                 eventlog.emit(
-                    names.CHECKPOINT_SAVED, step=state.global_step, path=str(_checkpoint_dir(args, state.global_step))
+                    contract.CHECKPOINT_SAVED,
+                    step=state.global_step,
+                    path=str(_checkpoint_dir(args, state.global_step)),
                 )
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):

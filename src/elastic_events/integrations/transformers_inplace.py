@@ -39,9 +39,9 @@ from typing import Any
 
 from transformers.trainer_utils import TrainOutput
 
-from elastic_events.group import teardown_group
 from elastic_events.integrations import inplace
 from elastic_events.integrations.common import GlobalBatchError, accumulation_steps
+from elastic_events.rounds.group import teardown_group
 
 __all__ = ["InPlaceTrainerMixin"]
 

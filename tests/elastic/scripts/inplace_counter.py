@@ -4,7 +4,7 @@ argv: RUN_DIR [fsdp [die-sending-at=N]]. A tiny linear model trained by DDP (or 
 the ranks) with SGD and momentum on data derived from the step number, so the parameters depend
 only on how many steps were trained. ``die-sending-at=N``: rank 1 of the first round kills itself
 half-way through sending its in-memory snapshot of step N (a failure injector for
-``elastic_events.snapshot``). Rank 0 appends {"step", "world", "ts"} to
+``elastic_events.rounds.snapshot``). Rank 0 appends {"step", "world", "ts"} to
 RUN_DIR/progress.jsonl every step; every rank appends {"pid", "rank", "world", "round", "step",
 "how"} to RUN_DIR/worlds.jsonl when it starts and after every reconfiguration, and its final
 parameters to RUN_DIR/final.jsonl. Training ends at the first step after RUN_DIR/stop exists

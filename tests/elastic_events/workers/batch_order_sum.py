@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_events.batching import plan_global_batch, sum_in_batch_order
+from elastic_events.data.batching import plan_global_batch, sum_in_batch_order
 
 
 def sample_values(global_batch: int) -> list[list[torch.Tensor]]:

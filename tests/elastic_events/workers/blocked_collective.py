@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic_events import abort
 from elastic_events.control import ControlReader
-from elastic_events.group import is_peer_failure
+from elastic_events.rounds import abort
+from elastic_events.rounds.group import is_peer_failure
 
 GROUP_TIMEOUT = timedelta(seconds=60)
 

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer
-from elastic_events.sampler import ElasticSampler
+from elastic_events.data.sampler import ElasticSampler
 
 WRAPS = ("ddp", "fsdp")
 ASYNC = {"ddp": False, "fsdp": True}  # both save paths run with real ranks

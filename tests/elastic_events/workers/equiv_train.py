@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from elastic_events.batching import loss_scale
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer
-from elastic_events.sampler import ElasticSampler
+from elastic_events.data.batching import loss_scale
+from elastic_events.data.sampler import ElasticSampler
 
 NUM_SAMPLES = 40
 GLOBAL_BATCH = 10

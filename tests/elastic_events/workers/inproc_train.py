@@ -17,7 +17,7 @@ import torch
 
 from elastic_events import ElasticConfig, ElasticTraining, elastic_event_detected
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer
-from elastic_events.sampler import ElasticSampler
+from elastic_events.data.sampler import ElasticSampler
 
 SAMPLES, FEATURES, GLOBAL_BATCH = 60, 4, 6
 

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-import elastic_events.snapshot as snapshot
-from elastic_events import abort
+import elastic_events.rounds.snapshot as snapshot
 from elastic_events.errors import PeerFailureError
-from elastic_events.hydration import gather_full_state
-from elastic_events.snapshot import Piece, Replicator, SnapshotError, capture, recv_body, recv_header, send_piece
-from elastic_events.snapshot_restore import assemble, load_local_state
+from elastic_events.rounds import abort
+from elastic_events.rounds.hydration import gather_full_state
+from elastic_events.rounds.snapshot import Piece, Replicator, SnapshotError, capture, recv_body, recv_header, send_piece
+from elastic_events.rounds.snapshot_restore import assemble, load_local_state
 
 STEPS = 3
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_events.transfer import broadcast_tensors
+from elastic_events.rounds.transfer import broadcast_tensors
 
 
 def tensors(fill: bool) -> list[torch.Tensor]:

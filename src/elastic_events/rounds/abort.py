@@ -82,7 +82,7 @@ def forming(round: int) -> Iterator[None]:
 @contextlib.contextmanager
 def tracking(into: set[int] | None = None) -> Iterator[None]:
     """Count the sockets the process gains in the block (a group being formed) as the current round's,
-    and add them to ``into`` too (a group that is shut down on its own, see :mod:`elastic_events.snapshot`)."""
+    and add them to ``into`` too (a group that is shut down on its own, see :mod:`elastic_events.rounds.snapshot`)."""
     current, before = _round, set(socket_inodes().values())
     try:
         yield
@@ -133,12 +133,12 @@ class RepairWatch:
 
     It reads the control channel every ``poll_s``; when a repair event for a round after
     the current one appears that this rank has not acknowledged (so the training loop has
-    not reached :meth:`~elastic_events.inprocess.ElasticTraining.recover` yet), it shuts down
+    not reached :meth:`~elastic_events.training.ElasticTraining.recover` yet), it shuts down
     the current round's sockets. The loop's next or current collective then fails and the
     rank recovers like any survivor. If the rank still has not taken the repair up after
     ``BLOCKED_STEPS`` of its step times (at least ``BLOCKED_MIN_S``), its main thread is blocked
     for good: ``on_blocked(event)`` is called once (the rank hands its state off, see
-    :mod:`elastic_events.handoff`) before its agent replaces it.
+    :mod:`elastic_events.rounds.handoff`) before its agent replaces it.
     """
 
     BLOCKED_MIN_S = 0.5

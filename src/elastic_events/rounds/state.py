@@ -1,13 +1,13 @@
-"""The half of :class:`~elastic_events.inprocess.ElasticTraining` that brings a rank into a new round.
+"""The half of :class:`~elastic_events.training.ElasticTraining` that brings a rank into a new round.
 
 Once the round's group is up every rank reports what it holds (:class:`RankReport`), and
 the same plan is made everywhere (:func:`plan_hydration`): survivors at the furthest step
 are the state; replicated models are streamed from one of them to the newcomers
 (:meth:`RoundJoining._replicate`), sharded ones gathered and re-sharded onto the new mesh
 (:meth:`RoundJoining._reshard`). When no rank survived with the state, a replaced rank's
-hand-off (:mod:`elastic_events.handoff`) is the state, and only without one the checkpoint.
+hand-off (:mod:`elastic_events.rounds.handoff`) is the state, and only without one the checkpoint.
 A sharded model repaired after a failure is put back together on the new rank 0 from the
-survivors' live shards and the copies their peers hold (:mod:`elastic_events.snapshot`,
+survivors' live shards and the copies their peers hold (:mod:`elastic_events.rounds.snapshot`,
 :meth:`RoundJoining._restore_from_snapshots`), then re-sharded the same way.
 """
 
@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 
 import elastic_events
-from elastic_events import abort, eventlog, names
+from elastic_events import contract, eventlog
 from elastic_events.control import NO_SNAPSHOT, SNAPSHOT_WRITING, Event, RankPhase
 from elastic_events.errors import ElasticTrainingError, HydrationError
-from elastic_events.group import RoundSpec, init_round_group
-from elastic_events.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
-from elastic_events.hydration import (
+from elastic_events.rng import derive_rank_seed, seed_all
+from elastic_events.rounds import abort
+from elastic_events.rounds.group import RoundSpec, init_round_group
+from elastic_events.rounds.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
+from elastic_events.rounds.hydration import (
     FullState,
     HydrationPlan,
     RankReport,
@@ -44,10 +46,9 @@ from elastic_events.hydration import (
     split_tensors,
     structure_digest,
 )
-from elastic_events.rng import derive_rank_seed, seed_all
-from elastic_events.snapshot import Captured, Piece, Replicator, recv_body, recv_header, send_piece
-from elastic_events.snapshot_restore import RestorePlan, SnapshotReport, assemble, load_local_state, plan_restore
-from elastic_events.transfer import broadcast_tensors
+from elastic_events.rounds.snapshot import Captured, Piece, Replicator, recv_body, recv_header, send_piece
+from elastic_events.rounds.snapshot_restore import RestorePlan, SnapshotReport, assemble, load_local_state, plan_restore
+from elastic_events.rounds.transfer import broadcast_tensors
 
 __all__ = ["Kept", "RoundJoining", "is_sharded", "on_meta", "prewarm"]
 
@@ -91,7 +92,7 @@ def on_meta(module: torch.nn.Module) -> bool:
 
 
 class RoundJoining:
-    """Mixed into :class:`~elastic_events.inprocess.ElasticTraining`, whose state it brings into each round."""
+    """Mixed into :class:`~elastic_events.training.ElasticTraining`, whose state it brings into each round."""
 
     def _join(
         self,
@@ -105,14 +106,14 @@ class RoundJoining:
         spec = RoundSpec.from_event(event, local_rank=self.local_rank, local_world_size=self.local_world_size)
         os.environ.update(spec.environment())
         t0 = time.monotonic()
-        eventlog.emit(names.GROUP_TORN_DOWN, event_id=event.event_id, step=self.step, seconds=torn_down_s)
+        eventlog.emit(contract.GROUP_TORN_DOWN, event_id=event.event_id, step=self.step, seconds=torn_down_s)
         with abort.forming(event.round):
             self._store = init_round_group(
                 spec, device=self.device, backend=self.backend, timeout_s=self.config.timeout_s
             )
         self.round = event.round
         self._watch_repairs()
-        eventlog.emit(names.GROUP_UP, event_id=event.event_id, seconds=time.monotonic() - t0)
+        eventlog.emit(contract.GROUP_UP, event_id=event.event_id, seconds=time.monotonic() - t0)
         t1 = time.monotonic()
         survivor = kept is not None
         if survivor and self._reader is not None and self._reader.progress().snapshot_step != NO_SNAPSHOT:
@@ -178,7 +179,7 @@ class RoundJoining:
         self._phase(RankPhase.READY)
         elastic_events._new_round("recovered" if repairing else "reconfigure" if survivor else "admitted")
         eventlog.emit(
-            names.HYDRATED,
+            contract.HYDRATED,
             event_id=event.event_id,
             step=self.step,
             seconds=time.monotonic() - t1,
@@ -220,7 +221,7 @@ class RoundJoining:
             why = f"no step at which every shard of the broken round survived (live step, copies held: {held})"
             if self.rank == 0:
                 print(f"rank 0: {why}: loading the newest checkpoint", file=sys.stderr, flush=True)
-            eventlog.emit(names.SNAPSHOT_UNAVAILABLE, reason=why)
+            eventlog.emit(contract.SNAPSHOT_UNAVAILABLE, reason=why)
             self._drop_state(kept)
             self._rebuild_from_storage(fresh_module)
             return HydrationPlan(source=None, newcomers=everyone, survivors=(), sharded=True, step=-1)
@@ -233,7 +234,7 @@ class RoundJoining:
         self.resumed_from = "snapshot"
         live = sum(1 for _, from_live in restore.sources if from_live)
         eventlog.emit(
-            names.SNAPSHOT_RESTORED,
+            contract.SNAPSHOT_RESTORED,
             step=restore.step,
             redone=restore.furthest - restore.step,
             from_live=live,

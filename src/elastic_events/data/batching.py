@@ -31,7 +31,7 @@ rank holds ``grad(sum over the global batch of loss_i / N)``. Pass
 token-level losses ``N`` is the job-wide token count of the step, which
 :func:`global_token_count` computes with a single scalar all-reduce.
 
-Training-loop pattern (see :mod:`elastic_events.sampler` for the data side)::
+Training-loop pattern (see :mod:`elastic_events.data.sampler` for the data side)::
 
     for step in sampler.steps(loader):                # one optimizer step
         sizes = step.plan.micro_batches()

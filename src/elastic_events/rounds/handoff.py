@@ -1,14 +1,14 @@
 """A blocked rank's state, handed to its replacement through node-local memory.
 
 A survivor that stays blocked in the broken round's collective after the launcher published
-its repair (see :mod:`elastic_events.abort`) is killed and replaced by its agent
+its repair (see :mod:`elastic_events.rounds.abort`) is killed and replaced by its agent
 (``hyperpodrun.repair.stuck_in_broken_group``). With one rank per node that rank can be the
 only holder of the state, and the repair would fall back to the checkpoint. Its
-:class:`~elastic_events.abort.RepairWatch` thread still runs beside the blocked main thread,
+:class:`~elastic_events.rounds.abort.RepairWatch` thread still runs beside the blocked main thread,
 so it writes the rank's state first, here, and the replacement takes it over:
 
 * the state is consistent: a collective that blocks comes before the optimizer step (the
-  contract of :meth:`~elastic_events.inprocess.ElasticTraining.recover`), so parameters,
+  contract of :meth:`~elastic_events.training.ElasticTraining.recover`), so parameters,
   optimizer state, step and data position are those of the last committed step. The watch
   writes only after the rank has been silent for a few of its step times, and never while an
   optimizer step runs;
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from elastic_events.names import CONTROL_FILE_ENV
+from elastic_events.contract import CONTROL_FILE_ENV
 
 __all__ = ["Handoff", "discard_handoff", "find_handoff", "load_handoff", "write_handoff"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elastic_events.checkpoint_layout import CheckpointError
+from elastic_events.checkpoint.layout import CheckpointError
 
 __all__ = ["SINGLE_PROCESS_NOTICE", "Comm", "GroupComm", "quiet_single_process"]
 

@@ -1,7 +1,7 @@
 """In-memory snapshots of a sharded (FSDP2) model, each held by a peer on another node.
 
 With DDP every rank holds the whole state: after a failure the survivors are the copy
-(:meth:`~elastic_events.inprocess.ElasticTraining.recover` uses exactly that). A sharded
+(:meth:`~elastic_events.training.ElasticTraining.recover` uses exactly that). A sharded
 model's shards exist once each, so a failed rank's shards must have been copied somewhere
 *before* it failed. This module keeps that copy:
 
@@ -28,7 +28,7 @@ model's shards exist once each, so a failed rank's shards must have been copied 
   the rank's own copy; the issue's "own snapshot + one replica" would leave a node loss
   during a transfer with no complete copy).
 
-After a failure :mod:`elastic_events.snapshot_restore` picks the newest step every shard
+After a failure :mod:`elastic_events.rounds.snapshot_restore` picks the newest step every shard
 of the broken round can be had at and puts the pieces back on the new mesh.
 """
 
@@ -48,9 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_events import abort
 from elastic_events.errors import ElasticTrainingError, PeerFailureError
-from elastic_events.transfer import recv_tensors, send_tensors
+from elastic_events.rounds import abort
+from elastic_events.rounds.transfer import recv_tensors, send_tensors
 
 __all__ = [
     "Captured",

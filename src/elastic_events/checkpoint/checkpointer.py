@@ -19,7 +19,7 @@ What is saved, per kind of state:
 * model and optimizer: DCP state dicts from ``get_state_dict`` (FQN keys, sharded for
   FSDP2, deduplicated for replicated DDP tensors), resharded on load;
 * scheduler, data position, extras and step: *global* state, the same on every rank by
-  contract (e.g. :class:`~elastic_events.sampler.ElasticSampler`'s global position);
+  contract (e.g. :class:`~elastic_events.data.sampler.ElasticSampler`'s global position);
   rank 0's copy is written and every rank loads it;
 * RNG: each rank's own generators. At the saved world size every rank gets its own
   stream back; at another size every rank re-seeds from
@@ -66,9 +66,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from elastic_events import abort, eventlog, names
-from elastic_events.checkpoint_comm import Comm, GroupComm, quiet_single_process
-from elastic_events.checkpoint_layout import (
+from elastic_events import contract, eventlog
+from elastic_events.checkpoint.comm import Comm, GroupComm, quiet_single_process
+from elastic_events.checkpoint.layout import (
     _METADATA,
     MARKER_NAME,
     CheckpointCorruptError,
@@ -101,6 +101,7 @@ from elastic_events.rng import (
     rng_to_plain,
     seed_all,
 )
+from elastic_events.rounds import abort
 
 __all__ = [
     "MARKER_NAME",
@@ -407,7 +408,10 @@ class Checkpointer:
                     rng = self._apply(info, comm, targets, state)
                     extra = state[_GLOBAL_KEY]["extra"] or {}
                     eventlog.emit(
-                        names.CHECKPOINT_LOADED, step=info.step, path=str(info.path), saved_world_size=info.world_size
+                        contract.CHECKPOINT_LOADED,
+                        step=info.step,
+                        path=str(info.path),
+                        saved_world_size=info.world_size,
                     )
                     skipped = tuple(p for p, _ in failures)
                     self._warn_all(comm, warned + failures)
@@ -473,7 +477,7 @@ class Checkpointer:
             _fsync_dir(final.parent)
             shutil.rmtree(replaced, ignore_errors=True)
             prune(self.config.dir, keep_last=self.config.keep_last, saved=final)
-            eventlog.emit(names.CHECKPOINT_SAVED, step=pending.info.step, path=str(final))
+            eventlog.emit(contract.CHECKPOINT_SAVED, step=pending.info.step, path=str(final))
         except CheckpointError as exc:
             pending.commit_error = exc
         except Exception as exc:

@@ -20,9 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic_events.contract import ROUND_ENV
 from elastic_events.control import Event
 from elastic_events.errors import ElasticTrainingError, GroupError, PeerFailureError
-from elastic_events.names import ROUND_ENV
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ sides compute the same :func:`plan_buckets` from the byte sizes alone:
 
 So a transfer needs at most one bucket of extra memory on either side, and the
 receivers' state is bitwise the sender's. :func:`send_tensors` / :func:`recv_tensors`
-move the same way between two ranks (the replicas of :mod:`elastic_events.snapshot`);
+move the same way between two ranks (the replicas of :mod:`elastic_events.rounds.snapshot`);
 a sender whose tensors are on an accelerator stages each bucket through pinned host
 memory on a stream of its own, so the bytes travel over a gloo group.
 """

@@ -19,8 +19,8 @@ and the process group. A script needs a handful of lines::
                 break                                 # new world: new loader iterator
 
 At a ``RECONFIGURE`` event the rank tears its process group down and joins the new
-round's (see :mod:`elastic_events.group`), newcomers receive the state from a
-survivor (:mod:`elastic_events.hydration`), the model is wrapped again (DDP) or
+round's (see :mod:`elastic_events.rounds.group`), newcomers receive the state from a
+survivor (:mod:`elastic_events.rounds.hydration`), the model is wrapped again (DDP) or
 re-sharded onto the new mesh (FSDP2), the sampler is split over the new world and
 every rank re-derives its RNG stream from ``(base seed, step, rank)``. A leaving
 rank returns False and should exit 0. At a ``SAVE_AND_EXIT`` event (a job where some
@@ -46,16 +46,17 @@ import torch
 import torch.distributed as dist
 
 import elastic_events
-from elastic_events import abort, eventlog, names
+from elastic_events import contract, eventlog
+from elastic_events.contract import PARKED_ENV, ROUND_ENV
 from elastic_events.control import CAP_RECONFIGURE, AdmissionTimeoutError, ControlReader, Event, EventKind, RankPhase
 from elastic_events.errors import ElasticTrainingError, RecoveryError
-from elastic_events.group import backend_for, default_device, init_env_group, is_peer_failure, teardown_group
-from elastic_events.hydration import gather_full_state, structure_digest, value_checksum
-from elastic_events.inprocess_config import ElasticConfig, default_wrap
-from elastic_events.inprocess_rounds import Kept, RoundJoining, is_sharded, on_meta, prewarm
-from elastic_events.names import PARKED_ENV, ROUND_ENV
-from elastic_events.snapshot import Captured, Piece, Replicator, SnapshotError, capture, optimizer_state_count
-from elastic_events.snapshot_restore import SnapshotReport
+from elastic_events.rounds import abort
+from elastic_events.rounds.config import ElasticConfig, default_wrap
+from elastic_events.rounds.group import backend_for, default_device, init_env_group, is_peer_failure, teardown_group
+from elastic_events.rounds.hydration import gather_full_state, structure_digest, value_checksum
+from elastic_events.rounds.snapshot import Captured, Piece, Replicator, SnapshotError, capture, optimizer_state_count
+from elastic_events.rounds.snapshot_restore import SnapshotReport
+from elastic_events.rounds.state import Kept, RoundJoining, is_sharded, on_meta, prewarm
 
 ModelFn = Callable[[], torch.nn.Module]
 WrapFn = Callable[[torch.nn.Module], torch.nn.Module]
@@ -75,7 +76,7 @@ class ElasticTraining(RoundJoining):
         optimizer_fn: builds the optimizer of the wrapped model.
         scheduler_fn: builds the LR scheduler of an optimizer (optional).
         sampler: the data position (``state_dict``/``load_state_dict``; ``set_world`` if it
-            splits batches over ranks, like :class:`~elastic_events.sampler.ElasticSampler`).
+            splits batches over ranks, like :class:`~elastic_events.data.sampler.ElasticSampler`).
         checkpointer: a :class:`~elastic_events.checkpoint.Checkpointer`: loaded from at
             start, written at a ``SAVE_AND_EXIT`` event; storage is the fallback only.
     """
@@ -118,7 +119,7 @@ class ElasticTraining(RoundJoining):
         self._optimizer_steps = [0, 0]  # optimizer steps begun, ended (hooks of the optimizer)
         self._snapshot_every = self.config.snapshot_interval
         self._replicator: Replicator | None = (
-            None  # a sharded model's snapshots of this round (elastic_events.snapshot)
+            None  # a sharded model's snapshots of this round (elastic_events.rounds.snapshot)
         )
         self._captured: Captured | None = None  # its local state's live tensors
         self._side: tuple[Any, Any, set[int]] | None = None  # this round's gloo groups for snapshots, their sockets
@@ -215,13 +216,13 @@ class ElasticTraining(RoundJoining):
         """Carry this rank through the failure of a peer, in process: call it where a step raised.
 
         ``exc`` is what the step raised. Unless it is a collective that failed because another
-        rank died or hung (:func:`~elastic_events.group.is_peer_failure`), or there is no launcher
+        rank died or hung (:func:`~elastic_events.rounds.group.is_peer_failure`), or there is no launcher
         to repair the group, it is raised again unchanged. Otherwise the rank drops the broken
         group and waits for the launcher's repair (a ``RECONFIGURE`` into a new round: the failed
         rank replaced, or its node left out); the survivors at the furthest committed step are the
         state, every other rank is brought to it from them. A sharded (FSDP2) model is put back
         together from the survivors' shards and the in-memory snapshots their peers hold of the
-        failed ranks' shards, at the newest step all of them have (:mod:`elastic_events.snapshot`:
+        failed ranks' shards, at the newest step all of them have (:mod:`elastic_events.rounds.snapshot`:
         at most ``snapshot_every`` steps back). Call it with every collective of a
         step before the optimizer step and ``step += 1`` right after it, so a step that failed
         changed nothing. Returns True to train on (rebuild the loader iterator, as after
@@ -244,7 +245,7 @@ class ElasticTraining(RoundJoining):
             file=sys.stderr,
             flush=True,
         )
-        eventlog.emit(names.PEER_FAILED, rank=rank, step=self.step, error=reason)
+        eventlog.emit(contract.PEER_FAILED, rank=rank, step=self.step, error=reason)
         self._reader.fired = None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients

@@ -4,7 +4,7 @@ After a failure every rank of the repaired round reports what it can give of the
 round's state (:class:`SnapshotReport`: its live state's step, the copies it holds), and
 :func:`plan_restore` (pure) picks the newest step at which every shard can be had, and from
 whom. No rank rolls back to a step another lacks; without such a step the checkpoint is the
-fallback. Then, in :mod:`elastic_events.inprocess_rounds`:
+fallback. Then, in :mod:`elastic_events.rounds.state`:
 
 * **Same world size** (a crashed rank replaced, a lost node refilled by a standby): the mesh
   and every shard's place on it are those of the broken round, so owner ``r``'s piece goes
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from elastic_events.snapshot import Entry, Piece, SnapshotError, group_names
+from elastic_events.rounds.snapshot import Entry, Piece, SnapshotError, group_names
 
 __all__ = ["RestorePlan", "SnapshotReport", "assemble", "load_local_state", "local_tensors", "plan_restore"]
 
@@ -81,7 +81,7 @@ def plan_restore(reports: dict[int, SnapshotReport]) -> RestorePlan | None:
 
 def assemble(pieces: Iterator[Piece]) -> tuple[dict[str, torch.Tensor], dict[str, Any], Piece]:
     """Full tensors from every rank's piece, in rank order: the model and optimizer state dicts
-    in the form of DCP's ``full_state_dict`` (what :func:`~elastic_events.hydration.gather_full_state`
+    in the form of DCP's ``full_state_dict`` (what :func:`~elastic_events.rounds.hydration.gather_full_state`
     makes), and the first piece (its small state and param groups are everyone's)."""
     full: dict[tuple[str, ...], torch.Tensor] = {}
     first: Piece | None = None

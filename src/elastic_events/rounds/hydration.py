@@ -11,7 +11,7 @@ What travels:
 
 * replicated models (plain, DDP): the source streams the parameters, all buffers and
   the optimizer state into the newcomers' own tensors with
-  :func:`~elastic_events.transfer.broadcast_tensors` (bounded buckets), over a
+  :func:`~elastic_events.rounds.transfer.broadcast_tensors` (bounded buckets), over a
   subgroup of the source and the newcomers;
 * sharded models (FSDP2): before the old group is torn down its members gather each
   full tensor onto the rank that becomes rank 0 of the new round
@@ -59,7 +59,9 @@ class RankReport:
     checksum: str | None  # digest of the parameter values (replicated survivors only)
     sharded: bool | None  # None: not known yet (a newcomer)
     control_step: int = 0  # its count of elastic_event_detected() calls (a repair aligns everyone's on the source's)
-    handoff_step: int = -1  # a newcomer: the step of its predecessor's hand-off for this round (elastic_events.handoff)
+    handoff_step: int = (
+        -1
+    )  # a newcomer: the step of its predecessor's hand-off for this round (elastic_events.rounds.handoff)
     snapshot: Any = None  # a sharded survivor of a failure: what it holds of the broken round (snapshot.SnapshotReport)
     failed: bool = False  # a peer failed in its previous round (it came through ElasticTraining.recover)
 
@@ -88,7 +90,7 @@ def plan_hydration(
     committed one step more than another (its collectives completed before the peer's death
     reached the others): the survivors at the furthest step are the state, the others are
     brought to it like newcomers. A sharded model cannot be recovered this way (its shards
-    on the dead rank exist nowhere else): its snapshots are (:func:`elastic_events.snapshot.plan_restore`).
+    on the dead rank exist nowhere else): its snapshots are (:func:`elastic_events.rounds.snapshot.plan_restore`).
     """
     reports = sorted(reports, key=lambda r: r.rank)
     if recovering:

@@ -1,4 +1,4 @@
-"""What a user configures of :class:`~elastic_events.inprocess.ElasticTraining`: how it waits and
+"""What a user configures of :class:`~elastic_events.training.ElasticTraining`: how it waits and
 moves state, and the default wrapper of a replicated model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from elastic_events.names import SNAPSHOT_EVERY_ENV
+from elastic_events.contract import SNAPSHOT_EVERY_ENV
 
 __all__ = ["ElasticConfig", "default_wrap"]
 
@@ -25,7 +25,7 @@ class ElasticConfig:
     bucket_mb: float = 64.0  # largest broadcast of the state transfer
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
     backend: str | None = None  # None: nccl on CUDA, gloo on CPU
-    # A sharded model's in-memory snapshot (elastic_events.snapshot) every N steps; 0: none.
+    # A sharded model's in-memory snapshot (elastic_events.rounds.snapshot) every N steps; 0: none.
     # None: the launcher's --snapshot-every (HYPERPODRUN_SNAPSHOT_EVERY), else every step.
     snapshot_every: int | None = None
     # Freeze what exists when start() begins (the imports: about 290,000 objects with torch) out of the

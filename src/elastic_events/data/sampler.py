@@ -8,7 +8,7 @@ on the world size, so a job that changes size mid-epoch resumes at the same plac
   with ``seed + epoch``; ``shuffle=False`` gives the identity);
 * every optimizer step takes the next ``global_batch`` indices of the permutation,
   starting at ``consumed``, and splits them over the *current* ranks with
-  :func:`~elastic_events.batching.plan_global_batch`;
+  :func:`~elastic_events.data.batching.plan_global_batch`;
 * the rank yields its share as micro-batches (lists of indices), so
   ``StatefulDataLoader(dataset, batch_sampler=sampler)`` yields this rank's
   micro-batches in order.
