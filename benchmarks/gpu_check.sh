@@ -202,7 +202,7 @@ import torch.distributed  # noqa: F401
 res = {}
 t = time.perf_counter()
 import elastic_events.rounds.spare  # noqa: F401,E402
-from elastic_events.rounds.state import prewarm  # noqa: E402
+from elastic_events.rounds.joining import prewarm  # noqa: E402
 prewarm()
 res["imports_and_prewarm_s"] = round(time.perf_counter() - t, 2)
 res["cuda_initialized_after_prewarm"] = torch.cuda.is_initialized()
@@ -243,6 +243,7 @@ import argparse, gc, json, os, socket, statistics, sys, threading, time, traceba
 import torch
 import torch.distributed as dist
 
+from elastic_events.contract import GroupAssignment
 from elastic_events.rounds.group import RoundSpec, init_round_group, teardown_group
 from elastic_events.rounds.transfer import broadcast_tensors
 
@@ -265,10 +266,10 @@ def usage():
 
 
 def form(rnd):
-    spec = RoundSpec(round=rnd, rank=0, world_size=1, local_rank=0, local_world_size=1, group_rank=0,
-                     group_world_size=1, master_addr="127.0.0.1", master_port=free_port())
-    os.environ.update(spec.environment())
-    return init_round_group(spec, device=DEV, backend="nccl", timeout_s=60)
+    one = GroupAssignment(group_rank=0, group_world_size=1, nproc_per_node=1, master_addr="127.0.0.1",
+                          master_port=free_port())
+    return init_round_group(RoundSpec(round=rnd, assignment=one, local_rank=0), device=DEV, backend="nccl",
+                            timeout_s=60)
 
 
 def cycles_per_s():

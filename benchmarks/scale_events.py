@@ -74,6 +74,7 @@ from common import (
     require_train_script,
     torchrun_cmd,
 )
+from hyperpodrun.devices import DevicePlan
 from scale_analysis import (
     OURS,
     VARIANTS,
@@ -220,7 +221,9 @@ class Scenario:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if variant == "torchrun-noshare" else "0"
         self.env = bench_env(**env)
         self.env_settings = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
-        self.gpus = _gpu_count()
+        self.devices = DevicePlan.for_host(slots=2, nproc=1)  # A on slot 0; the one other node alive at a time on 1
+        if (note := self.devices.note()) is not None:
+            print(f"{variant}: {note}", flush=True)
 
     # -- processes
 
@@ -229,9 +232,7 @@ class Scenario:
         argv = self.train.argv(run_dir=self.work / "run", data_cache=self.data_cache, metrics=self.metrics)
         flags = self.timers.launcher_args(self.variant, self.endpoint, self.run_id, self.work, name)
         launcher = hyperpodrun_cmd if self.variant in OURS else torchrun_cmd
-        env = dict(self.env)
-        if self.gpus >= 2:  # a simulated node per GPU: A keeps GPU 0, the one other node alive at a time GPU 1
-            env["CUDA_VISIBLE_DEVICES"] = "0" if name == "A" else "1"
+        env = {**self.env, **self.devices.env(0 if name == "A" else 1)}
         if name in self.nodes:  # started again after it left (torchrun's rejoin)
             self.nodes.pop(name).close()
         t = time.time()
@@ -409,12 +410,6 @@ class Scenario:
 
     def _tails(self) -> str:
         return "\n".join(node.tail(8) for node in self.nodes.values())
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

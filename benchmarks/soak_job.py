@@ -33,10 +33,12 @@ from common import (
     read_metrics,
     require_train_script,
 )
+from hyperpodrun.devices import DevicePlan
 
 __all__ = ["JobDied", "SoakJob", "SoakSettings"]
 
 EXAMPLE_DIR = REPO_ROOT / "examples" / "llama_finetune"
+MAX_LAUNCHERS = 4  # alive at once: up to 3 members (--nnodes 1:3) and a standby
 
 
 class JobDied(BenchmarkError):
@@ -187,6 +189,11 @@ class SoakJob:
             str(work / "events.jsonl"),
         ]
         self.env = bench_env(OMP_NUM_THREADS="1")
+        # a GPU per launcher alive at a time (members and standbys), or every launcher on the CPU
+        self.devices = DevicePlan.for_host(slots=MAX_LAUNCHERS, nproc=1)
+        self.slots: dict[str, int] = {}
+        if (note := self.devices.note()) is not None:
+            print(f"soak: {note}", flush=True)
 
     # -- logs
 
@@ -224,9 +231,12 @@ class SoakJob:
             name = f"node-{len(self.nodes)}"
             logs = ("--log-dir", str(self.work / "logs" / name))  # one per node: attempt folders would collide
             cmd = hyperpodrun_cmd(*self.flags, *logs, self.script, *self.settings.train_args(self.work))
-            self.nodes[name] = ManagedProcess(
-                cmd, name=name, env=self.env, bus=self.bus, log_path=self.work / f"{name}.log"
-            )
+            free = sorted(set(range(MAX_LAUNCHERS)) - {self.slots[n] for n in self.alive()})
+            if not free:
+                raise BenchmarkError(f"more than {MAX_LAUNCHERS} launchers alive at once")
+            self.slots[name] = free[0]
+            env = {**self.env, **self.devices.env(free[0])}
+            self.nodes[name] = ManagedProcess(cmd, name=name, env=env, bus=self.bus, log_path=self.work / f"{name}.log")
             self.t_start = self.t_start or self.nodes[name].started_at
             names.append(name)
         return names

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_events.contract import rank_context
 from support.cluster import ElasticJob
 
 
@@ -21,6 +22,15 @@ def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     patch.setattr(tempfile, "tempdir", str(path))
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def fresh_rank_context() -> Iterator[None]:
+    """A rank reads its environment once (``rank_context()``); a test that sets the environment of its own
+    process (monkeypatch.setenv) gets it read again, before and after."""
+    rank_context.cache_clear()
+    yield
+    rank_context.cache_clear()
 
 
 @pytest.fixture

@@ -39,10 +39,12 @@ from train import Runtime, TrainConfig, prepare_dataset
 from elastic_events import contract
 from elastic_events.data.dataset import ByteTokenizer
 from elastic_events.data.sampler import epoch_permutation
+from hyperpodrun.devices import DevicePlan
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 STORE_HOST = "node-1"  # the first launcher hosts the embedded store: the job cannot outlive it
 SCALING_TIMEOUT_S = 2.0  # seconds a new launcher waits as a standby before the job grows
+MAX_NODES = 3  # --nnodes 1:3, one rank each
 _LAUNCHER_ENV_PREFIXES = ("PET_", "TORCHELASTIC_", contract.ENV_PREFIX)
 
 
@@ -456,7 +458,7 @@ class _Launchers:
         d = config.run_dir
         self.flags = [
             "--nnodes",
-            "1:3",
+            f"1:{MAX_NODES}",
             "--nproc-per-node",
             "1",
             "--rdzv-backend",
@@ -485,11 +487,18 @@ class _Launchers:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV_PREFIXES)}
         self.env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.devices = DevicePlan.for_host(slots=MAX_NODES, nproc=1)  # a GPU per node, or every node on the CPU
+        self.slots: dict[str, int] = {}
+        if (note := self.devices.note()) is not None:
+            print(f"demo: {note}", flush=True)
 
     def start(self, name: str) -> None:
+        taken = {slot for n, slot in self.slots.items() if self.procs[n].poll() is None}
+        self.slots[name] = min(set(range(MAX_NODES)) - taken)
+        env = {**self.env, **self.devices.env(self.slots[name])}
         with open(self.config.run_dir / f"{name}.log", "wb") as log:
             cmd = [sys.executable, "-m", "hyperpodrun", *self.flags, *self.config.train_command()]
-            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def names(self, text: str) -> str:
         """``text`` with hyperpodrun's node ids (``<host>-<launcher pid>``) replaced by the demo's names."""

@@ -63,7 +63,7 @@ from model import IGNORE_INDEX, Llama, LlamaConfig, LlamaConfigError
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from elastic_events import ElasticConfig, ElasticTraining, ElasticTrainingError, elastic_event_detected, restart_reason
+from elastic_events import ElasticConfig, ElasticTraining, ElasticTrainingError, restart_reason
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from elastic_events.data.batching import BatchPlan, global_token_count, loss_scale, sum_in_batch_order
 from elastic_events.data.dataset import ByteTokenizer, DatasetError, TokenDataset, Tokenizer, build_token_dataset
@@ -283,7 +283,8 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
         raise ConfigError("--device cuda: no CUDA device is available")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    parked = os.environ.get("HYPERPODRUN_PARKED") == "1"  # its GPU is made current at admission, not while parked
+    if use_cuda and not parked:
         torch.cuda.set_device(device)
     if cfg.deterministic_reduce:  # and the same kernels' choices on every rank (cuBLAS: before its first call)
         if use_cuda:
@@ -616,74 +617,56 @@ def train(cfg: TrainConfig) -> int:
         pin_memory=rt.device.type == "cuda",
         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
     )
-    left = False
-    while elastic.step < cfg.steps and not left:
-        # Log the first step of every loader iterator (a start, a new world, an epoch): the same step on
-        # every rank, joiners included, since the log's all-reduce is a collective.
-        first_step = elastic.step + 1
-        for batch in sampler.steps(loader):
-            try:  # a peer that dies mid-step fails a collective of it: repaired in place, nothing committed is lost
-                t0 = time.perf_counter()
-                loss_sum, global_tokens = train_step(
-                    elastic.model, elastic.optimizer, elastic.scheduler, batch, rt, cfg
-                )
-                sampler.mark_step()
-                elastic.step += 1
-                step = elastic.step
-                elastic.extra["tokens_seen"] = elastic.extra.get("tokens_seen", 0) + global_tokens
-                if cfg.sample_log is not None:
-                    ids = torch.cat([mb["sample_id"] for mb in batch.micro_batches]).tolist()
-                    record = {"step": step, "rank": rt.rank, "world_size": rt.world_size, "epoch": batch.epoch}
-                    append_jsonl(cfg.sample_log, {**record, "position": batch.start, "sample_ids": ids})
-                if cfg.min_step_time > 0:
-                    time.sleep(max(0.0, cfg.min_step_time - (time.perf_counter() - t0)))
-                step_time = time.perf_counter() - t0
-                if step % cfg.log_every == 0 or step == first_step or step == cfg.steps:
-                    if rt.distributed:
-                        dist.all_reduce(loss_sum)  # the global batch's loss, for the log only
-                    metrics = {
-                        "ts": time.time(),
-                        "step": step,
-                        "loss": loss_sum.item() / global_tokens,
-                        "world_size": rt.world_size,
-                        "tokens_per_s": global_tokens / step_time,
-                        "lr": elastic.scheduler.get_last_lr()[0],
-                    }
-                    if (snap := elastic.snapshot_stats())["state_bytes"]:  # --fsdp: in-memory snapshots (bytes)
-                        metrics.update(snapshot_state_bytes=snap["state_bytes"], snapshot_held_bytes=snap["held_bytes"])
-                    say(
-                        f"step {step:5d}/{cfg.steps} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:9.0f} tok/s | "
-                        f"world {rt.world_size} | batch {describe_plan(batch.plan)} | lr {metrics['lr']:.2e}",
-                        flush=True,
-                    )
-                    if cfg.metrics is not None and rt.is_main:
-                        append_jsonl(cfg.metrics, metrics)
-                if step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-                    elastic.save_checkpoint()  # before the event: in the world that trained the step, which a joiner is not part of
-                resized = False
-                if elastic_event_detected():  # once per optimizer step, on every rank
-                    if not elastic.reconfigure():  # this node leaves, or a restart: the state was saved
-                        say(
-                            f"elastic event at step {step}: leaving (a restart resumes from the checkpoint)", flush=True
-                        )
-                        left = True
-                        break
-                    rt, resized = rt.resized(elastic), True
-                    say = print if rt.is_main else (lambda *a, **k: None)
-                    say(
-                        f"elastic event at step {step}: world {rt.world_size} in place, batch {describe_plan(sampler.plan)}",
-                        flush=True,
-                    )
-            except RuntimeError as exc:  # anything but a failed peer is raised again by recover()
-                if not elastic.recover(exc):
-                    left = True
-                    break
-                rt = rt.resized(elastic)
-                say = print if rt.is_main else (lambda *a, **k: None)
-                say(f"a peer failed: repaired in place at step {elastic.step}, world {rt.world_size}", flush=True)
-                break  # the sampler splits batches over the repaired world: take a new loader iterator
-            if step == cfg.steps or resized:
-                break  # resized: the sampler splits batches over the new world, take a new loader iterator
+    world = rt.world_size
+    for step in elastic.steps(loader, until=cfg.steps):  # scale events and repairs happen in here, in place
+        rt = rt.resized(elastic)
+        say = print if rt.is_main else (lambda *a, **k: None)
+        if rt.world_size != world:
+            say(
+                f"world {world} -> {rt.world_size} in place at step {elastic.step}, batch {describe_plan(sampler.plan)}"
+            )
+            world = rt.world_size
+        log = step.number % cfg.log_every == 0 or step.first or step.number == cfg.steps
+        t0 = time.perf_counter()
+        with step:  # a peer that dies here: this step is abandoned, the rank carried into the repaired round
+            loss_sum, global_tokens = train_step(
+                elastic.model, elastic.optimizer, elastic.scheduler, step.batch, rt, cfg
+            )
+            if cfg.min_step_time > 0:
+                time.sleep(max(0.0, cfg.min_step_time - (time.perf_counter() - t0)))
+            if log and rt.distributed:
+                dist.all_reduce(loss_sum)  # the global batch's loss, for the log only
+            elastic.extra["tokens_seen"] = elastic.extra.get("tokens_seen", 0) + global_tokens
+            if step.number == cfg.steps or (cfg.ckpt_every and step.number % cfg.ckpt_every == 0):
+                elastic.save_checkpoint()  # before the event: in the world that trained the step
+        if step.failed is not None:
+            continue
+        step_time = time.perf_counter() - t0
+        if cfg.sample_log is not None:
+            ids = torch.cat([mb["sample_id"] for mb in step.batch.micro_batches]).tolist()
+            record = {"step": step.number, "rank": rt.rank, "world_size": rt.world_size, "epoch": step.batch.epoch}
+            append_jsonl(cfg.sample_log, {**record, "position": step.batch.start, "sample_ids": ids})
+        if log:
+            metrics = {
+                "ts": time.time(),
+                "step": step.number,
+                "loss": loss_sum.item() / global_tokens,
+                "world_size": rt.world_size,
+                "tokens_per_s": global_tokens / step_time,
+                "lr": elastic.scheduler.get_last_lr()[0],
+            }
+            if (snap := elastic.snapshot_stats())["state_bytes"]:  # --fsdp: in-memory snapshots (bytes)
+                metrics.update(snapshot_state_bytes=snap["state_bytes"], snapshot_held_bytes=snap["held_bytes"])
+            say(
+                f"step {step.number:5d}/{cfg.steps} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:9.0f} tok/s | "
+                f"world {rt.world_size} | batch {describe_plan(step.batch.plan)} | lr {metrics['lr']:.2e}",
+                flush=True,
+            )
+            if cfg.metrics is not None and rt.is_main:
+                append_jsonl(cfg.metrics, metrics)
+    left = elastic.step < cfg.steps  # this node left the job, or saved for a restart: exit 0
+    if left:
+        say(f"elastic event at step {elastic.step}: leaving (a restart resumes from the checkpoint)", flush=True)
     ckpt.close()
     if not left and cfg.save_final is not None:
         full = get_model_state_dict(elastic.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -15,23 +15,22 @@ Typical loop, restart path (the launcher restarts every rank at the new size)::
             checkpointer.save(step, ...)
             return                     # the launcher restarts us at the new world size
 
-Checkpointless path (ranks keep running; see :class:`ElasticTraining` and
-``docs/checkpointless.md``)::
+Checkpointless path (ranks keep running through scale events and repairs; see
+:class:`ElasticTraining` and ``docs/checkpointless.md``)::
 
     elastic = ElasticTraining(model_fn=..., optimizer_fn=..., sampler=sampler).start()
-    ...
-        if elastic_event_detected() and not elastic.reconfigure():
-            return                     # this node left the job
+    for step in elastic.steps(loader, until=total_steps):
+        with step:                     # a peer's failure here is repaired in place
+            train_step(elastic.model, elastic.optimizer, step.batch)
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic_events import contract, eventlog
-from elastic_events.contract import CONTROL_FILE_ENV, RESTART_REASON_ENV
+from elastic_events import eventlog
+from elastic_events.contract import Record, rank_context
 from elastic_events.control import ControlChannelError, ControlReader, Event, EventKind
 
 # Heavier parts load on first use (PEP 562), so `from elastic_events import elastic_event_detected`
@@ -51,6 +50,8 @@ _LAZY = {
     "load_scale_config": "elastic_events.scale_config",
     "ElasticTraining": "elastic_events.training",
     "ElasticConfig": "elastic_events.rounds.config",
+    "Step": "elastic_events.training",
+    "RoundEngine": "elastic_events.rounds.engine",
     "ElasticTrainingError": "elastic_events.errors",
     "HydrationError": "elastic_events.errors",
     "StateMismatchError": "elastic_events.errors",
@@ -88,7 +89,7 @@ class _FirstStep:
         global _reader
         _reader = self.reader
         fired = self.reader.check()
-        eventlog.emit(contract.FIRST_STEP, reason=self.reason)
+        eventlog.emit(Record.FIRST_STEP, reason=self.reason)
         return fired
 
     def event(self) -> Event | None:
@@ -108,9 +109,9 @@ def _probe() -> ControlReader | _FirstStep | None:
     """
     global _reader, _probed
     _probed = True
-    path = os.environ.get(CONTROL_FILE_ENV)
-    if path:
-        _reader = _FirstStep(ControlReader(Path(path), int(os.environ.get("LOCAL_RANK", "0"))), restart_reason())
+    ctx = rank_context()
+    if ctx.control_file is not None:
+        _reader = _FirstStep(ControlReader(Path(ctx.control_file), ctx.local_rank), restart_reason())
         _register_stack_dump()
     return _reader
 
@@ -179,9 +180,9 @@ def current_event() -> Event | None:
 
 def is_elastic() -> bool:
     """Whether this process was started by hyperpodrun (and so may see elastic events)."""
-    return bool(os.environ.get(CONTROL_FILE_ENV))
+    return rank_context().under_hyperpodrun
 
 
 def restart_reason() -> str:
     """Why this process was started: ``start``, ``scale`` or ``failure`` (``start`` outside hyperpodrun)."""
-    return os.environ.get(RESTART_REASON_ENV, "start")
+    return rank_context().restart_reason.value

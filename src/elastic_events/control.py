@@ -109,6 +109,7 @@ class RankPhase(IntEnum):
     LEAVING = 5
     FAILED = 6
     RECOVERING = 7  # a collective failed (a peer died): waiting for the RECONFIGURE that repairs the group
+    FINISHED = 8  # training ended on this rank: no event is acted on any more (it exits soon, 0)
 
 
 class ControlChannelError(RuntimeError):

@@ -1,4 +1,4 @@
-"""Errors of in-process reconfiguration (``ElasticTraining``): one base, one class per failure."""
+"""Errors of the rank side (``ElasticTraining`` and its round engine): one base, one class per failure."""
 
 from __future__ import annotations
 
@@ -26,3 +26,12 @@ class RecoveryError(ElasticTrainingError):
 class PeerFailureError(RuntimeError):
     """A peer died or hung while this rank waited on it outside a collective (e.g. for a snapshot):
     :meth:`~elastic_events.training.ElasticTraining.recover` treats it like a failed collective."""
+
+
+class StepAbandonedError(PeerFailureError):
+    """A step's collectives did not complete (a peer failed, the round was aborted, or its deadline passed):
+    nothing of the step was applied. :meth:`~elastic_events.training.ElasticTraining.recover` takes it up."""
+
+    def __init__(self, step: int, why: str) -> None:
+        super().__init__(f"step {step} abandoned before its optimizer step: {why}")
+        self.step, self.why = step, why

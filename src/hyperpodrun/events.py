@@ -14,41 +14,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from elastic_events.contract import Record
 
-class EventType(str, Enum):
-    AGENT_STARTED = "agent_started"
-    RENDEZVOUS_DONE = "rendezvous_done"
-    WORKERS_STARTED = "workers_started"
-    FIRST_STEP = "first_step"
-    SCALE_DECIDED = "scale_decided"
-    ROUND_IN_PROCESS = (
-        "round_in_process"  # every rank declared the in-process API: events and failures are handled in place
-    )
-    SCALE_TARGETED = "scale_targeted"  # the agreed step and the mode (reconfigure in place or restart)
-    WORKERS_SIGNALLED = "workers_signalled"
-    CHECKPOINT_SAVED = "checkpoint_saved"
-    CHECKPOINT_LOADED = "checkpoint_loaded"
-    WORKERS_STOPPED = "workers_stopped"
-    WORKERS_RECONFIGURED = "workers_reconfigured"  # every local rank runs in the next round, in place
-    WORKER_FAILED = "worker_failed"
-    RANKS_REPLACED = "ranks_replaced"  # failed ranks restarted parked: the job repairs its group in place
-    SPARE_READY = (
-        "spare_ready"  # a pre-started replacement waits beside the ranks, torch imported (elastic_events.rounds.spare)
-    )
-    RANK_HUNG = "rank_hung"  # no progress for --hang-timeout: stacks dumped, treated as a failure
-    NODE_LOST = "node_lost"
-    NODE_LEAVING = "node_leaving"
-    NODE_REJOINED = "node_rejoined"  # registered again after its lease expired during a store outage
-    STORE_UNREACHABLE = "store_unreachable"  # the ranks keep training until the lease expires
-    STORE_RECOVERED = "store_recovered"
-    STORE_LOST = "store_lost"
-    JOB_SUCCEEDED = "job_succeeded"
-    JOB_FAILED = "job_failed"
-    AGENT_STOPPED = "agent_stopped"
+#: The kinds of event-log records, the agents' and the ranks' alike, written once in the launcher-rank contract.
+EventType = Record
 
 
 class EventLog:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 
+from elastic_events.contract import GroupAssignment
 from hyperpodrun.errors import LaunchError
 from hyperpodrun.logs import RankLogs, StreamPump, open_for_child
 from hyperpodrun.reaper import Reaper
@@ -65,27 +66,6 @@ class WorkerState(str, Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupAssignment:
-    """What the rendezvous decided for this node in one round."""
-
-    group_rank: int
-    group_world_size: int
-    nproc_per_node: int
-    master_addr: str
-    master_port: int
-    # Global rank of this node's first local rank; ranks are contiguous per node.
-    base_rank: int | None = None
-
-    @property
-    def world_size(self) -> int:
-        return self.group_world_size * self.nproc_per_node
-
-    def global_rank(self, local_rank: int) -> int:
-        base = self.base_rank if self.base_rank is not None else self.group_rank * self.nproc_per_node
-        return base + local_rank
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 from elastic_events import contract
+from elastic_events.contract import ROUND_VARIABLES, GroupAssignment, RestartReason, rank_environment
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.rendezvous import RestartReason, RoundInfo
+from hyperpodrun.rendezvous import RoundInfo
 from hyperpodrun.security import scrub_secrets
-from hyperpodrun.supervisor import GroupAssignment
 
 
 def worker_env(
@@ -26,47 +26,27 @@ def worker_env(
     event_log: Path | None = None,
 ) -> dict[str, str]:
     """The per-rank environment: torchrun's variables exactly, plus ``HYPERPODRUN_*`` extras."""
-    a = rnd.assignment
-    rank = a.global_rank(local_rank)
     env = {
-        "RANK": str(rank),
-        "GROUP_RANK": str(a.group_rank),
-        "ROLE_RANK": str(rank),
+        **rank_environment(rnd.assignment, local_rank, round=rnd.round),
         "ROLE_NAME": config.role,
         "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(a.nproc_per_node),
-        "WORLD_SIZE": str(a.world_size),
-        "GROUP_WORLD_SIZE": str(a.group_world_size),
-        "ROLE_WORLD_SIZE": str(a.world_size),
-        "MASTER_ADDR": a.master_addr,
-        "MASTER_PORT": str(a.master_port),
+        "LOCAL_WORLD_SIZE": str(rnd.assignment.nproc_per_node),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        # 2 (CleanUpOnly): on an NCCL error or timeout torch's watchdog aborts the communicators and the
+        # error reaches Python, where the in-process repair takes it up; 1 (TearDown) would kill the
+        # process, 3 (torch's default) too, without cleaning up.
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),
         "TORCHELASTIC_ERROR_FILE": str(error_file),
         contract.CONTROL_FILE_ENV: str(control_file),
         contract.RESTART_REASON_ENV: reason.value,
-        contract.ROUND_ENV: str(rnd.round),
         contract.NODE_ID_ENV: node_id,
     }
     if event_log is not None:
         env[contract.EVENT_LOG_ENV] = str(event_log)
     return env
-
-
-#: What a parked rank must not see: it learns its rank, world and master at admission.
-ROUND_VARIABLES = (
-    "RANK",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "WORLD_SIZE",
-    "GROUP_WORLD_SIZE",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 def parked_env(env: dict[str, str]) -> dict[str, str]:

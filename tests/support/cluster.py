@@ -14,10 +14,12 @@ from typing import Any
 
 import psutil
 
+from hyperpodrun.devices import DevicePlan
 from support.jsonl import read_jsonl
 from support.launch import clean_env, hyperpodrun_cmd
 
 COUNTER = Path(__file__).resolve().parent.parent / "elastic" / "scripts" / "counter.py"
+MAX_NODES = 8  # launchers a test starts, at most
 
 
 def free_port() -> int:
@@ -108,6 +110,7 @@ class ElasticJob:
         ]
         self.script = [str(script), *(script_args if script_args is not None else (str(run_dir),))]
         self.nodes: dict[str, subprocess.Popen] = {}
+        self.devices = DevicePlan.for_host(slots=MAX_NODES, nproc=1)  # a GPU per launcher, or all on the CPU
 
     def start_node(
         self, name: str, *extra: str, wrap: Callable[[list[str]], list[str]] | None = None
@@ -116,7 +119,8 @@ class ElasticJob:
         out = open(self.run_dir / f"{name}.out", "w")
         err = open(self.run_dir / f"{name}.err", "w")
         cmd = hyperpodrun_cmd(*self.base, *extra, *self.script)
-        proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stdout=out, stderr=err, env=clean_env())
+        env = clean_env(**self.devices.env(len(self.nodes) % MAX_NODES))
+        proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stdout=out, stderr=err, env=env)
         self.nodes[name] = proc
         # Started in order: the first launcher hosts the embedded store before the next one looks for it.
         wait_until(

@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from elastic_events import contract, eventlog
+from elastic_events import eventlog
 from elastic_events.checkpoint.comm import Comm, GroupComm, quiet_single_process
 from elastic_events.checkpoint.layout import (
     _METADATA,
@@ -93,6 +93,7 @@ from elastic_events.checkpoint.layout import (
     recover_interrupted,
     verify_checkpoint,
 )
+from elastic_events.contract import Record
 from elastic_events.rng import (
     capture_rng_state,
     derive_rank_seed,
@@ -408,7 +409,7 @@ class Checkpointer:
                     rng = self._apply(info, comm, targets, state)
                     extra = state[_GLOBAL_KEY]["extra"] or {}
                     eventlog.emit(
-                        contract.CHECKPOINT_LOADED,
+                        Record.CHECKPOINT_LOADED,
                         step=info.step,
                         path=str(info.path),
                         saved_world_size=info.world_size,
@@ -477,7 +478,7 @@ class Checkpointer:
             _fsync_dir(final.parent)
             shutil.rmtree(replaced, ignore_errors=True)
             prune(self.config.dir, keep_last=self.config.keep_last, saved=final)
-            eventlog.emit(contract.CHECKPOINT_SAVED, step=pending.info.step, path=str(final))
+            eventlog.emit(Record.CHECKPOINT_SAVED, step=pending.info.step, path=str(final))
         except CheckpointError as exc:
             pending.commit_error = exc
         except Exception as exc:

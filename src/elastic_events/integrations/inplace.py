@@ -9,7 +9,7 @@ integrations use the same protocol from outside the framework's loop:
    (``TrainingArguments``, ``L.Trainer``). Outside hyperpodrun, and on ranks started into a
    round, it returns at once. A pre-warmed joiner (``HYPERPODRUN_PARKED=1``: imported, model
    built, no rank yet) waits there until a ``RECONFIGURE`` event admits its node, then joins
-   the new round's process group (:func:`~elastic_events.rounds.group.init_round_group`), so the rest
+   the new round's process group (:meth:`~elastic_events.rounds.engine.RoundEngine.form`), so the rest
    of the script builds its framework objects for the world it will train in.
 2. The framework driver (``ElasticTrainer.train`` / ``ElasticCallback.fit``) calls
    :meth:`Rounds.offer` once: the rank declares ``CAP_RECONFIGURE`` on the control channel only
@@ -35,36 +35,20 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-import elastic_events
-from elastic_events import contract, eventlog
+from elastic_events import eventlog
+from elastic_events.contract import Record
 from elastic_events.control import CAP_RECONFIGURE, ControlReader, Event, EventKind, RankPhase
 from elastic_events.integrations.common import ElasticIntegrationError, rank_and_world
-from elastic_events.rounds.group import RoundSpec, backend_for, default_device, init_round_group, teardown_group
-from elastic_events.rounds.hydration import (
-    RankReport,
-    allocate_tensors,
-    collective_failures,
-    model_tensors,
-    plan_hydration,
-    split_tensors,
-    structure_digest,
-    value_checksum,
-)
-from elastic_events.rounds.transfer import broadcast_tensors
+from elastic_events.rounds.config import ElasticConfig
+from elastic_events.rounds.engine import RoundEngine
+from elastic_events.rounds.hydration import RankReport, plan_hydration, structure_digest, value_checksum
 
 __all__ = [
-    "IN_PLACE_UNAVAILABLE",
-    "RESTART_REQUESTED",
-    "InPlaceConfig",
-    "InPlaceConfigError",
     "InPlaceError",
     "Kept",
     "Moved",
@@ -73,41 +57,9 @@ __all__ = [
     "rounds",
 ]
 
-#: Event-log record of a rank that does not offer in-place events (``reason`` says why).
-IN_PLACE_UNAVAILABLE = "in_place_unavailable"
-#: Event-log record of a rank that offered in-place events and was asked to save and restart.
-RESTART_REQUESTED = "restart_requested"
-
 
 class InPlaceError(ElasticIntegrationError):
     """A rank could not be carried into a new round in place; the launcher falls back to a restart."""
-
-
-class InPlaceConfigError(InPlaceError, ValueError):
-    """An :class:`InPlaceConfig` field is invalid."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class InPlaceConfig:
-    """How a framework job waits and moves state at in-place events (:func:`elastic_init`)."""
-
-    timeout_s: float = 600.0  # forming a round's group, and bringing its ranks to one state
-    admission_timeout_s: float = 86_400.0  # how long a pre-warmed joiner waits to be admitted
-    poll_s: float = 0.005  # a pre-warmed joiner's look at the control channel
-    bucket_mb: float = 64.0  # largest broadcast of the state transfer
-    backend: str | None = None  # a joiner's group: None -> nccl on CUDA, else gloo (survivors keep theirs)
-
-    def __post_init__(self) -> None:
-        for name in ("timeout_s", "admission_timeout_s", "poll_s", "bucket_mb"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise InPlaceConfigError(f"InPlaceConfig.{name} must be a number > 0, got {value!r}")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise InPlaceConfigError(f"InPlaceConfig.backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_mb * 2**20))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,56 +89,62 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def expose_round(engine: RoundEngine) -> None:
+    """Give the framework the torchrun variables of the engine's current round.
+
+    The one place the rank side writes its process's environment: Hugging Face's accelerate decides
+    whether the process is distributed, and Lightning's cluster environment which rank it is, from
+    ``WORLD_SIZE`` and ``RANK`` in the environment when they are rebuilt for a new round. A script's
+    own code reads its round from the engine (:class:`~elastic_events.ElasticTraining`'s ``rank``).
+    """
+    os.environ.update(engine.torchrun_environment())
+
+
 class Rounds:
     """This process's side of the in-place protocol for a framework job (one per process: :func:`rounds`)."""
 
     def __init__(self) -> None:
-        self.config = InPlaceConfig()
-        self.initialised = False  # elastic_init() ran
+        self.engine: RoundEngine | None = None  # made by elastic_init()
         self.offered = False  # CAP_RECONFIGURE declared
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self._admission: Event | None = None  # a joiner admitted into this event's round, not yet hydrated
-        self._store: Any = None  # the round's TCPStore: lives as long as its group
         self._refusal_said = False
-        self._received = False  # this rank took the state from a peer in the round being formed
 
-    # ------------------------------------------------------------------ start
+    @property
+    def initialised(self) -> bool:
+        """elastic_init() ran."""
+        return self.engine is not None
+
     @property
     def _reader(self) -> ControlReader | None:
         """The control channel (None outside hyperpodrun); opened on first use."""
-        return elastic_events._channel()
+        import elastic_events
+
+        return self.engine.reader if self.engine is not None else elastic_events._channel()
 
     @property
     def admitted(self) -> bool:
         """A pre-warmed joiner that was admitted and has not received its state yet."""
         return self._admission is not None
 
-    def init(self, config: InPlaceConfig) -> None:
-        if self.initialised:
+    def init(self, config: ElasticConfig) -> None:
+        if self.engine is not None:
             raise InPlaceError("elastic_init() was already called in this process")
-        self.config, self.initialised = config, True
-        parked = os.environ.get(contract.PARKED_ENV) == "1"
-        if self._reader is None:
-            if parked:
-                raise InPlaceError(
-                    f"{contract.PARKED_ENV}=1 needs the control channel ({contract.CONTROL_FILE_ENV}): only hyperpodrun parks ranks"
-                )
-            return
-        if parked:
+        self.engine = RoundEngine(config)
+        if self.engine.reader is not None and self.engine.context.parked:
             self._admit()
 
     def _admit(self) -> None:
         """A pre-warmed joiner: wait for the event that places this node in a round, and join its group."""
-        from elastic_events.rounds.state import prewarm
+        from elastic_events.rounds.joining import prewarm
 
+        engine = self.engine
         prewarm()  # what the first step would import, paid while parked
-        event = self._reader.wait_for_admission(timeout_s=self.config.admission_timeout_s, poll_s=self.config.poll_s)
-        backend = self.config.backend or backend_for(default_device(self.local_rank))
+        event = engine.wait_for_admission()
         try:
-            self._form(event, backend=backend)
+            engine.form(event, step=0)
+            expose_round(engine)
         except BaseException:
-            self._phase(RankPhase.FAILED)
+            engine.set_phase(RankPhase.FAILED)
             raise
         self._admission = event
 
@@ -196,10 +154,11 @@ class Rounds:
         ``blockers``: what in the framework's configuration prevents them (empty: nothing).
         Outside hyperpodrun nothing is offered and nothing is said.
         """
-        if self._reader is None:
+        reader = self._reader
+        if reader is None:
             return False
         why = list(blockers)
-        if not self.initialised:
+        if self.engine is None:
             why.append(
                 "the script did not call elastic_init() before building its Trainer (a pre-warmed joiner could not "
                 "learn its world before the framework fixes it)"
@@ -208,33 +167,34 @@ class Rounds:
             return False  # a rank that said it will not train in place stays on the restart path
         if why:
             if self._admission is not None:
-                self._phase(RankPhase.FAILED)
+                self.engine.set_phase(RankPhase.FAILED)
                 raise InPlaceError(
                     f"rank admitted in place, but {framework} cannot train in place here: {'; '.join(why)}"
                 )
             self._refusal_said = True  # said once: on stderr from each node's first rank, in the event log from rank 0
             rank, _ = rank_and_world()
             reason = "; ".join(why)
-            if self.local_rank == 0:
+            if self.engine is None or self.engine.local_rank == 0:
                 _say(
                     f"rank {rank}: in-place scale events not offered ({framework}): {reason}; "
                     "scale events save a checkpoint and restart the ranks"
                 )
-            eventlog.emit(IN_PLACE_UNAVAILABLE, framework=framework, reason=reason)
+            eventlog.emit(Record.IN_PLACE_UNAVAILABLE, framework=framework, reason=reason)
             return False
         if not self.offered:
             self.offered = True
-            self._reader.declare(CAP_RECONFIGURE)
+            reader.declare(CAP_RECONFIGURE)
             if self._admission is None:
-                self._phase(RankPhase.RUNNING, round=int(os.environ.get(contract.ROUND_ENV, "0")))
+                self.engine.set_phase(RankPhase.RUNNING)
         return True
 
     # ----------------------------------------------------------------- events
     def take_event(self) -> Event | None:
         """The event ``elastic_event_detected()`` just returned True for (taken: asked once)."""
-        if self._reader is None:
+        reader = self._reader
+        if reader is None:
             return None
-        event, self._reader.fired = self._reader.fired, None
+        event, reader.fired = reader.fired, None
         return event
 
     def restart_requested(self, event: Event, *, step: int) -> None:
@@ -248,7 +208,7 @@ class Rounds:
         )
         if rank == 0:
             _say(f"rank 0: event {event.event_id} at step {step}: {why}: saving a checkpoint and exiting")
-        eventlog.emit(RESTART_REQUESTED, event_id=event.event_id, step=step, reason=why)
+        eventlog.emit(Record.RESTART_REQUESTED, event_id=event.event_id, step=step, reason=why)
 
     def is_in_place(self, event: Event | None) -> bool:
         return event is not None and event.kind is EventKind.RECONFIGURE and self.offered
@@ -259,26 +219,21 @@ class Rounds:
 
         The caller rebuilds its framework's world and calls :meth:`ready` before training on.
         """
-        self._phase(RankPhase.RECONFIGURING)
+        engine = self.engine
+        engine.set_phase(RankPhase.RECONFIGURING)
         try:
-            backend = (
-                dist.get_backend()
-                if dist.is_initialized()
-                else self.config.backend or backend_for(default_device(self.local_rank))
-            )
-            t0 = time.monotonic()
-            teardown_group()
-            torn_down = time.monotonic() - t0
+            torn_down = engine.release()
             if event.leaves:
                 eventlog.emit(
-                    contract.GROUP_TORN_DOWN, event_id=event.event_id, step=kept.step, seconds=torn_down, left=True
+                    Record.GROUP_TORN_DOWN, event_id=event.event_id, step=kept.step, seconds=torn_down, left=True
                 )
-                self._phase(RankPhase.LEAVING)
+                engine.set_phase(RankPhase.LEAVING)
                 return Moved(left=True, payload=None, survivor=True, event=event)
-            self._form(event, backend=backend, torn_down=(kept.step, torn_down))
+            engine.form(event, step=kept.step, torn_down_s=torn_down)
+            expose_round(engine)
             payload = self._hydrate(event, module=module, kept=kept)
         except BaseException:
-            self._phase(RankPhase.FAILED)
+            engine.set_phase(RankPhase.FAILED)
             raise
         return Moved(left=False, payload=payload, survivor=True, event=event)
 
@@ -291,7 +246,7 @@ class Rounds:
         try:
             payload = self._hydrate(event, module=module, kept=None)
         except BaseException:
-            self._phase(RankPhase.FAILED)
+            self.engine.set_phase(RankPhase.FAILED)
             raise
         return Moved(left=False, payload=payload, survivor=False, event=event)
 
@@ -299,93 +254,56 @@ class Rounds:
         """The rank's framework is rebuilt for the new round: the agent may consider the event done."""
         if moved.event is None or self._reader is None:
             return
-        self._phase(RankPhase.READY, round=moved.event.round)
-        elastic_events._new_round("reconfigure" if moved.survivor else "admitted")
+        self.engine.set_phase(RankPhase.READY, round=moved.event.round)
+        self.engine.new_round("reconfigure" if moved.survivor else "admitted")
 
     def failed(self) -> None:
         """The framework could not be rebuilt for the new round: the launcher falls back to a restart."""
-        self._phase(RankPhase.FAILED)
+        if self.engine is not None:
+            self.engine.set_phase(RankPhase.FAILED)
+
+    def finished(self) -> None:
+        """The framework's training ended on this rank: no further event is acted on."""
+        if self.engine is not None and self._reader is not None:
+            self.engine.set_phase(RankPhase.FINISHED)
+            eventlog.emit(Record.TRAINING_FINISHED)
 
     # ------------------------------------------------------------- internals
-    def _phase(self, phase: RankPhase, *, round: int | None = None) -> None:
-        if self._reader is not None:
-            self._reader.set_phase(phase, round=round)
-
-    def _form(self, event: Event, *, backend: str, torn_down: tuple[int, float] | None = None) -> None:
-        spec = RoundSpec.from_event(event, local_rank=self.local_rank, local_world_size=self.local_world_size)
-        os.environ.update(spec.environment())
-        if torn_down is not None:
-            eventlog.emit(contract.GROUP_TORN_DOWN, event_id=event.event_id, step=torn_down[0], seconds=torn_down[1])
-        device = torch.device("cuda", self.local_rank) if backend == "nccl" else torch.device("cpu")
-        t0 = time.monotonic()
-        self._store = init_round_group(spec, device=device, backend=backend, timeout_s=self.config.timeout_s)
-        eventlog.emit(contract.GROUP_UP, event_id=event.event_id, seconds=time.monotonic() - t0)
-
     def _hydrate(self, event: Event, *, module: torch.nn.Module, kept: Kept | None) -> dict[str, Any] | None:
         """Every rank reports what it holds; the plan's source sends the state to the newcomers."""
+        import time
+
+        engine = self.engine
         t0 = time.monotonic()
-        rank, world = dist.get_rank(), dist.get_world_size()
         survivor = kept is not None
+        reader = self._reader
         report = RankReport(
-            rank=rank,
+            rank=engine.rank,
             survivor=survivor,
             source_ready=survivor,
             step=kept.step if survivor else -1,
             structure=structure_digest(module),
             checksum=value_checksum(module) if survivor else None,
             sharded=False if survivor else None,
-            control_step=self._reader.step if self._reader is not None else 0,
+            control_step=reader.step if reader is not None else 0,
         )
-        reports: list[Any] = [None] * world
-        with collective_failures(
-            InPlaceError, rank=rank, round=event.round, world_size=world, timeout_s=self.config.timeout_s
-        ):
-            dist.all_gather_object(reports, report)
-            plan = plan_hydration(reports, recovering=event.repair, local_world_size=self.local_world_size)
+        with engine.collectives(InPlaceError):
+            reports = engine.agree(report, error=InPlaceError)
+            plan = plan_hydration(reports, recovering=event.repair, local_world_size=engine.local_world_size)
             payload = kept.payload if survivor else None
-            received = rank in plan.newcomers and plan.source is not None
+            received = engine.rank in plan.newcomers and plan.source is not None
             if plan.source is not None and plan.newcomers:
-                payload = self._exchange(plan.source, plan.newcomers, module=module, payload=payload)
-        if received and self._reader is not None:  # later events target the survivors' count of steps
-            self._reader.set_step(next(r.control_step for r in reports if r.rank == plan.source))
+                payload = engine.transfer(plan.source, plan.newcomers, module=module, payload=payload)
+        if received and reader is not None:  # later events target the survivors' count of steps
+            reader.set_step(next(r.control_step for r in reports if r.rank == plan.source))
         eventlog.emit(
-            contract.HYDRATED,
+            Record.HYDRATED,
             event_id=event.event_id,
             step=plan.step,
             seconds=time.monotonic() - t0,
             newcomers=len(plan.newcomers),
             from_rank=plan.source,
             sharded=False,
-        )
-        return payload
-
-    def _exchange(
-        self, source: int, newcomers: tuple[int, ...], *, module: torch.nn.Module, payload: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
-        """The source streams the model's tensors into the newcomers' own, then the payload (skeleton + tensors)."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        members = sorted((source, *newcomers))
-        timeout = timedelta(seconds=self.config.timeout_s)
-        group = None if len(members) == world else dist.new_group(members, timeout=timeout)  # every rank calls it
-        if rank not in members:
-            return payload
-        sending = rank == source
-        tensors: list[torch.Tensor] = []
-        box: list[Any] = [None]
-        if sending:
-            box[0], tensors = split_tensors(payload)
-        dist.broadcast_object_list(box, src=source, group=group)
-        if not sending:
-            payload, tensors = allocate_tensors(box[0], default_device(self.local_rank))
-        comm = (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        )
-        broadcast_tensors(
-            [*(t for _, t in model_tensors(module)), *tensors],
-            src=source,
-            group=group,
-            device=comm,
-            bucket_bytes=self.config.bucket_bytes,
         )
         return payload
 
@@ -401,7 +319,7 @@ def rounds() -> Rounds:
     return _ROUNDS
 
 
-def elastic_init(*, config: InPlaceConfig | None = None) -> None:
+def elastic_init(*, config: ElasticConfig | None = None) -> None:
     """Make a framework script able to change world size in place; call it before building the Trainer.
 
     Under hyperpodrun, a pre-warmed joiner (started before its node is admitted, with no rank
@@ -411,6 +329,6 @@ def elastic_init(*, config: InPlaceConfig | None = None) -> None:
     nothing. Build the model and the dataset before it when they are expensive: a joiner then
     pays for them while it waits, not while the job waits for it.
     """
-    if config is not None and not isinstance(config, InPlaceConfig):
-        raise InPlaceConfigError(f"config must be an InPlaceConfig, got {type(config).__name__}")
-    rounds().init(config or InPlaceConfig())
+    if config is not None and not isinstance(config, ElasticConfig):
+        raise InPlaceError(f"config must be an ElasticConfig, got {type(config).__name__}")
+    rounds().init(config or ElasticConfig())

@@ -73,7 +73,8 @@ try:
 except ImportError:  # the standalone package
     from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
 
-from elastic_events import contract, elastic_event_detected, eventlog
+from elastic_events import elastic_event_detected, eventlog
+from elastic_events.contract import Record
 from elastic_events.data.sampler import ElasticSampler
 from elastic_events.integrations import lightning_inplace
 from elastic_events.integrations.common import (
@@ -86,13 +87,14 @@ from elastic_events.integrations.common import (
     reseed_rank,
     write_marker,
 )
-from elastic_events.integrations.inplace import InPlaceConfig, elastic_init, rounds
+from elastic_events.integrations.inplace import elastic_init, rounds
+from elastic_events.rounds.config import ElasticConfig
 
 __all__ = [
     "ElasticCallback",
     "ElasticIntegrationError",
     "GlobalBatchError",
-    "InPlaceConfig",
+    "ElasticConfig",
     "elastic_init",
     "elastic_resume_checkpoint",
 ]
@@ -289,7 +291,7 @@ class ElasticCallback(Callback):
             return
         if self._loaded["world_size"] != world:
             reseed_rank(self.seed, trainer.global_step, rank)
-        eventlog.emit(contract.CHECKPOINT_LOADED, step=trainer.global_step, saved_world_size=self._loaded["world_size"])
+        eventlog.emit(Record.CHECKPOINT_LOADED, step=trainer.global_step, saved_world_size=self._loaded["world_size"])
 
     # ------------------------------------------------------------------ stop
     def on_train_batch_end(
@@ -322,7 +324,7 @@ class ElasticCallback(Callback):
                 step=trainer.global_step, world_size=world, global_batch=self.global_batch, seed=self.seed
             )
             write_marker(self.dirpath / MARKER.format(name=path.name), marker)
-            eventlog.emit(contract.CHECKPOINT_SAVED, step=trainer.global_step, path=str(path))
+            eventlog.emit(Record.CHECKPOINT_SAVED, step=trainer.global_step, path=str(path))
         trainer.should_stop = True
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

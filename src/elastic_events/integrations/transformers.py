@@ -77,7 +77,8 @@ from torch.utils.data import Sampler
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from elastic_events import contract, elastic_event_detected, eventlog
+from elastic_events import elastic_event_detected, eventlog
+from elastic_events.contract import Record
 from elastic_events.data.sampler import epoch_permutation
 from elastic_events.integrations.common import (
     ElasticIntegrationError,
@@ -89,8 +90,9 @@ from elastic_events.integrations.common import (
     reseed_rank,
     write_marker,
 )
-from elastic_events.integrations.inplace import InPlaceConfig, elastic_init, rounds
+from elastic_events.integrations.inplace import elastic_init, rounds
 from elastic_events.integrations.transformers_inplace import InPlaceTrainerMixin
+from elastic_events.rounds.config import ElasticConfig
 
 __all__ = [
     "ElasticCallback",
@@ -99,7 +101,7 @@ __all__ = [
     "ElasticTrainer",
     "ElasticTrainerMixin",
     "GlobalBatchError",
-    "InPlaceConfig",
+    "ElasticConfig",
     "accumulation_steps",
     "elastic_init",
     "elastic_resume_checkpoint",
@@ -334,7 +336,7 @@ class ElasticCallback(TrainerCallback):
                 f"gradient_accumulation_steps with set_global_batch(args, {marker.global_batch})"
             )
         self._reseed_pending = marker.world_size != args.world_size
-        eventlog.emit(contract.CHECKPOINT_LOADED, step=state.global_step, saved_world_size=marker.world_size)
+        eventlog.emit(Record.CHECKPOINT_LOADED, step=state.global_step, saved_world_size=marker.world_size)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         # The epoch of ElasticTrainer's order, from the step: when the Trainer resumes mid-epoch on several ranks,
@@ -374,7 +376,7 @@ class ElasticCallback(TrainerCallback):
             write_marker(_checkpoint_dir(args, state.global_step) / MARKER, marker)
             if self.stopped_for_event:
                 eventlog.emit(
-                    contract.CHECKPOINT_SAVED,
+                    Record.CHECKPOINT_SAVED,
                     step=state.global_step,
                     path=str(_checkpoint_dir(args, state.global_step)),
                 )

@@ -17,9 +17,9 @@ every peer's end of them sees it too.
   process opens in that window is counted with them.
 * :func:`shutdown_round` shuts them down, once, and only while the round is the current
   one: a round that has begun forming (:func:`begin_round`) is never touched.
-* :class:`RepairWatch` is the thread that calls it: when the launcher publishes a repair
-  (a ``RECONFIGURE`` event with the repair flag, for a later round) and the rank has not
-  taken it up yet, the rank is, or soon will be, blocked in the broken group.
+* :func:`peer_closed` tells whether a peer has closed one of the round's connections (it died):
+  evidence of a peer failure that does not depend on what an error message says.
+* :class:`~elastic_events.rounds.watchdog.Watchdog` is the thread that calls :func:`shutdown_round`.
 """
 
 from __future__ import annotations
@@ -27,18 +27,19 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-from elastic_events.control import ControlReader, Event, EventKind
-
-__all__ = ["RepairWatch", "begin_round", "forming", "shutdown_round", "shutdown_sockets", "socket_inodes", "tracking"]
-
-#: How often the watch looks at the control channel: the delay between a repair's publication
-#: and the end of a blocked collective.
-WATCH_POLL_S = 0.02
+__all__ = [
+    "begin_round",
+    "current_round",
+    "forming",
+    "peer_closed",
+    "shutdown_round",
+    "shutdown_sockets",
+    "socket_inodes",
+    "tracking",
+]
 
 _FD_DIR = "/proc/self/fd"
 _lock = threading.Lock()
@@ -128,88 +129,41 @@ def shutdown_sockets(inodes: set[int]) -> int:
     return done
 
 
-class RepairWatch:
-    """A daemon thread that ends a blocked collective of a round the launcher is repairing.
+def current_round() -> int | None:
+    """The round whose groups are being formed or used (None before the first)."""
+    return _round
 
-    It reads the control channel every ``poll_s``; when a repair event for a round after
-    the current one appears that this rank has not acknowledged (so the training loop has
-    not reached :meth:`~elastic_events.training.ElasticTraining.recover` yet), it shuts down
-    the current round's sockets. The loop's next or current collective then fails and the
-    rank recovers like any survivor. If the rank still has not taken the repair up after
-    ``BLOCKED_STEPS`` of its step times (at least ``BLOCKED_MIN_S``), its main thread is blocked
-    for good: ``on_blocked(event)`` is called once (the rank hands its state off, see
-    :mod:`elastic_events.rounds.handoff`) before its agent replaces it.
+
+def peer_closed(round: int) -> bool:
+    """Whether a peer closed (or reset) one of ``round``'s connections: it died, or left the round.
+
+    gloo closes a connection's descriptor once it fails (the peer closed or reset it), so a tracked
+    socket that is gone while the round is current is one; an open one is peeked without blocking: an
+    orderly end of stream or a reset is a closed peer, data or nothing to read yet is not. Listeners
+    are skipped; sockets this process shut down itself are no longer tracked (:func:`shutdown_round`).
     """
-
-    BLOCKED_MIN_S = 0.5
-    BLOCKED_STEPS = 3
-
-    def __init__(
-        self,
-        reader: ControlReader,
-        *,
-        on_blocked: Callable[[Event], None] | None = None,
-        poll_s: float = WATCH_POLL_S,
-    ) -> None:
-        self._reader, self._on_blocked, self._poll_s = reader, on_blocked, poll_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hyperpodrun-repair-watch", daemon=True)
-        self._seen: tuple[int, float] | None = None  # (step, time) at the last poll that saw the step move
-        self._step_s: float | None = None  # smoothed seconds per step
-        self._repair: tuple[int, float] | None = None  # (event id, when first seen) of the repair under way
-        self._blocked_done = False
-
-    def start(self) -> RepairWatch:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._poll_s):
-            self.poll_once(time.monotonic())
-
-    def blocked_after_s(self) -> float:
-        """How long a repair may stay untaken before the rank counts as blocked for good."""
-        return max(self.BLOCKED_MIN_S, self.BLOCKED_STEPS * (self._step_s or 0.0))
-
-    def poll_once(self, now: float) -> int:
-        """One look at the channel at monotonic time ``now``; returns how many sockets it shut down."""
-        slot = self._reader.progress()
-        self._note_step(slot.step, now)
-        event = self._reader.event()
-        current = _round
-        if (
-            event is None
-            or event.kind is not EventKind.RECONFIGURE
-            or not event.repair
-            or current is None
-            or event.round <= current
-            or slot.acked_event == event.event_id
-        ):
-            self._repair = None
-            return 0
-        if self._repair is None or self._repair[0] != event.event_id:
-            self._repair, self._blocked_done = (event.event_id, now), False
-        shut = shutdown_round(current)
-        if shut:
-            print(
-                f"rank {os.environ.get('RANK', '?')}: the launcher repairs round {current} (event {event.event_id}): "
-                f"shut down {shut} socket(s) of its process groups so that no collective waits on them",
-                file=sys.stderr,
-                flush=True,
-            )
-        if self._on_blocked is not None and not self._blocked_done and now - self._repair[1] >= self.blocked_after_s():
-            self._blocked_done = True
-            self._on_blocked(event)
-        return shut
-
-    def _note_step(self, step: int, now: float) -> None:
-        if self._seen is not None and step > self._seen[0] and self._repair is None:
-            per_step = (now - self._seen[1]) / (step - self._seen[0])
-            self._step_s = per_step if self._step_s is None else 0.8 * self._step_s + 0.2 * per_step
-        if self._seen is None or step != self._seen[0]:
-            self._seen = (step, now)
+    with _lock:
+        if _round != round:
+            return False
+        inodes = set(_tracked)
+    open_now = socket_inodes()
+    if inodes - set(open_now.values()):
+        return True
+    for fd, inode in open_now.items():
+        if inode not in inodes:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            try:
+                if os.fstat(sock.fileno()).st_ino != inode or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return True
+            except BlockingIOError:
+                continue
+            except OSError:  # reset by the peer
+                return True
+    return False

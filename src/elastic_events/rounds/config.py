@@ -1,22 +1,38 @@
-"""What a user configures of :class:`~elastic_events.training.ElasticTraining`: how it waits and
-moves state, and the default wrapper of a replicated model."""
+"""How the rank side waits and moves state: one configuration for :class:`~elastic_events.ElasticTraining`
+and the framework integrations, and the default wrapper of a replicated model."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from elastic_events.contract import SNAPSHOT_EVERY_ENV
+from elastic_events.contract import DEFAULT_SNAPSHOT_EVERY, rank_context
+from elastic_events.errors import ElasticTrainingError
 
-__all__ = ["ElasticConfig", "default_wrap"]
+__all__ = ["ElasticConfig", "ElasticConfigError", "default_wrap"]
+
+
+class ElasticConfigError(ElasticTrainingError, ValueError):
+    """An :class:`ElasticConfig` field is invalid."""
+
+
+_POSITIVE = (
+    "timeout_s",
+    "admission_timeout_s",
+    "recover_timeout_s",
+    "poll_s",
+    "bucket_mb",
+    "collective_timeout_s",
+    "collective_timeout_steps",
+    "peer_failure_grace_s",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ElasticConfig:
-    """How :class:`ElasticTraining` waits and moves state."""
+    """How a rank waits and moves state at scale events and repairs."""
 
     timeout_s: float = 600.0  # forming a group, hydration and every collective of a round
     admission_timeout_s: float = 86_400.0  # how long a parked joiner waits to be admitted
@@ -34,33 +50,43 @@ class ElasticConfig:
     # oldest-generation collections during training. A reference cycle made before start() and dropped
     # later is then never collected; False leaves the collector as it is.
     freeze_gc: bool = True
+    # The commit check (elastic_events.rounds.commit): an optimizer step is taken only once the step's
+    # collectives completed on the device. False skips it (a step queued behind a broken all-reduce may
+    # then be applied on partial gradients).
+    commit_check: bool = True
+    # How long a step's collectives may take at the commit check before the rank aborts its round:
+    # collective_timeout_steps times the step time seen so far, at least collective_timeout_s.
+    collective_timeout_s: float = 60.0
+    collective_timeout_steps: float = 20.0
+    # A RuntimeError from a step that carries no sign of a peer failure (not a c10d error, no repair
+    # published, no connection of the round closed): how long to wait for one before raising it as the
+    # script's own error. Covers gloo, whose errors are plain RuntimeErrors, while the launcher learns of
+    # a lost node (its lease: 10 s by default).
+    peer_failure_grace_s: float = 15.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "admission_timeout_s", "recover_timeout_s", "poll_s", "bucket_mb"):
+        for name in _POSITIVE:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+                raise ElasticConfigError(f"ElasticConfig.{name} must be a number > 0, got {value!r}")
         if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
-        if not isinstance(self.freeze_gc, bool):
-            raise ValueError(f"freeze_gc must be True or False, got {self.freeze_gc!r}")
+            raise ElasticConfigError(f"ElasticConfig.backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
+        for name in ("freeze_gc", "commit_check"):
+            if not isinstance(getattr(self, name), bool):
+                raise ElasticConfigError(f"ElasticConfig.{name} must be True or False, got {getattr(self, name)!r}")
         every = self.snapshot_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
-            raise ValueError(f"snapshot_every must be an integer >= 0 (0: no snapshots), got {every!r}")
+            raise ElasticConfigError(
+                f"ElasticConfig.snapshot_every must be an integer >= 0 (0: no snapshots), got {every!r}"
+            )
 
     @property
     def snapshot_interval(self) -> int:
-        """Steps between snapshots (0: none): the field, else the launcher's setting, else 1."""
+        """Steps between snapshots (0: none): the field, else the launcher's setting, else every step."""
         if self.snapshot_every is not None:
             return self.snapshot_every
-        raw = os.environ.get(SNAPSHOT_EVERY_ENV, "1")
-        try:
-            every = int(raw)
-        except ValueError:
-            raise ValueError(f"{SNAPSHOT_EVERY_ENV}={raw!r}: expected an integer >= 0") from None
-        if every < 0:
-            raise ValueError(f"{SNAPSHOT_EVERY_ENV}={raw!r}: expected an integer >= 0")
-        return every
+        launcher = rank_context().snapshot_every
+        return DEFAULT_SNAPSHOT_EVERY if launcher is None else launcher
 
     @property
     def bucket_bytes(self) -> int:

@@ -1,89 +1,88 @@
 """Process groups of in-process rounds: one fresh group per round, nothing of the old one kept.
 
-At a ``RECONFIGURE`` event the ranks destroy their process group and build the new
-round's group from the event alone (master address and port, rank, world size): new
-rank 0 hosts a ``TCPStore`` on the event's port, bound to the master address only,
-and every key goes under a prefix named after the round, so a late message of the
-old group can never be read by the new one. The torchrun variables of the process
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) are updated to the new round so that
-code reading them (``eventlog``, user code) sees the new world.
+At a ``RECONFIGURE`` event the ranks tear their process group down and build the new round's
+group from the event alone (master address and port, rank, world size): new rank 0 hosts a
+``TCPStore`` on the event's port, bound to the master address only, and every key goes under a
+prefix named after the round, so a late message of the old group can never be read by the new
+one. The process's environment is never changed: its current round lives in its round engine.
+
+Tearing a group down costs time per NCCL communicator (measured on an H100, torch 2.11, NCCL
+2.28: 0.50 s to shut one down, 1.00 s to abort one, whatever NCCL's RAS, torch's heartbeat
+monitor or non-blocking communicators; ``benchmarks/results/gpu/2026-11-26-h100``), and
+``destroy_process_group()`` / ``_abort_process_group()`` take the communicators one after
+another (4 of them: 1.96 s / 3.93 s). :func:`teardown_group` ends every NCCL backend of the
+process on a thread of its own, so a round costs one communicator's teardown however many
+subgroups it made (4: 0.50 s / 1.00 s), under a deadline.
 """
 
 from __future__ import annotations
 
-import os
 import socket
+import sys
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from elastic_events.contract import ROUND_ENV
+from elastic_events.contract import GroupAssignment, RankContext
 from elastic_events.control import Event
-from elastic_events.errors import ElasticTrainingError, GroupError, PeerFailureError
+from elastic_events.errors import GroupError
 
 
 @dataclass(frozen=True, kw_only=True)
 class RoundSpec:
-    """Everything a rank needs to join one round's process group."""
+    """Everything a rank needs to join one round's process group: the round, its node's place in it, its local rank."""
 
     round: int
-    rank: int
-    world_size: int
+    assignment: GroupAssignment
     local_rank: int
-    local_world_size: int
-    group_rank: int
-    group_world_size: int
-    master_addr: str
-    master_port: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise GroupError(f"rank {self.rank} is outside world size {self.world_size} of round {self.round}")
-        if not self.master_addr or not 0 < self.master_port < 65536:
-            raise GroupError(f"round {self.round} has no master address ({self.master_addr!r}:{self.master_port})")
+        a = self.assignment
+        if not 0 <= self.local_rank < a.nproc_per_node:
+            raise GroupError(f"local rank {self.local_rank} is outside the {a.nproc_per_node} ranks of a node")
+        if not a.master_addr or not 0 < a.master_port < 65536:
+            raise GroupError(f"round {self.round} has no master address ({a.master_addr!r}:{a.master_port})")
+
+    @property
+    def rank(self) -> int:
+        return self.assignment.global_rank(self.local_rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.assignment.world_size
+
+    @property
+    def master_addr(self) -> str:
+        return self.assignment.master_addr
+
+    @property
+    def master_port(self) -> int:
+        return self.assignment.master_port
 
     @classmethod
     def from_event(cls, event: Event, *, local_rank: int, local_world_size: int) -> RoundSpec:
         """This rank's place in the event's round (the node must not be leaving)."""
         if event.leaves:
             raise GroupError(f"event {event.event_id} does not place this node in round {event.round}")
-        return cls(
-            round=event.round,
-            rank=event.group_rank * local_world_size + local_rank,
-            world_size=event.world_size,
-            local_rank=local_rank,
-            local_world_size=local_world_size,
+        assignment = GroupAssignment(
             group_rank=event.group_rank,
             group_world_size=event.group_world_size,
+            nproc_per_node=local_world_size,
             master_addr=event.master_addr,
             master_port=event.master_port,
         )
-
-    def environment(self) -> dict[str, str]:
-        """The torchrun variables of a rank of this round."""
-        return {
-            "RANK": str(self.rank),
-            "WORLD_SIZE": str(self.world_size),
-            "GROUP_RANK": str(self.group_rank),
-            "GROUP_WORLD_SIZE": str(self.group_world_size),
-            "ROLE_RANK": str(self.rank),
-            "ROLE_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-            ROUND_ENV: str(self.round),
-        }
-
-
-def default_device(local_rank: int) -> torch.device:
-    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+        if event.world_size not in (-1, assignment.world_size):
+            raise GroupError(
+                f"event {event.event_id}: world size {event.world_size} is not {event.group_world_size} nodes x "
+                f"{local_world_size} ranks"
+            )
+        return cls(round=event.round, assignment=assignment, local_rank=local_rank)
 
 
 def _listen_socket(addr: str, port: int) -> socket.socket:
@@ -132,10 +131,7 @@ def wait_for_listener(addr: str, port: int, *, timeout_s: float) -> None:
 
 
 def init_round_group(spec: RoundSpec, *, device: torch.device, backend: str, timeout_s: float) -> dist.Store:
-    """Join ``spec``'s process group (the default group); returns the store, to keep alive with it.
-
-    The caller sets the round's torchrun variables (:meth:`RoundSpec.environment`).
-    """
+    """Join ``spec``'s process group (the default group); returns the store, to keep alive with it."""
     if dist.is_initialized():
         raise GroupError("a process group is still up: tear it down before joining a new round")
     timeout = timedelta(seconds=timeout_s)
@@ -171,11 +167,11 @@ def init_round_group(spec: RoundSpec, *, device: torch.device, backend: str, tim
     return store
 
 
-def init_env_group(*, device: torch.device, backend: str, timeout_s: float) -> bool:
-    """Join the group torchrun / hyperpodrun describe in the environment; False without one."""
+def init_env_group(context: RankContext, *, device: torch.device, backend: str, timeout_s: float) -> bool:
+    """Join the group torchrun / hyperpodrun started this process into; False without one."""
     if dist.is_initialized():
         return True
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    if not context.launched:
         return False
     dist.init_process_group(
         backend, timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None
@@ -183,44 +179,60 @@ def init_env_group(*, device: torch.device, backend: str, timeout_s: float) -> b
     return True
 
 
-def teardown_group(*, broken: bool = False) -> None:
-    """Destroy the default group and every subgroup (no-op without one).
+#: How long the teardown of a round's groups may take before the process goes on without waiting for it.
+TEARDOWN_TIMEOUT_S = 30.0
 
-    ``broken``: a peer died. NCCL communicators are aborted first (destroying one that waits
-    on a dead peer blocks); gloo's fail at once when a peer's connection closes.
+
+def nccl_backends() -> list[Any]:
+    """Every NCCL backend of the process's process groups (none without CUDA or a group)."""
+    if not dist.is_initialized() or not dist.is_nccl_available():
+        return []
+    found = []
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        try:
+            backend = pg._get_backend(torch.device("cuda"))
+        except RuntimeError:  # the group has no CUDA backend (gloo only)
+            continue
+        if isinstance(backend, dist.ProcessGroupNCCL):
+            found.append(backend)
+    return found
+
+
+def end_backends(backends: Sequence[Any], how: Literal["shutdown", "abort"], *, timeout_s: float) -> list[int]:
+    """``shutdown()`` (graceful: their collectives complete first) or ``abort()`` every backend, each on a
+    thread of its own; returns the indices of those that did not end within ``timeout_s`` (their threads
+    are left behind as daemons)."""
+    threads = [
+        threading.Thread(target=getattr(b, how), name=f"hyperpodrun-{how}-{i}", daemon=True)
+        for i, b in enumerate(backends)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [i for i, t in enumerate(threads) if t.is_alive()]
+
+
+def teardown_group(*, broken: bool = False, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
+    """Tear down the default group and every subgroup (no-op without one).
+
+    NCCL backends are ended first, all at once (:func:`end_backends`): shut down when the round ended
+    well, aborted when it is ``broken`` (destroying a communicator that waits on a dead peer blocks).
+    c10d's bookkeeping is then dropped with ``destroy_process_group()``, which finds them ended. gloo
+    groups fail at once when a peer's connection closes and are simply destroyed.
     """
     if not dist.is_initialized():
         return
-    if broken and dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
-        return
+    backends = nccl_backends()
+    stuck = end_backends(backends, "abort" if broken else "shutdown", timeout_s=timeout_s) if backends else []
+    if stuck:
+        print(
+            f"{len(stuck)} of {len(backends)} NCCL communicator(s) did not "
+            f"{'abort' if broken else 'shut down'} within {timeout_s:.0f}s; going on without them",
+            file=sys.stderr,
+            flush=True,
+        )
+        if not broken:  # a graceful shutdown that blocks waits on a peer: abort what is left
+            end_backends([backends[i] for i in stuck], "abort", timeout_s=timeout_s)
     dist.destroy_process_group()
-
-
-#: What gloo and NCCL put in the error of a collective whose peer died or stopped answering.
-_PEER_FAILURE_MARKERS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "read error",
-    "write error",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "nccl",
-    "gloo",
-    "socket",
-    "remote worker",
-)
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective that failed because another rank died or hung (not a bug of this rank).
-
-    torch raises ``DistError`` subclasses from c10d, but a failure inside DDP's backward
-    reaches the script as a plain ``RuntimeError`` carrying gloo's or NCCL's message.
-    """
-    if isinstance(exc, ElasticTrainingError):  # ours: the in-process API already reported it
-        return False
-    if isinstance(exc, (dist.DistError, PeerFailureError)):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _PEER_FAILURE_MARKERS)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from elastic_events.contract import CONTROL_FILE_ENV
+from elastic_events.contract import rank_context
 
 __all__ = ["Handoff", "discard_handoff", "find_handoff", "load_handoff", "write_handoff"]
 
@@ -46,8 +46,8 @@ class Handoff:
 
 
 def _paths(local_rank: int) -> tuple[Path, Path] | None:
-    control = os.environ.get(CONTROL_FILE_ENV)
-    if not control:
+    control = rank_context().control_file
+    if control is None:
         return None
     base = Path(control).parent / f"handoff-{local_rank}"
     return base.with_suffix(".pt"), base.with_suffix(".json")

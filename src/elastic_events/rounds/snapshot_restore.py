@@ -4,7 +4,7 @@ After a failure every rank of the repaired round reports what it can give of the
 round's state (:class:`SnapshotReport`: its live state's step, the copies it holds), and
 :func:`plan_restore` (pure) picks the newest step at which every shard can be had, and from
 whom. No rank rolls back to a step another lacks; without such a step the checkpoint is the
-fallback. Then, in :mod:`elastic_events.rounds.state`:
+fallback. Then, in :mod:`elastic_events.rounds.joining`:
 
 * **Same world size** (a crashed rank replaced, a lost node refilled by a standby): the mesh
   and every shard's place on it are those of the broken round, so owner ``r``'s piece goes

@@ -2,7 +2,7 @@
 
 A rank repaired in place is restarted parked and hydrated from its peers; what the survivors
 wait for is its process start: the interpreter, ``import torch``, ``elastic_events``, and what the
-first step imports (:func:`~elastic_events.rounds.state.prewarm`). A spare pays that in advance. The agent starts one per node (``--spare-ranks``) once the job runs
+first step imports (:func:`~elastic_events.rounds.joining.prewarm`). A spare pays that in advance. The agent starts one per node (``--spare-ranks``) once the job runs
 in-process; it imports torch and waits on its own slot of the control channel without touching
 any accelerator, running no line of the training script. When a local rank fails, the agent
 resets that rank's slot and writes the rank's number into the spare's slot: the spare takes the
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch  # noqa: F401 - the cost a spare exists to pay in advance
     import torch.distributed  # noqa: F401
 
-    from elastic_events.rounds.state import prewarm
+    from elastic_events.rounds.joining import prewarm
 
     prewarm()  # and what the first step after admission would import
 

@@ -22,17 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from elastic_events.contract import GroupAssignment, RestartReason
 from hyperpodrun.errors import RendezvousError
 from hyperpodrun.rendezvous.records import REPAIR_KINDS, EventKind
-from hyperpodrun.supervisor import GroupAssignment, WorkerState
-
-
-class RestartReason(str, Enum):
-    """Why a worker group is (re)started; exported as ``HYPERPODRUN_RESTART_REASON``."""
-
-    START = "start"
-    SCALE = "scale"
-    FAILURE = "failure"
+from hyperpodrun.supervisor import WorkerState
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic_events.contract import GroupAssignment
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.job_settings import check_join, job_settings
@@ -59,7 +60,7 @@ from hyperpodrun.rendezvous.records import (
     encode,
 )
 from hyperpodrun.store import LeaseKeeper, Store, StoreError
-from hyperpodrun.supervisor import GroupAssignment, WorkerState
+from hyperpodrun.supervisor import WorkerState
 
 log = logging.getLogger(__name__)
 

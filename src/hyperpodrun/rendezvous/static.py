@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
+from elastic_events.contract import GroupAssignment
 from hyperpodrun.rendezvous.api import (
     Directive,
     DirectiveKind,
@@ -15,7 +16,7 @@ from hyperpodrun.rendezvous.api import (
     free_port,
 )
 from hyperpodrun.rendezvous.records import EventKind
-from hyperpodrun.supervisor import GroupAssignment, WorkerState
+from hyperpodrun.supervisor import WorkerState
 
 STATIC_MASTER_PORT = 29500  # torchrun's static default; every node must agree without talking
 

@@ -2,7 +2,7 @@
 
 argv: RUN_DIR RANK CONTROL_FILE. Rank 0 stays alive and holds its end of the group (a peer that
 left the broken group) until rank 1 has a result. Rank 1 writes RUN_DIR/result.json: how long
-its all_reduce waited and what it raised. Both run a RepairWatch on the control channel, so a
+its all_reduce waited and what it raised. Both run a Watchdog on the control channel, so a
 repair event the test publishes must end rank 1's wait long before the group's 60 s timeout.
 """
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from elastic_events.control import ControlReader
 from elastic_events.rounds import abort
-from elastic_events.rounds.group import is_peer_failure
+from elastic_events.rounds.watchdog import GlooAbort, Watchdog
 
 GROUP_TIMEOUT = timedelta(seconds=60)
 
@@ -40,7 +40,10 @@ def main() -> int:
     abort.begin_round(1)
     with abort.tracking():
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=GROUP_TIMEOUT)
-    watch = abort.RepairWatch(ControlReader(control, rank)).start()
+    broken: list[str] = []
+    watch = Watchdog(
+        ControlReader(control, rank), abort=GlooAbort(), on_broken=lambda _, why: broken.append(why)
+    ).start()
     (run / f"ready-{rank}").touch()
     result = run / "result.json"
     if rank == 0:
@@ -53,7 +56,11 @@ def main() -> int:
             dist.all_reduce(torch.ones(1))
             outcome = {"raised": False}
         except RuntimeError as exc:
-            outcome = {"raised": True, "peer_failure": is_peer_failure(exc), "error": str(exc)[:300]}
+            # what RoundEngine.peer_failure looks for: the round marked broken, or a connection a peer closed
+            evidence = time.monotonic() + 5
+            while not (broken or abort.peer_closed(1)) and time.monotonic() < evidence:
+                time.sleep(0.01)
+            outcome = {"raised": True, "round_broken": bool(broken) or abort.peer_closed(1), "error": str(exc)[:300]}
         outcome["seconds"] = time.monotonic() - t0
         (run / "result.tmp").write_text(json.dumps(outcome))
         os.replace(run / "result.tmp", result)

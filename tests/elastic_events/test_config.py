@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from elastic_events.rounds.config import ElasticConfig
+from elastic_events.rounds.config import ElasticConfig, ElasticConfigError
 from support.launch import clean_env
 
 
@@ -17,7 +17,11 @@ from support.launch import clean_env
     ("field", "value"),
     [
         ("timeout_s", 0),
+        ("admission_timeout_s", -1.0),
         ("poll_s", True),
+        ("collective_timeout_s", 0),
+        ("peer_failure_grace_s", float("nan")),
+        ("commit_check", 1),
         ("bucket_mb", "64"),
         ("backend", "mpi"),
         ("snapshot_every", -1),
@@ -25,7 +29,7 @@ from support.launch import clean_env
     ],
 )
 def test_config_errors_name_the_field(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=rf"^{field} must be"):
+    with pytest.raises(ElasticConfigError, match=rf"^ElasticConfig\.{field} must be"):
         ElasticConfig(**{field: value})
 
 
@@ -38,7 +42,7 @@ def test_what_exists_at_start_is_frozen_and_the_model_built_after_stays_collecta
         import gc, json, weakref
         import torch
         from elastic_events.training import ElasticTraining
-        from elastic_events.rounds.config import ElasticConfig
+        from elastic_events.rounds.config import ElasticConfig, ElasticConfigError
 
         before = gc.get_freeze_count()
         el = ElasticTraining(model_fn=lambda: torch.nn.Linear(4, 4), config=ElasticConfig(freeze_gc={freeze_gc})).start()
@@ -46,7 +50,7 @@ def test_what_exists_at_start_is_frozen_and_the_model_built_after_stays_collecta
         model.cycle = model
         alive = weakref.ref(model)
         del model
-        el.module = el.model = el.optimizer = None
+        el.state.module = el.state.model = el.state.optimizer = None
         gc.collect()
         print(json.dumps({{"frozen": gc.get_freeze_count() - before, "collected": alive() is None,
                           "scanned": len(gc.get_objects())}}))

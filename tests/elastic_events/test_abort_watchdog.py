@@ -12,6 +12,7 @@ import pytest
 
 from elastic_events.control import ControlReader, ControlWriter, EventKind
 from elastic_events.rounds import abort
+from elastic_events.rounds.watchdog import GlooAbort, Watchdog
 from support.cluster import wait_until
 
 WORKER = Path(__file__).resolve().parent / "workers" / "blocked_collective.py"
@@ -59,7 +60,7 @@ def _publish(writer: ControlWriter, *, event_id: int, round: int, repair: bool) 
 def test_the_watch_acts_only_on_a_repair_of_the_current_round_not_taken_up(pair, tmp_path) -> None:
     writer = ControlWriter(tmp_path / "ctl", nproc=1)
     reader = ControlReader(tmp_path / "ctl", 0)
-    watch = abort.RepairWatch(reader)  # polled by hand: no thread
+    watch = Watchdog(reader, abort=GlooAbort(), on_broken=lambda round, why: None)  # polled by hand: no thread
     assert watch.poll_once(0.0) == 0  # no event
     _publish(writer, event_id=1, round=6, repair=False)
     assert watch.poll_once(0.1) == 0  # a cooperative event: the loop acts at its step
@@ -78,7 +79,12 @@ def test_a_rank_that_stays_blocked_hands_off_once_after_a_few_of_its_step_times(
     writer = ControlWriter(tmp_path / "ctl", nproc=1)
     reader = ControlReader(tmp_path / "ctl", 0)
     blocked: list[int] = []
-    watch = abort.RepairWatch(reader, on_blocked=lambda event: blocked.append(event.event_id))
+    watch = Watchdog(
+        reader,
+        abort=GlooAbort(),
+        on_broken=lambda round, why: None,
+        on_blocked=lambda event: blocked.append(event.event_id),
+    )
     for now in (0.0, 1.0, 2.0):  # three steps, one per second
         reader.check()
         watch.poll_once(now)
@@ -101,11 +107,11 @@ def test_a_rank_that_stays_blocked_hands_off_once_after_a_few_of_its_step_times(
 def test_the_step_time_is_floored_for_fast_loops(tmp_path) -> None:
     writer = ControlWriter(tmp_path / "ctl", nproc=1)
     reader = ControlReader(tmp_path / "ctl", 0)
-    watch = abort.RepairWatch(reader)
+    watch = Watchdog(reader, abort=GlooAbort(), on_broken=lambda round, why: None)
     for i in range(5):
         reader.set_step(i * 1000)
         watch.poll_once(i * 0.02)
-    assert watch.blocked_after_s() == abort.RepairWatch.BLOCKED_MIN_S
+    assert watch.blocked_after_s() == Watchdog.BLOCKED_MIN_S
     del writer
 
 
@@ -124,9 +130,35 @@ def test_a_rank_blocked_on_a_live_peer_is_freed_when_the_launcher_publishes_a_re
         _publish(writer, event_id=1, round=2, repair=True)
         wait_until(lambda: (tmp_path / "result.json").exists(), timeout=20, what="rank 1's all_reduce to end")
         result = json.loads((tmp_path / "result.json").read_text())
-        assert result["raised"] and result["peer_failure"], result
+        assert result["raised"] and result["round_broken"], result
         assert result["seconds"] < 20, result  # the group's timeout is 60 s
         assert [p.wait(timeout=30) for p in procs] == [0, 0]
     finally:
         for p in procs:
             p.kill()
+
+
+def test_a_connection_of_the_round_that_a_peer_closed_or_that_gloo_closed_is_a_peer_failure() -> None:
+    """Evidence of a peer's failure from the round's own connections, not from an error's words."""
+    abort.begin_round(9)
+    with abort.tracking():
+        a, b = socket.socketpair()
+        c, d = socket.socketpair()
+    try:
+        assert not abort.peer_closed(9)  # open, nothing to read
+        b.sendall(b"x")
+        assert not abort.peer_closed(9)  # data waiting is no failure
+        assert not abort.peer_closed(8)  # another round
+        d.close()
+        assert abort.peer_closed(9)  # the peer's end closed: end of stream
+    finally:
+        for s in (a, b, c):
+            s.close()
+    abort.begin_round(10)
+    with abort.tracking():
+        e, f = socket.socketpair()
+    e.close()  # gloo closes a pair's descriptor once it fails
+    try:
+        assert abort.peer_closed(10)
+    finally:
+        f.close()

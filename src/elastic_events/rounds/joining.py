@@ -1,0 +1,495 @@
+"""How :class:`~elastic_events.ElasticTraining` leaves one round and brings its state into the next.
+
+:class:`Joiner` works on a rank's :class:`~elastic_events.training_state.TrainState` with the round
+engine's moves. Leaving (:meth:`Joiner.leave`, :meth:`Joiner.keep_after_failure`) notes what the
+rank keeps (:class:`~elastic_events.training_state.Kept`). Joining (:meth:`Joiner.join`): once the
+round's group is up every rank reports what it holds (:class:`~.hydration.RankReport`) and the same
+plan is made everywhere (:func:`~.hydration.plan_hydration`): survivors at the furthest step are
+the state; replicated models are streamed from one of them to the newcomers, sharded ones gathered
+and re-sharded onto the new mesh. When no rank survived with the state, a replaced rank's hand-off
+(:mod:`.handoff`) is the state, and only without one the checkpoint. A sharded model repaired after
+a failure is put back together from the survivors' live shards and the copies their peers hold
+(:mod:`.snapshot`, :meth:`Joiner._restore_from_snapshots`), then re-sharded the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_events import eventlog
+from elastic_events.contract import Record
+from elastic_events.control import NO_SNAPSHOT, SNAPSHOT_WRITING, Event, RankPhase
+from elastic_events.errors import ElasticTrainingError, HydrationError
+from elastic_events.rng import derive_rank_seed, seed_all
+from elastic_events.rounds.engine import RoundEngine
+from elastic_events.rounds.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
+from elastic_events.rounds.hydration import (
+    FullState,
+    HydrationPlan,
+    RankReport,
+    gather_full_state,
+    model_tensors,
+    nonpersistent_buffers,
+    plan_from_handoff,
+    plan_hydration,
+    structure_digest,
+    value_checksum,
+)
+from elastic_events.rounds.snapshot import Piece, recv_body, recv_header, send_piece
+from elastic_events.rounds.snapshot_restore import (
+    RestorePlan,
+    SnapshotReport,
+    assemble,
+    load_local_state,
+    plan_restore,
+)
+from elastic_events.rounds.snapshots import Snapshots
+from elastic_events.rounds.transfer import broadcast_tensors
+from elastic_events.training_state import Kept, TrainState, is_sharded
+
+__all__ = ["Joiner", "prewarm"]
+
+
+def prewarm() -> None:
+    """Import what a rank's first step after admission would import: a parked rank or a spare pays it
+    while it waits, not while the survivors wait for it (``torch._dynamo``, which the first optimizer
+    step, DDP's first forward and FSDP2's first ``fully_shard`` import: 1-2 s on a CPU; FSDP2 and DCP's
+    state dicts: about 1 s more). No device is touched."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+
+class Joiner:
+    """Carries one rank's training state from round to round (see the module)."""
+
+    def __init__(self, engine: RoundEngine, state: TrainState, snapshots: Snapshots) -> None:
+        self.engine, self.state, self.snapshots = engine, state, snapshots
+
+    @property
+    def _control_step(self) -> int:
+        reader = self.engine.reader
+        return reader.step if reader is not None else 0
+
+    # ------------------------------------------------------------------ leaving
+    def leave(self, event: Event) -> Kept:
+        """Leave the old round at a scale event: note what this rank keeps, drop what referred to the old
+        group, tear it down. The shards of a sharded model go to the new round's rank 0 first."""
+        e, s = self.engine, self.state
+        sharded = e.distributed and is_sharded(s.model)
+        self.snapshots.stop(broken=False)  # every rank is alive: its last snapshot is delivered first
+        kept = Kept(
+            step=s.step,
+            sharded=sharded,
+            structure=structure_digest(s.module),
+            checksum=None if sharded else value_checksum(s.module),
+        )
+        if sharded:
+            # The shards of a leaving rank exist nowhere else: gather the full state onto the rank
+            # that becomes rank 0 of the new round, before the old group goes.
+            new_rank = -1 if event.leaves else event.group_rank * e.local_world_size + e.local_rank
+            ranks: list[int] = [0] * e.world_size
+            dist.all_gather_object(ranks, new_rank)
+            if 0 not in ranks:
+                raise ElasticTrainingError(f"no rank of round {e.round} becomes rank 0 of round {event.round}")
+            kept.full = gather_full_state(s.model, s.optimizer, holder=ranks.index(0))
+            if kept.full is not None:
+                kept.small = s.small_state(control_step=self._control_step)
+            s.drop_objects()  # rebuilt on the new mesh, after the old sharded model is freed
+        else:
+            s.drop_wrapper()  # the DDP wrapper belongs to the old group
+        if s.checkpointer is not None:
+            s.checkpointer.release_group()
+        e.release()
+        return kept
+
+    def keep_after_failure(self, exc: BaseException) -> Kept:
+        """A peer failed in this rank's round: note what it keeps, drop the broken group (aborted)."""
+        e, s = self.engine, self.state
+        if s.optimizer is not None:
+            s.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+        if s.sharded:  # its live shards, and the copies of its neighbour's it holds, go into the repaired round
+            replicator = self.snapshots.stop(broken=True)
+            kept = Kept(
+                step=s.step,
+                sharded=True,
+                structure=structure_digest(s.module),
+                checksum=None,
+                failed=True,
+                captured=self.snapshots.captured,
+                replicator=replicator,
+                snapshot=SnapshotReport(
+                    round=e.round,
+                    world_size=e.world_size,
+                    rank=e.rank,
+                    live_step=s.step,
+                    replicas=replicator.holdings(),
+                ),
+            )
+        else:
+            kept = Kept(
+                step=s.step,
+                sharded=False,
+                structure=structure_digest(s.module),
+                checksum=value_checksum(s.module),
+                failed=True,
+            )
+        # A gloo group closes its sockets only once nothing references it, and a peer blocked on this rank
+        # learns of the failure only then: the failed step's frames (holding the DDP wrapper) must go too.
+        traceback.clear_frames(exc.__traceback__)
+        s.drop_wrapper()  # the DDP wrapper belongs to the broken group
+        if s.checkpointer is not None:
+            s.checkpointer.release_group(abandon=True)
+        e.release(broken=True)
+        return kept
+
+    # ------------------------------------------------------------------ joining
+    def join(
+        self, event: Event, *, kept: Kept | None, fresh_module: torch.nn.Module | None, torn_down_s: float = 0.0
+    ) -> None:
+        """Form the event's group, bring every rank to the same state, mark READY."""
+        e, s = self.engine, self.state
+        spec = e.form(event, step=s.step, torn_down_s=torn_down_s)
+        t1 = time.monotonic()
+        survivor = kept is not None
+        reader = e.reader
+        if survivor and reader is not None and reader.progress().snapshot_step != NO_SNAPSHOT:
+            discard_handoff(e.local_rank)  # recovered by itself: what its watchdog wrote is stale
+            reader.set_snapshot_step(NO_SNAPSHOT)
+        handoff = find_handoff(e.local_rank, round=event.round) if event.repair and not survivor else None
+        handed: dict[str, Any] | None = None
+        if handoff is not None:
+            try:  # before the plan: a hand-off that cannot be read is not offered
+                handed = load_handoff(handoff)
+            except Exception as exc:  # noqa: BLE001 - storage is the fallback; say why
+                print(
+                    f"rank {spec.rank}: cannot read its predecessor's hand-off {handoff.path}: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                handoff = None
+        report = RankReport(
+            rank=spec.rank,
+            survivor=survivor,
+            source_ready=survivor and (not kept.sharded or kept.full is not None),
+            step=kept.step if survivor else -1,
+            structure=kept.structure if survivor else structure_digest(fresh_module),
+            checksum=kept.checksum if survivor else None,
+            sharded=kept.sharded if survivor else None,
+            control_step=handoff.control_step if handoff else self._control_step,
+            handoff_step=handoff.step if handoff else -1,
+            snapshot=kept.snapshot if survivor else None,
+            failed=survivor and kept.failed,
+        )
+        with e.collectives(HydrationError):
+            reports = e.agree(report, error=HydrationError)
+            # A failure repaired by this event, or by a scale event it met on its way (its survivors took that
+            # event's group, pending before they failed): the survivors may be a step apart.
+            repairing = event.repair or any(r.failed for r in reports)
+            if any(r.snapshot is not None for r in reports):  # a sharded model after a failure
+                plan, received = self._restore_from_snapshots(reports, kept, fresh_module), True
+                control_step = max(r.control_step for r in reports)  # never back: events target these counts
+            else:
+                plan = plan_from_handoff(
+                    plan_hydration(reports, recovering=repairing, local_world_size=e.local_world_size), reports
+                )
+                received = spec.rank in plan.newcomers  # a newcomer, or a survivor a step behind the others
+                self._hydrate(plan, kept, handed, fresh_module, received)
+                # a rank that failed after committing a step may not have counted it: agree on the source's count
+                control_step = (
+                    next(r.control_step for r in reports if r.rank == plan.source)
+                    if repairing and plan.source is not None
+                    else s.control_step
+                )
+        s.set_world(rank=e.rank, world_size=e.world_size)
+        seed_all(derive_rank_seed(s.base_seed, s.step, e.rank))
+        if reader is not None and ((repairing and plan.source is not None) or received):
+            reader.set_step(control_step)
+        self.snapshots.start()
+        e.set_phase(RankPhase.READY)
+        e.new_round("recovered" if repairing else "reconfigure" if survivor else "admitted")
+        eventlog.emit(
+            Record.HYDRATED,
+            event_id=event.event_id,
+            step=s.step,
+            seconds=time.monotonic() - t1,
+            newcomers=len(plan.newcomers),
+            from_rank=plan.source,
+            sharded=plan.sharded,
+        )
+
+    def _hydrate(
+        self,
+        plan: HydrationPlan,
+        kept: Kept | None,
+        handed: dict[str, Any] | None,
+        fresh_module: torch.nn.Module | None,
+        received: bool,
+    ) -> None:
+        """Bring this rank to ``plan``'s state: from a hand-off, storage, a full sharded state or a replica."""
+        s = self.state
+        if plan.handoff and plan.source == self.engine.rank:
+            self._load_handoff(handed, fresh_module)
+        if plan.source is None:
+            self.rebuild_from_storage(fresh_module)
+        elif plan.sharded:
+            self._reshard(plan.source, kept, fresh_module)
+        else:
+            self._replicate(plan.source, plan.newcomers, fresh_module if fresh_module is not None else s.module)
+            if not received:
+                s.rewrap()  # DDP over the new group (receivers wrapped in _replicate)
+
+    def _replicate(self, source: int, newcomers: tuple[int, ...], module: torch.nn.Module) -> None:
+        """Replicated model: the source streams everything to the newcomers; survivors re-wrap."""
+        e, s = self.engine, self.state
+        if not newcomers:
+            return
+        receiving = e.rank in newcomers
+        if receiving:
+            s.module = s.materialise(module)
+        payload = None
+        if e.rank == source:
+            optimizer = s.optimizer.state_dict() if s.optimizer is not None else None
+            payload = {"optimizer": optimizer, "small": s.small_state(control_step=self._control_step)}
+        payload = e.transfer(source, newcomers, module=s.module, payload=payload)
+        if receiving:
+            s.model = s.module
+            s.rewrap()
+            s.build_optimizer()
+            if payload["optimizer"] is not None:
+                s.optimizer.load_state_dict(payload["optimizer"])
+            s.load_small_state(payload["small"])
+
+    def _reshard(self, source: int, kept: Kept | None, fresh_module: torch.nn.Module | None) -> None:
+        """Sharded model: everyone rebuilds on the new mesh and takes its shards of the full state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        s = self.state
+        if source != 0:
+            raise ElasticTrainingError(f"the full state of the sharded model is on rank {source}, not on rank 0")
+        full = kept.full if kept is not None else None
+        small = kept.small if full is not None else None
+        self._build_sharded(fresh_module)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(s.model, full.model if full else {}, options=options)
+        if s.optimizer is not None:
+            set_optimizer_state_dict(s.model, s.optimizer, full.optimizer if full else {}, options=options)
+        if kept is not None:
+            kept.full = full = None
+        self._finish_sharded(small)
+
+    def _build_sharded(self, fresh_module: torch.nn.Module | None) -> None:
+        s = self.state
+        s.module = fresh_module if fresh_module is not None else s.fresh_module()
+        s.model = s.builders.wrap(s.module)
+        s.check_materialised()
+        s.build_optimizer()
+
+    def _finish_sharded(self, small: dict[str, Any] | None) -> None:
+        """Rank 0's non-persistent buffers and small state (step, scheduler, sampler) to every rank."""
+        e = self.engine
+        buffers = nonpersistent_buffers(self.state.model)
+        broadcast_tensors(buffers, src=0, device=e.comm_device, bucket_bytes=e.config.bucket_bytes)
+        box = [small]
+        dist.broadcast_object_list(box, src=0)
+        self.state.load_small_state(box[0])
+
+    def rebuild_from_storage(self, fresh_module: torch.nn.Module | None) -> None:
+        """No rank holds a complete state: every rank builds its model and loads the newest checkpoint."""
+        s = self.state
+        s.build(fresh_module if fresh_module is not None else s.fresh_module())
+        s.control_step = 0
+        self.load_checkpoint()
+
+    def load_checkpoint(self) -> None:
+        s = self.state
+        if s.checkpointer is None or s.checkpointer.latest() is None:
+            return
+        loaded = s.checkpointer.load(model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, data=s.sampler)
+        if loaded is not None:
+            s.step, s.extra = loaded.step, dict(loaded.extra)
+            s.resumed_from = "checkpoint"
+
+    # ------------------------------------------------------------------ after a failure, sharded
+    def _restore_from_snapshots(
+        self, reports: list[RankReport], kept: Kept | None, fresh_module: torch.nn.Module | None
+    ) -> HydrationPlan:
+        """A sharded model after a failure: the newest step every shard survived at, put back on the new mesh
+        (each piece to its own rank when the world size is the broken round's, else assembled on rank 0)."""
+        e, s = self.engine, self.state
+        t0 = time.monotonic()
+        restore = plan_restore({r.rank: r.snapshot for r in reports if r.snapshot is not None})
+        everyone = tuple(range(e.world_size))
+        if restore is None:
+            held = {r.rank: (r.snapshot.live_step, r.snapshot.replicas) for r in reports if r.snapshot is not None}
+            why = f"no step at which every shard of the broken round survived (live step, copies held: {held})"
+            if e.rank == 0:
+                print(f"rank 0: {why}: loading the newest checkpoint", file=sys.stderr, flush=True)
+            eventlog.emit(Record.SNAPSHOT_UNAVAILABLE, reason=why)
+            self._drop_state(kept)
+            self.rebuild_from_storage(fresh_module)
+            return HydrationPlan(source=None, newcomers=everyone, survivors=(), sharded=True, step=-1)
+        group = e.side_group()[0]
+        in_place = restore.world_size == e.world_size
+        if in_place:
+            self._load_own_piece(self._own_piece(restore, kept, group), kept, fresh_module)
+        else:
+            self._assemble_on_rank0(restore, kept, group, fresh_module)
+        s.resumed_from = "snapshot"
+        live = sum(1 for _, from_live in restore.sources if from_live)
+        eventlog.emit(
+            Record.SNAPSHOT_RESTORED,
+            step=restore.step,
+            redone=restore.furthest - restore.step,
+            from_live=live,
+            from_copies=len(restore.sources) - live,
+            broken_round=restore.round,
+            seconds=time.monotonic() - t0,
+            resharded=not in_place,
+        )
+        return HydrationPlan(source=0, newcomers=everyone, survivors=(), sharded=True, step=restore.step)
+
+    def _own_piece(self, restore: RestorePlan, kept: Kept | None, group: Any) -> Piece:
+        """The broken round's shard of this rank's number, at ``restore.step``: its own, or sent by whoever has it.
+        Pairwise sends in owner order (the same order on every rank: no cycle of waits)."""
+        rank, mine = self.engine.rank, None
+        for owner, (source, live) in enumerate(restore.sources):
+            if rank == source:
+                piece = self._live_piece(kept) if live else kept.replicator.held_piece(owner, restore.step)
+                if owner == rank:
+                    mine = piece
+                else:
+                    send_piece(piece, dst=owner, group=group, bucket_bytes=self.engine.config.bucket_bytes)
+            elif rank == owner:
+                mine = self._recv_piece(owner, source, restore.step, group)
+        return mine
+
+    def _load_own_piece(self, piece: Piece, kept: Kept | None, fresh_module: torch.nn.Module | None) -> None:
+        """Same world size: the fresh model on the new mesh takes this rank's piece as its local shards."""
+        self._drop_state(kept)  # the piece holds what it needs of the old state
+        self._build_sharded(fresh_module)
+        load_local_state(self.state.model, self.state.optimizer, piece)
+        self._finish_sharded(piece.small if self.engine.rank == 0 else None)  # owner 0's small state
+
+    def _assemble_on_rank0(
+        self, restore: RestorePlan, kept: Kept | None, group: Any, fresh_module: torch.nn.Module | None
+    ) -> None:
+        """Another world size: the full state assembled on rank 0 from every piece, re-sharded onto the new mesh."""
+        pieces = self._pieces_to_rank0(restore, kept, group)
+        full = small = None
+        if self.engine.rank == 0:
+            model_sd, optim_sd, first = assemble(pieces)
+            full, small = FullState(model=model_sd, optimizer=optim_sd), first.small
+        else:
+            for _ in pieces:  # the sends
+                pass
+        self._drop_state(kept)
+        self._reshard(
+            0, Kept(step=restore.step, sharded=True, structure="", checksum=None, full=full, small=small), fresh_module
+        )
+
+    def _pieces_to_rank0(self, restore: RestorePlan, kept: Kept | None, group: Any) -> Iterator[Piece]:
+        """Every shard of the broken round at ``restore.step``, in its rank order: rank 0 yields each piece
+        (its own or received), a rank that sends one yields nothing for it. One piece in memory at a time."""
+        rank = self.engine.rank
+        for owner, (source, live) in enumerate(restore.sources):
+            if rank == source:
+                piece = self._live_piece(kept) if live else kept.replicator.held_piece(owner, restore.step)
+                if rank == 0:
+                    yield piece
+                else:
+                    send_piece(piece, dst=0, group=group, bucket_bytes=self.engine.config.bucket_bytes)
+            elif rank == 0:
+                yield self._recv_piece(owner, source, restore.step, group)
+
+    def _recv_piece(self, owner: int, source: int, step: int, group: Any) -> Piece:
+        piece = recv_header(src=source, group=group)
+        if piece is None or (piece.owner, piece.step) != (owner, step):
+            got = None if piece is None else (piece.owner, piece.step)
+            raise HydrationError(f"rank {source} sent {got} instead of rank {owner}'s shard at step {step}")
+        flat = torch.empty(piece.layout.nbytes, dtype=torch.uint8)
+        return recv_body(piece, flat, src=source, group=group, bucket_bytes=self.engine.config.bucket_bytes)
+
+    def _live_piece(self, kept: Kept) -> Piece:
+        snap, c, s = kept.snapshot, kept.captured, self.state
+        return Piece(
+            owner=snap.rank,
+            round=snap.round,
+            world_size=snap.world_size,
+            step=kept.step,
+            layout=c.layout,
+            small=s.small_state(control_step=self._control_step),
+            param_groups=c.param_groups(s.optimizer),
+            tensors=c.tensors,
+        )
+
+    def _drop_state(self, kept: Kept | None) -> None:
+        """A survivor's old sharded objects and the copies it held: not needed once the state is on rank 0."""
+        if kept is not None:
+            kept.captured = kept.replicator = None
+        self.snapshots.captured = None
+        self.state.drop_objects()
+
+    # ------------------------------------------------------------------ hand-offs
+    def hand_off(self, event: Event) -> None:
+        """Watchdog thread, main thread blocked in the broken round: write the state for this rank's replacement."""
+        e, s = self.engine, self.state
+        reader = e.reader
+        if s.module is None or reader is None or s.sharded or s.optimizer_busy():
+            return
+        slot = reader.progress()
+        if slot.phase not in (RankPhase.RUNNING, RankPhase.READY) or slot.round != e.round:
+            return  # between rounds (tearing down, forming, hydrating): the state is not one step's
+        begun = s.optimizer_steps[0]
+        reader.set_snapshot_step(SNAPSHOT_WRITING)
+        try:
+            state = {
+                "model": {name: t.detach().cpu() for name, t in model_tensors(s.module)},
+                "optimizer": s.optimizer.state_dict() if s.optimizer is not None else None,
+                "small": s.small_state(control_step=reader.step),
+            }
+            write_handoff(e.local_rank, round=event.round, step=s.step, control_step=reader.step, state=state)
+        except Exception as exc:  # noqa: BLE001 - the replacement falls back to storage; say why
+            print(f"rank {e.rank}: could not hand off its state: {exc}", file=sys.stderr, flush=True)
+            discard_handoff(e.local_rank)
+            reader.set_snapshot_step(NO_SNAPSHOT)
+            return
+        if s.optimizer_steps[0] != begun:  # the loop was not blocked after all: the state may be torn
+            discard_handoff(e.local_rank)
+            reader.set_snapshot_step(NO_SNAPSHOT)
+            return
+        reader.set_snapshot_step(s.step)
+        print(
+            f"rank {e.rank}: its training loop has not returned since the launcher published the repair of round "
+            f"{e.round} (blocked); handed its state at step {s.step} to its replacement",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _load_handoff(self, handed: dict[str, Any] | None, fresh_module: torch.nn.Module | None) -> None:
+        """The source of a round no rank survived: take the state its predecessor handed off."""
+        s = self.state
+        if handed is None or fresh_module is None:
+            raise HydrationError("the hydration plan names a hand-off this rank could not read")
+        s.module = s.materialise(fresh_module)
+        with torch.no_grad():
+            for name, tensor in model_tensors(s.module):
+                tensor.copy_(handed["model"][name])
+        s.model = s.module  # wrapped for the new group after hydration
+        s.build_optimizer()
+        if s.optimizer is not None and handed["optimizer"] is not None:
+            s.optimizer.load_state_dict(handed["optimizer"])
+        s.load_small_state(handed["small"])
+        s.resumed_from = "handoff"

@@ -1,0 +1,118 @@
+"""When a sharded model is snapshotted in memory, and by whom: :class:`Snapshots` drives one round's
+:class:`~elastic_events.rounds.snapshot.Replicator` for :class:`~elastic_events.ElasticTraining`.
+
+Under a launcher, with a sharded (FSDP2) model on two or more ranks, every rank's shards are copied
+every ``snapshot_every`` steps and kept by a peer, so that a failed rank's shards exist somewhere
+else. The round's first state is snapshotted at once (a failure in its first step is covered too);
+no optimizer step is taken before the last snapshot's copies exist (:meth:`Snapshots.wait`, a
+pre-step hook), and the optimizer's state is captured again when it appears (its first step).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from elastic_events.rounds.engine import RoundEngine
+from elastic_events.rounds.snapshot import (
+    Captured,
+    Piece,
+    Replicator,
+    SnapshotError,
+    capture,
+    optimizer_state_count,
+)
+from elastic_events.training_state import TrainState
+
+__all__ = ["Snapshots"]
+
+
+class Snapshots:
+    """One rank's in-memory snapshots of a sharded model, round after round."""
+
+    def __init__(self, engine: RoundEngine, state: TrainState) -> None:
+        self.engine, self.state = engine, state
+        self.every = engine.config.snapshot_interval
+        self.replicator: Replicator | None = None  # this round's, while snapshots are taken
+        self.captured: Captured | None = None  # the local state's live tensors
+
+    def start(self) -> None:
+        """Start this round's snapshots if they apply (collective: every rank decides the same way)."""
+        e, s = self.engine, self.state
+        if self.every == 0 or e.reader is None or not e.distributed or e.world_size < 2 or not s.sharded:
+            return
+        try:
+            self.captured = capture(s.model, s.optimizer)
+        except SnapshotError as exc:
+            print(f"rank {e.rank}: no in-memory snapshots: {exc}", file=sys.stderr, flush=True)
+            return
+        group, acks, sockets = e.side_group()
+        self.replicator = Replicator(
+            group=group,
+            acks=acks,
+            sockets=sockets,
+            round=e.round,
+            rank=e.rank,
+            world_size=e.world_size,
+            local_world_size=e.local_world_size,
+            bucket_bytes=e.config.bucket_bytes,
+            timeout_s=e.config.timeout_s,
+        )
+        self.take(every=1)
+
+    def take(self, every: int | None = None) -> None:
+        """After step :attr:`TrainState.step`: snapshot it in the background, if it is one to keep."""
+        replicator, s = self.replicator, self.state
+        if replicator is None or replicator.failed is not None or s.step % (every or self.every):
+            return
+        replicator.snapshot(self.piece(s.step))
+
+    def piece(self, step: int) -> Piece:
+        """This rank's live state at ``step``, as a snapshot piece."""
+        e, s, c = self.engine, self.state, self.captured
+        return Piece(
+            owner=e.rank,
+            round=e.round,
+            world_size=e.world_size,
+            step=step,
+            layout=c.layout,
+            small=s.small_state(control_step=e.reader.step if e.reader is not None else 0),
+            param_groups=c.param_groups(s.optimizer),
+            tensors=c.tensors,
+        )
+
+    def recapture(self) -> None:
+        """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here)."""
+        if self.replicator is not None and self.captured.count != optimizer_state_count(self.state.optimizer):
+            self.captured = capture(self.state.model, self.state.optimizer)
+
+    def wait(self) -> None:
+        """The optimizer's pre-step hook: no step is committed before every copy of the last snapshot exists
+        (and the live tensors being sent must not change yet). A peer's failure raises ``PeerFailureError``."""
+        if self.replicator is not None:
+            self.replicator.wait(broken=self.engine.broken)
+
+    def stop(self, *, broken: bool) -> Replicator | None:
+        """End this round's replication (``broken``: at once, keeping what is held) and return it."""
+        replicator, self.replicator = self.replicator, None
+        if replicator is None:
+            return None
+        if broken:
+            replicator.abort()
+        elif not replicator.close(timeout_s=self.engine.config.timeout_s):
+            print(
+                f"rank {self.engine.rank}: snapshot threads of round {replicator.round} did not end within "
+                f"{self.engine.config.timeout_s:.0f}s; their group was shut down",
+                file=sys.stderr,
+                flush=True,
+            )
+        return replicator
+
+    def stats(self) -> dict[str, int]:
+        """Bytes of this rank's local state, bytes of snapshots it holds (its neighbour's two and its own),
+        snapshots completed this round."""
+        c, r = self.captured, self.replicator
+        return {
+            "state_bytes": c.layout.state_bytes if c is not None else 0,
+            "held_bytes": r.held_bytes() if r is not None else 0,
+            "snapshots": r.completed if r is not None else 0,
+        }
