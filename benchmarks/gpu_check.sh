@@ -636,6 +636,35 @@ if rank == 0:
 dist.destroy_process_group()
 EOF
 
+cat > "$WORK/py/pinned_check.py" <<'EOF'
+"""Host memory for snapshot copies (elastic_events.rounds.transfer.pinned_empty): pinned at its exact size,
+outside the caching host allocator (torch.empty(pin_memory=True) rounds 2.09 GB up to 4 GB and keeps it), and
+copied into from the GPU at pinned speed; unpinned when freed."""
+import gc, json, sys, time
+import torch
+from elastic_events.rounds.transfer import pinned_empty
+
+n = int(2.09 * 2**30)
+src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(3)
+before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+flat = pinned_empty(n)
+res = {"bytes": n, "host_allocator_bytes_added": torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before}
+flat.copy_(src, non_blocking=True)
+torch.cuda.synchronize()
+t = time.perf_counter()
+for _ in range(3):
+    flat.copy_(src, non_blocking=True)
+torch.cuda.synchronize()
+res["d2h_gb_s"] = round(3 * n / 2**30 / (time.perf_counter() - t), 1)
+res["bytes_equal"] = bool(flat[:: 2**20].eq(3).all())
+del flat
+gc.collect()
+again = pinned_empty(n)  # registered again after the unregister: nothing leaked
+res["registered_again"] = again.numel() == n
+json.dump(res, open(sys.argv[1], "w"), indent=1)
+print(json.dumps(res))
+EOF
+
 cat > "$WORK/py/bare_loop.py" <<'EOF'
 """The example's model, batch and optimizer in a loop with nothing of hyperpodrun (no ElasticTraining, no
 sampler, no process group): the baseline for train.py's tokens/s. One host sync per step, like train.py."""
@@ -771,7 +800,7 @@ def tokens_per_s(metrics, tokens_per_step, skip=5):
             recs = [json.loads(line) for line in f if line.strip()]
     except (OSError, ValueError):
         return None
-    steps = [r for r in recs if r.get("step", 0) > skip]
+    steps = [r for r in recs if r.get("step", 0) > skip][:-1]  # the last step also saves the final checkpoint
     if len(steps) < 2 or steps[-1]["ts"] <= steps[0]["ts"]:
         return None
     return round((steps[-1]["step"] - steps[0]["step"]) * tokens_per_step / (steps[-1]["ts"] - steps[0]["ts"]))
@@ -864,13 +893,15 @@ c1 = load("C1_bare_1b.json")
 tp = {"bare (no hyperpodrun API)": c1.get("tokens_per_s") if c1 else None,
       "torchrun (API inert)": tokens_per_s("C4_torchrun_1b_ddp.metrics.jsonl", TPS_1B),
       "hyperpodrun (API live)": tokens_per_s("C3_hpr_1b_ddp.metrics.jsonl", TPS_1B),
-      "hyperpodrun --fsdp": tokens_per_s("D_hpr_1b_fsdp.metrics.jsonl", TPS_1B)}
-S["C"] = {"tokens_per_s": tp, "status": {n: status(n) for n in ("C3", "C1", "C4", "D")}}
+      "hyperpodrun --fsdp": tokens_per_s("D_hpr_1b_fsdp.metrics.jsonl", TPS_1B),
+      "hyperpodrun, no commit check": tokens_per_s("C5_hpr_1b_ddp_nocommit.metrics.jsonl", TPS_1B)}
+S["C"] = {"tokens_per_s": tp, "status": {n: status(n) for n in ("C3", "C5", "C1", "C4", "D")}}
 ratio = lambda x, y: round(x / y, 3) if x and y else None  # noqa: E731
 S["C"]["ratios"] = {"hyperpodrun/torchrun": ratio(tp["hyperpodrun (API live)"], tp["torchrun (API inert)"]),
                     "hyperpodrun/bare": ratio(tp["hyperpodrun (API live)"], tp["bare (no hyperpodrun API)"]),
                     "torchrun/bare": ratio(tp["torchrun (API inert)"], tp["bare (no hyperpodrun API)"]),
-                    "fsdp/ddp (hyperpodrun)": ratio(tp["hyperpodrun --fsdp"], tp["hyperpodrun (API live)"])}
+                    "fsdp/ddp (hyperpodrun)": ratio(tp["hyperpodrun --fsdp"], tp["hyperpodrun (API live)"]),
+                    "commit check on/off": ratio(tp["hyperpodrun (API live)"], tp["hyperpodrun, no commit check"])}
 lines.append("C  llama3.2-1b w1, 8x1024 tok/step, tok/s  : " + ", ".join(f"{k} {v}" for k, v in tp.items()))
 lines.append("C  ratios                                   : " + ", ".join(f"{k} {v}" for k, v in S["C"]["ratios"].items())
              + "; " + ", ".join(f"{k} {v}" for k, v in S["C"]["status"].items()))
@@ -881,6 +912,12 @@ for n in ("C3", "C1", "C4", "D"):
 f_log = "\n".join(log_lines("F"))
 S["F"] = {"status": status("F"), "done": "done:" in f_log, "error": last_error("F") if "done:" not in f_log else ""}
 lines.append(f"F  --deterministic-reduce on CUDA          : {S['F']['status']}; finished={S['F']['done']} {S['F']['error']}")
+pp = load("P_pinned.json")
+S["P"] = pp
+lines.append(f"P  exact pinned snapshot memory             : {status('P')}; " + (
+    f"{pp.get('bytes')} bytes pinned, caching allocator +{pp.get('host_allocator_bytes_added')} bytes, D2H "
+    f"{pp.get('d2h_gb_s')} GB/s, bytes equal {pp.get('bytes_equal')}, re-registered {pp.get('registered_again')}"
+    if pp else last_error("P")))
 g = load("G_kill_release.json")
 S["G"] = g
 lines.append(f"G  GPU memory after SIGKILL of a busy rank : {status('G')}; " + (
@@ -921,7 +958,10 @@ EOF
 
 # 0. install what is missing (counts against the budget), then versions
 if ! "$PY" -c 'import sys, torch, elastic_events, hyperpodrun, torchdata, psutil; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  if [ "${INSTALL:-1}" = 1 ]; then
+  if [ -n "${WHEELS:-}" ]; then  # a machine without a registry: the project's missing packages as wheels
+    run_part install 120 30 bash -c "\"$PY\" -m pip install -q --no-index --no-deps --target \"$WORK/site\" \"$WHEELS\"/*.whl"
+    export PYTHONPATH="$WORK/site:$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
+  elif [ "${INSTALL:-1}" = 1 ]; then
     run_part install 300 60 bash -c "\"$PY\" -m pip install -q 'torch==2.13.0' && \"$PY\" -m pip install -q -e ."
   fi
 fi
@@ -932,19 +972,23 @@ if [ "$(awk -F'\t' '$1 == "info" { print $2 }' "$PARTS")" != PASS ]; then
   exit 3
 fi
 
-COMMON_1B=(--model llama3.2-1b --device cuda --seq-len 1024 --global-batch 8 --micro-batch 4 --steps 30 --log-every 1
+COMMON_1B=(--model llama3.2-1b --device cuda --seq-len 1024 --global-batch 8 --micro-batch 4 --steps "${STEPS_1B:-30}" --log-every 1
            --lr 1e-4 --warmup-steps 2 --num-workers 2 --data-cache "$WORK/data")
 
 run_part A   150 60 bash "$WORK/part_a.sh"
 run_part A2   75 30 bash "$WORK/hpr.sh" A2 "$TRAIN" --model tiny --device cuda --steps 270 --log-every 10 --num-workers 2 \
   --metrics "$OUT/A2_metrics.jsonl" --run-dir "$WORK/run-A" --data-cache "$WORK/data"
 run_part E    45 15 "$PY" "$WORK/py/prewarm_check.py" "$OUT/E_prewarm.json"
-run_part B1  120 45 env TORCH_NCCL_ASYNC_ERROR_HANDLING=1 "$PY" "$WORK/py/nccl_cycle.py" cycles --graceful 20 --broken 10 --out "$OUT/B1_cycles.json"
+run_part B1  120 45 env TORCH_NCCL_ASYNC_ERROR_HANDLING=2 "$PY" "$WORK/py/nccl_cycle.py" cycles --graceful "${B1_GRACEFUL:-20}" \
+  --broken "${B1_BROKEN:-10}" --out "$OUT/B1_cycles.json"
+run_part P    45 15 "$PY" "$WORK/py/pinned_check.py" "$OUT/P_pinned.json"
 run_part B1m  60 20 env TORCH_NCCL_ASYNC_ERROR_HANDLING=1 TORCH_NCCL_ENABLE_MONITORING=0 "$PY" "$WORK/py/nccl_cycle.py" cycles --graceful 6 --broken 4 --out "$OUT/B1m_cycles.json"
 run_part B1a_aeh1 50 20 env TORCH_NCCL_ASYNC_ERROR_HANDLING=1 "$PY" "$WORK/py/nccl_cycle.py" abort_blocked --out "$OUT/B1a_aeh1.json"
 run_part B1a_aeh0 50 20 env TORCH_NCCL_ASYNC_ERROR_HANDLING=0 "$PY" "$WORK/py/nccl_cycle.py" abort_blocked --out "$OUT/B1a_aeh0.json"
 run_part B2  150 60 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 "$WORK/py/snap_check.py" --out "$OUT/B2_snapshots.json"
 run_part C3  120 45 bash "$WORK/hpr.sh" C3 "$TRAIN" "${COMMON_1B[@]}" --metrics "$OUT/C3_hpr_1b_ddp.metrics.jsonl" --run-dir "$WORK/run-C3"
+run_part C5  120 45 bash "$WORK/hpr.sh" C5 "$TRAIN" "${COMMON_1B[@]}" --no-commit-check \
+  --metrics "$OUT/C5_hpr_1b_ddp_nocommit.metrics.jsonl" --run-dir "$WORK/run-C5"
 run_part C1   90 35 "$PY" "$WORK/py/bare_loop.py" --model llama3.2-1b --seq-len 1024 --global-batch 8 --micro-batch 4 --steps 30 --out "$OUT/C1_bare_1b.json"
 run_part C4  120 45 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 "$TRAIN" "${COMMON_1B[@]}" \
   --metrics "$OUT/C4_torchrun_1b_ddp.metrics.jsonl" --run-dir "$WORK/run-C4"

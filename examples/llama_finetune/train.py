@@ -136,6 +136,7 @@ class TrainConfig:
     save_final: Path | None = None
     min_step_time: float = 0.0
     timeout_s: float = 600.0
+    commit_check: bool = True  # ElasticConfig.commit_check: an optimizer step only after its collectives completed
 
     def __post_init__(self) -> None:
         positive = ("seq_len", "global_batch", "micro_batch", "keep_checkpoints", "log_every", "prefetch_factor")
@@ -222,6 +223,13 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         "at every world size (to compare elastic runs exactly; one forward per sample, a gather of partial sums)",
     )
     p.add_argument("--async-checkpoint", action="store_true", help="periodic saves write in the background")
+    p.add_argument(
+        "--no-commit-check",
+        dest="commit_check",
+        action="store_false",
+        help="take each optimizer step without first checking that the step's collectives completed (under "
+        "hyperpodrun; measures the check's cost)",
+    )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument(
         "--dtype",
@@ -591,7 +599,7 @@ def train(cfg: TrainConfig) -> int:
         scheduler_fn=lambda optimizer: build_scheduler(cfg, optimizer),
         sampler=sampler,
         checkpointer=ckpt,
-        config=ElasticConfig(timeout_s=cfg.timeout_s, device=str(rt.device)),
+        config=ElasticConfig(timeout_s=cfg.timeout_s, device=str(rt.device), commit_check=cfg.commit_check),
     ).start()
     rt = rt.resized(elastic)
     say = print if rt.is_main else (lambda *a, **k: None)
@@ -637,18 +645,18 @@ def train(cfg: TrainConfig) -> int:
             if log and rt.distributed:
                 dist.all_reduce(loss_sum)  # the global batch's loss, for the log only
             elastic.extra["tokens_seen"] = elastic.extra.get("tokens_seen", 0) + global_tokens
+            step_time, ended = time.perf_counter() - t0, time.time()  # the step, without the save below
             if step.number == cfg.steps or (cfg.ckpt_every and step.number % cfg.ckpt_every == 0):
                 elastic.save_checkpoint()  # before the event: in the world that trained the step
         if step.failed is not None:
             continue
-        step_time = time.perf_counter() - t0
         if cfg.sample_log is not None:
             ids = torch.cat([mb["sample_id"] for mb in step.batch.micro_batches]).tolist()
             record = {"step": step.number, "rank": rt.rank, "world_size": rt.world_size, "epoch": step.batch.epoch}
             append_jsonl(cfg.sample_log, {**record, "position": step.batch.start, "sample_ids": ids})
         if log:
             metrics = {
-                "ts": time.time(),
+                "ts": ended,
                 "step": step.number,
                 "loss": loss_sum.item() / global_tokens,
                 "world_size": rt.world_size,

@@ -331,7 +331,12 @@ class ElasticTraining:
         self.engine.set_phase(RankPhase.RECONFIGURING)
         try:
             t0 = time.monotonic()
-            kept = self.joiner.leave(event)
+            if event.repair or self.engine.broken() is not None:
+                # a repair reached at its step: a peer of this round failed, so no collective, no graceful
+                # teardown on it (NCCL's would block on the dead peer): aborted, as after a failed step
+                kept = self.joiner.keep_after_failure(None)
+            else:
+                kept = self.joiner.leave(event)
             if event.leaves:
                 self.engine.set_phase(RankPhase.LEAVING)
                 return False

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -181,3 +184,22 @@ def test_a_failed_collective_becomes_the_callers_error_naming_the_round_and_its_
             with collective_failures(_FrameworkError, rank=1, round=4, world_size=3, timeout_s=30):
                 raise ours
         assert passed.value is ours
+
+
+def test_the_checksum_of_a_large_tensor_holds_no_float64_copy_of_it() -> None:
+    """A replica's checksum sums in float64 chunk by chunk: a 256 MiB float32 weight costs a few MiB more,
+    not the 512 MiB of a full float64 copy (4 GB for Llama-3-8B's embedding on a GPU)."""
+    code = """
+import resource, torch
+from elastic_events.rounds.hydration import value_checksum
+m = torch.nn.Linear(8192, 8192, bias=False)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+first = value_checksum(m)
+extra_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+with torch.no_grad():
+    m.weight[4000, 17] += 1.0
+print(extra_mb, first != value_checksum(m))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    extra_mb, changed = out.stdout.split()
+    assert float(extra_mb) < 64 and changed == "True", out.stdout

@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from elastic_events.rounds.transfer import plan_buckets
 from support.cluster import run_rank_scripts
@@ -67,3 +68,24 @@ def test_receivers_get_every_tensor_bitwise_with_one_bucket_of_staging(world: in
     assert {r["nbytes"] for r in results} == {nbytes}
     assert {r["staging"] for r in results} <= set(range(1, bucket + 1))
     assert {r["broadcasts"] for r in results} == {len(plan_buckets([60, 14, 32, 9, 8, 96, 4000, 0, 12], bucket))}
+
+
+def test_pinned_bytes_are_exactly_what_was_asked_and_unpinned_when_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA, host memory for snapshot copies is registered with the driver at its exact size (the
+    caching host allocator would round 2.09 GB up to 4 GB and keep it) and unregistered once freed."""
+    import gc
+
+    from torch.cuda import _pin_memory_utils
+
+    from elastic_events.rounds import transfer
+
+    calls: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_pin_memory_utils, "pin_memory", lambda ptr, size: calls.append(("pin", ptr, size)))
+    monkeypatch.setattr(_pin_memory_utils, "unpin_memory", lambda ptr: calls.append(("unpin", ptr, 0)))
+    flat = transfer.pinned_empty(3_000_001)
+    ptr = flat.data_ptr()
+    assert flat.numel() == 3_000_001 and calls == [("pin", ptr, 3_000_001)]
+    del flat
+    gc.collect()
+    assert calls == [("pin", ptr, 3_000_001), ("unpin", ptr, 0)]

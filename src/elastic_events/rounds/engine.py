@@ -95,8 +95,8 @@ class RoundEngine:
         self._broken: tuple[int, str] | None = None  # (round, why) once a round is known broken
         self._step_s: float | None = None  # smoothed seconds per step, for the collective deadline
         self._last_step: float | None = None
-        self.commit: StepCommit | None = None
-        if self.config.commit_check:
+        self.commit: StepCommit | None = None  # under a launcher only: without one no step is ever repaired
+        if self.config.commit_check and self.reader is not None:
             self.commit = StepCommit(
                 fence=lambda: cuda_fence(self.device),
                 broken=self.broken,
@@ -169,9 +169,15 @@ class RoundEngine:
         eventlog.emit(Record.GROUP_TORN_DOWN, event_id=event.event_id, step=step, seconds=torn_down_s)
         self._use_device()
         t0 = time.monotonic()
+        # a repaired round may lose another member while it forms: its wait is the repair's, not a scale event's
+        forming_s = min(self.config.timeout_s, self.config.recover_timeout_s) if event.repair else self.config.timeout_s
         with abort.forming(event.round):
             self._store = init_round_group(
-                spec, device=self.device, backend=self.backend, timeout_s=self.config.timeout_s
+                spec,
+                device=self.device,
+                backend=self.backend,
+                timeout_s=self.config.timeout_s,
+                forming_timeout_s=forming_s,
             )
         self.round, self.assignment = event.round, spec.assignment
         self._entered()

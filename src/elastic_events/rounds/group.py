@@ -130,10 +130,16 @@ def wait_for_listener(addr: str, port: int, *, timeout_s: float) -> None:
             time.sleep(LISTENER_POLL_S)
 
 
-def init_round_group(spec: RoundSpec, *, device: torch.device, backend: str, timeout_s: float) -> dist.Store:
-    """Join ``spec``'s process group (the default group); returns the store, to keep alive with it."""
+def init_round_group(
+    spec: RoundSpec, *, device: torch.device, backend: str, timeout_s: float, forming_timeout_s: float | None = None
+) -> dist.Store:
+    """Join ``spec``'s process group (the default group); returns the store, to keep alive with it.
+
+    ``timeout_s``: the group's collectives; ``forming_timeout_s`` (default the same): how long the ranks
+    wait for each other while the group forms."""
     if dist.is_initialized():
         raise GroupError("a process group is still up: tear it down before joining a new round")
+    forming = timedelta(seconds=forming_timeout_s if forming_timeout_s is not None else timeout_s)
     timeout = timedelta(seconds=timeout_s)
     try:
         if spec.rank == 0:
@@ -143,13 +149,13 @@ def init_round_group(spec: RoundSpec, *, device: torch.device, backend: str, tim
                 spec.master_port,
                 spec.world_size,
                 True,
-                timeout,
+                forming,
                 wait_for_workers=False,
                 master_listen_fd=sock.detach(),
             )
         else:
-            wait_for_listener(spec.master_addr, spec.master_port, timeout_s=timeout_s)
-            store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
+            wait_for_listener(spec.master_addr, spec.master_port, timeout_s=forming.total_seconds())
+            store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, forming)
         prefixed = dist.PrefixStore(f"hyperpodrun/round-{spec.round}/", store)
         dist.init_process_group(
             backend,
@@ -162,7 +168,7 @@ def init_round_group(spec: RoundSpec, *, device: torch.device, backend: str, tim
     except (RuntimeError, OSError) as exc:  # c10d reports store timeouts as RuntimeError subclasses
         raise GroupError(
             f"rank {spec.rank}: forming round {spec.round}'s group of {spec.world_size} ranks at "
-            f"{spec.master_addr}:{spec.master_port} failed or timed out (limit {timeout_s:.0f}s): {exc}"
+            f"{spec.master_addr}:{spec.master_port} failed or timed out (limit {forming.total_seconds():.0f}s): {exc}"
         ) from exc
     return store
 

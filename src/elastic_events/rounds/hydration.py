@@ -184,10 +184,21 @@ def structure_digest(module: torch.nn.Module) -> str:
     return hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
 
 
+#: Elements summed at a time by :func:`value_checksum`: its float64 copy of a chunk is at most 32 MiB.
+CHECKSUM_CHUNK = 1 << 22
+
+
+def _chunked_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s sum in float64, a chunk at a time: never a float64 copy of the whole tensor (a 4 GB one for
+    Llama-3-8B's embedding); torch's ``sum(dtype=float64)`` makes that copy too."""
+    flat = t.detach().reshape(-1)
+    return torch.stack([c.double().sum() for c in flat.split(CHECKSUM_CHUNK)]).sum()
+
+
 @torch.no_grad()
 def value_checksum(module: torch.nn.Module) -> str:
-    """A cheap digest of the parameter values: one float64 sum per tensor, one device sync."""
-    sums = [t.detach().double().sum() for _, t in model_tensors(module) if t.is_floating_point() and t.numel()]
+    """A cheap digest of the parameter values: one float64 sum per tensor (chunk by chunk), one device sync."""
+    sums = [_chunked_sum(t) for _, t in model_tensors(module) if t.is_floating_point() and t.numel()]
     if not sums:
         return "empty"
     return hashlib.sha256(torch.stack(sums).cpu().numpy().tobytes()).hexdigest()[:16]

@@ -111,8 +111,9 @@ class Joiner:
         e.release()
         return kept
 
-    def keep_after_failure(self, exc: BaseException) -> Kept:
-        """A peer failed in this rank's round: note what it keeps, drop the broken group (aborted)."""
+    def keep_after_failure(self, exc: BaseException | None) -> Kept:
+        """A peer failed in this rank's round (``exc``: what the failed step raised, if one did): note what
+        it keeps, drop the broken group (aborted)."""
         e, s = self.engine, self.state
         if s.optimizer is not None:
             s.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
@@ -144,7 +145,8 @@ class Joiner:
             )
         # A gloo group closes its sockets only once nothing references it, and a peer blocked on this rank
         # learns of the failure only then: the failed step's frames (holding the DDP wrapper) must go too.
-        traceback.clear_frames(exc.__traceback__)
+        if exc is not None:
+            traceback.clear_frames(exc.__traceback__)
         s.drop_wrapper()  # the DDP wrapper belongs to the broken group
         if s.checkpointer is not None:
             s.checkpointer.release_group(abandon=True)

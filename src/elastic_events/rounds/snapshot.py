@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from elastic_events.errors import ElasticTrainingError, PeerFailureError
 from elastic_events.rounds import abort
-from elastic_events.rounds.transfer import recv_tensors, send_tensors
+from elastic_events.rounds.transfer import pinned_empty, recv_tensors, send_tensors
 
 __all__ = [
     "Captured",
@@ -472,7 +472,11 @@ class Replicator:
             dist.all_reduce(torch.zeros(1), group=self.acks)  # returns once every rank holds its owner's copy
             flat = self._own.flat
             if flat is None or flat.numel() != piece.layout.nbytes:
-                flat = torch.empty(piece.layout.nbytes, dtype=torch.uint8, pin_memory=job.ready is not None)
+                flat = (
+                    pinned_empty(piece.layout.nbytes)
+                    if job.ready is not None
+                    else torch.empty(piece.layout.nbytes, dtype=torch.uint8)
+                )
             with self._lock:
                 self._own.piece = None  # the previous one is no longer needed: every copy of this step exists
             for view, tensor in zip(piece.layout.views(flat), piece.tensors):

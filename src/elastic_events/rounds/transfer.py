@@ -19,6 +19,7 @@ memory on a stream of its own, so the bytes travel over a gloo group.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -123,6 +124,23 @@ def _move(
     for work in pending:
         if work is not None:
             work.wait()
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` host bytes pinned for copies to and from the GPU, exactly that many, unpinned when freed.
+
+    ``torch.empty(..., pin_memory=True)`` takes them from the caching host allocator, which rounds a
+    request up to a power of two and keeps the block once it is freed (an H100 run held 4.06 GB pinned
+    for a 2.09 GB snapshot, and kept it across rounds). Without CUDA the bytes are ordinary.
+    """
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes == 0 or not torch.cuda.is_available():
+        return flat
+    from torch.cuda import _pin_memory_utils
+
+    _pin_memory_utils.pin_memory(flat.data_ptr(), nbytes)
+    weakref.finalize(flat, _pin_memory_utils.unpin_memory, flat.data_ptr())
+    return flat
 
 
 def _staging(
