@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from elastic_events.contract import rank_context
 from elastic_events.data.sampler import (
     ElasticSampler,
     SamplerConfigError,
@@ -138,9 +139,18 @@ def test_invalid_configuration(kwargs: dict, pattern: str) -> None:
         ElasticSampler(args.pop("num_samples"), **args)
 
 
-def test_rank_and_world_are_required_without_process_group() -> None:
-    with pytest.raises(SamplerConfigError, match="rank is required when torch.distributed is not initialised"):
-        ElasticSampler(10, global_batch=2, micro_batch=1)
+def test_without_a_process_group_rank_and_world_come_from_the_launchers_environment(monkeypatch) -> None:
+    """Before ElasticTraining has joined the group (which splits the sampler again), the sampler takes the
+    round the launcher started the process in; a plain script is rank 0 of 1."""
+    assert (
+        ElasticSampler(10, global_batch=2, micro_batch=1).plan.rank,
+        ElasticSampler(10, global_batch=2, micro_batch=1).plan.world_size,
+    ) == (0, 1)
+    for name, value in {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    rank_context.cache_clear()
+    plan = ElasticSampler(12, global_batch=6, micro_batch=1).plan
+    assert (plan.rank, plan.world_size) == (2, 3)
 
 
 @pytest.mark.parametrize(

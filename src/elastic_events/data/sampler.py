@@ -60,6 +60,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from elastic_events.contract import rank_context
+
 from .batching import BatchPlan, BatchPlanError, plan_global_batch
 
 __all__ = [
@@ -123,10 +125,12 @@ class GlobalStep:
 def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is not None and world_size is not None:
         return rank, world_size
-    if not (dist.is_available() and dist.is_initialized()):
-        missing = "rank" if rank is None else "world_size"
-        raise SamplerConfigError(f"{missing} is required when torch.distributed is not initialised")
-    return (dist.get_rank() if rank is None else rank, dist.get_world_size() if world_size is None else world_size)
+    if dist.is_available() and dist.is_initialized():
+        default = dist.get_rank(), dist.get_world_size()
+    else:  # the round the launcher started the process in (0 of 1 for a plain script); ElasticTraining re-splits
+        ctx = rank_context()
+        default = ctx.rank, ctx.world_size
+    return (default[0] if rank is None else rank, default[1] if world_size is None else world_size)
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> int:
