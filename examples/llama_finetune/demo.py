@@ -189,6 +189,7 @@ class ScaleEvent:
     reason: str
     mode: str  # "in place" (ranks reconfigured, newcomers hydrated from peers) or "restart" (save, restart, load)
     downtime_s: float | None  # end of the last step at the old size -> end of the first at the new size
+    pause_s: float | None  # the downtime less one normal step: the time no rank trained
     phases: dict[str, float]
 
 
@@ -226,8 +227,9 @@ class Summary:
         for e in self.scale_events:
             phases = ", ".join(f"{k} {v:.1f}s" for k, v in e.phases.items())
             downtime = f"{e.downtime_s:.1f}s" if e.downtime_s is not None else "unknown"
+            pause = f", survivors paused {e.pause_s:.1f}s" if e.pause_s is not None else ""
             lines.append(
-                f"    {e.from_world} -> {e.to_world} after step {e.at_step}, {e.mode}: downtime {downtime} ({phases})"
+                f"    {e.from_world} -> {e.to_world} after step {e.at_step}, {e.mode}: downtime {downtime}{pause} ({phases})"
             )
             lines.append(f"        why: {e.reason}")
         verdict = "each seen exactly once" if self.exactly_once else "NOT exactly once"
@@ -282,59 +284,72 @@ def _records(events: list[dict[str, Any]], kind: str, rnd: int) -> list[dict[str
     return [e for e in events if e["event"] == kind and e["round"] == rnd]
 
 
+def _segments(metrics: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Rank 0's step records (one per step) split where the world size changes."""
+    segments: list[list[dict[str, Any]]] = []
+    for m in sorted(metrics, key=lambda m: m["step"]):
+        if not segments or segments[-1][-1]["world_size"] != m["world_size"]:
+            segments.append([])
+        segments[-1].append(m)
+    return segments
+
+
+def _step_interval(records: list[dict[str, Any]], last: int = 5) -> float | None:
+    """The median time between the last ``last`` consecutive steps of ``records``."""
+    tail = records[-last:]
+    gaps = sorted(b["ts"] - a["ts"] for a, b in zip(tail, tail[1:]) if b["step"] == a["step"] + 1)
+    return gaps[len(gaps) // 2] if gaps else None
+
+
 def _scale_event(
-    before: Round, after: Round, events: list[dict[str, Any]], step_end: dict[int, float], names: Callable[[str], str]
+    old: list[dict[str, Any]], new: list[dict[str, Any]], events: list[dict[str, Any]], names: Callable[[str], str]
 ) -> tuple[ScaleEvent, str | None]:
-    """The change from round ``before`` to ``after``, timed from the end of ``before``'s last step
-    (metrics) through the trainer's and agents' records; a problem when a record is missing."""
-    decided = _records(events, "scale_decided", before.round)
-    last_ts = step_end.get(before.last_step) if before.last_step is not None else None
+    """The change between two runs of steps at different world sizes, as the benchmarks measure it: from the end
+    of the last step at the old size to the end of the first at the new one, split at the trainer's and agents'
+    records in between; the survivors' pause is that less one normal step (the one trained in it)."""
+    last, first = old[-1], new[0]
+    window = [e for e in events if last["ts"] <= e["ts"] <= first["ts"]]
+    decided = [e for e in events if e["event"] == "scale_decided" and e["ts"] <= first["ts"]]
 
-    def first(kind: str, rnd: int, *, after_last: bool = False) -> float | None:
-        return min(
-            (
-                e["ts"]
-                for e in _records(events, kind, rnd)
-                if not after_last or (last_ts is not None and e["ts"] >= last_ts)
-            ),
-            default=None,
-        )
+    def mark(kind: str) -> float | None:
+        return min((e["ts"] for e in window if e["event"] == kind), default=None)
 
-    in_place = bool(_records(events, "group_torn_down", after.round))
+    in_place = mark("group_torn_down") is not None
     if in_place:  # ranks kept their processes: the trainer's records of the reconfiguration
         marks = {
-            "group torn down": first("group_torn_down", after.round),
-            "rendezvous + group up": first("group_up", after.round),
-            "hydrated": first("hydrated", after.round),
-            "first step": first("first_step", after.round),
+            "group torn down": mark("group_torn_down"),
+            "rendezvous + group up": mark("group_up"),
+            "hydrated": mark("hydrated"),
+            "first step": first["ts"],
         }
     else:
         marks = {
-            "save": first("checkpoint_saved", before.round, after_last=True),
-            "stop + rendezvous": first("rendezvous_done", after.round),
-            "start + load": first("checkpoint_loaded", after.round),
-            "first step": first("first_step", after.round),
+            "save": mark("checkpoint_saved"),
+            "stop + rendezvous": mark("rendezvous_done"),
+            "start + load": mark("checkpoint_loaded"),
+            "first step": first["ts"],
         }
     phases: dict[str, float] = {}
     problem = None
-    if last_ts is None or None in marks.values():
-        lacking = [name for name, ts in marks.items() if ts is None] + (
-            ["the last step's metrics"] if last_ts is None else []
-        )
+    lacking = [name for name, ts in marks.items() if ts is None]
+    if lacking:
         problem = (
-            f"round {before.round} -> {after.round}: no downtime, the logs lack the {', '.join(lacking)} record(s)"
+            f"world {last['world_size']} -> {first['world_size']}: the logs lack the {', '.join(lacking)} record(s)"
         )
     else:
-        previous = last_ts
+        previous = last["ts"]
         for name, ts in marks.items():
             phases[name], previous = ts - previous, ts
+    downtime = first["ts"] - last["ts"]
+    interval = _step_interval(old)
     event = ScaleEvent(
-        from_world=before.world_size,
-        to_world=after.world_size,
-        at_step=before.last_step,
-        reason=names(decided[0].get("reason", "")) if decided else "",
+        from_world=last["world_size"],
+        to_world=first["world_size"],
+        at_step=last["step"],
+        reason=names(decided[-1].get("reason", "")) if decided else "",
         mode="in place" if in_place else "restart",
-        downtime_s=None if problem else marks["first step"] - last_ts,
+        downtime_s=downtime,
+        pause_s=None if interval is None else max(0.0, downtime - interval),
         phases=phases,
     )
     return event, problem
@@ -351,39 +366,33 @@ def summarize(
 ) -> Summary:
     """Read the event, metrics and sample logs of a finished run and check them.
 
-    Downtime of a scale event: from the end of the last step at the old size (its
-    metrics record) to the end of the first step at the new size (the trainer's
-    ``first_step`` record), split at the trainer's and agents' records in between.
+    Downtime of a scale event: from the end of the last step at the old size to the end of the first
+    step at the new size (rank 0's metrics record of every step), split at the trainer's and agents'
+    records in between; the survivors' pause is the downtime less one normal step.
     """
     events = read_jsonl(config.run_dir / "events.jsonl")
     metrics = read_jsonl(config.run_dir / "metrics.jsonl")
-    step_end = {m["step"]: m["ts"] for m in metrics}
     problems = list(problems)
-    starts = {}  # round -> when its first agent finished the rendezvous
-    for e in events:  # in place, the round begins when the old group is torn down (before the agents notice)
-        if e["event"] in ("rendezvous_done", "group_torn_down"):
-            starts[e["round"]] = min(e["ts"], starts.get(e["round"], e["ts"]))
-    rounds: list[Round] = []
-    for rnd in sorted(starts):
-        end = min((ts for r, ts in starts.items() if r > rnd), default=float("inf"))
-        steps = [m["step"] for m in metrics if starts[rnd] <= m["ts"] < end]
-        world = next(
-            e["world_size"]
+    segments = _segments(metrics)  # steps at one world size; a change between two is a scale event
+    rounds = []
+    for seg in segments:
+        begun = [
+            e["round"]
             for e in events
-            if e["event"] in ("rendezvous_done", "group_torn_down") and e["round"] == rnd
-        )
+            if e["event"] in ("rendezvous_done", "group_torn_down") and e["ts"] <= seg[0]["ts"]
+        ]
         rounds.append(
             Round(
-                round=rnd,
-                world_size=world,
-                started_s=starts[rnd] - started,
-                first_step=min(steps, default=None),
-                last_step=max(steps, default=None),
+                round=max(begun, default=0),
+                world_size=seg[0]["world_size"],
+                started_s=seg[0]["ts"] - started,
+                first_step=seg[0]["step"],
+                last_step=seg[-1]["step"],
             )
         )
     scale_events = []
-    for before, after in zip(rounds, rounds[1:], strict=False):
-        event, problem = _scale_event(before, after, events, step_end, names)
+    for old, new in zip(segments, segments[1:], strict=False):
+        event, problem = _scale_event(old, new, events, names)
         scale_events.append(event)
         problems += [problem] if problem else []
     world_sizes = tuple(r.world_size for r in rounds)

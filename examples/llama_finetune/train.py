@@ -624,6 +624,7 @@ def train(cfg: TrainConfig) -> int:
         num_workers=cfg.num_workers,
         pin_memory=rt.device.type == "cuda",
         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
+        persistent_workers=cfg.num_workers > 0,  # after an event the new iterator keeps the workers (no respawn)
     )
     world = rt.world_size
     for step in elastic.steps(loader, until=cfg.steps):  # scale events and repairs happen in here, in place

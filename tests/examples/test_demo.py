@@ -172,6 +172,36 @@ def test_summary_of_an_in_place_event_splits_its_downtime_at_the_trainers_record
     assert "in place: downtime 1.6s" in summary.render()
 
 
+def test_steps_trained_at_the_old_size_on_the_way_to_the_agreed_step_are_not_downtime(tmp_path: Path) -> None:
+    """The agents record the new round when the event is decided; the ranks train at the old size until the
+    agreed step. Downtime runs from the last step at the old size (step 4 here), as in the benchmarks; the
+    survivors' pause is that less one normal step."""
+    config = DemoConfig(
+        run_dir=tmp_path, steps=6, global_batch=4, seed=1, schedule=(Change(at_step=2, action="join", node="node-2"),)
+    )
+    t = 1000.0
+    events = [
+        {"ts": t + 0.5, "event": "rendezvous_done", "round": 1, "world_size": 1},
+        {"ts": t + 1.4, "event": "scale_decided", "round": 1, "world_size": 1, "reason": "standby vm-7 available"},
+        {"ts": t + 1.5, "event": "rendezvous_done", "round": 2, "world_size": 2, "in_place": True},  # decided
+        {"ts": t + 4.2, "event": "group_torn_down", "round": 2, "world_size": 2, "step": 4},
+        {"ts": t + 4.3, "event": "group_up", "round": 2, "world_size": 2},
+        {"ts": t + 4.4, "event": "hydrated", "round": 2, "world_size": 2, "step": 4},
+        {"ts": t + 5.5, "event": "first_step", "round": 2, "world_size": 2, "step": 5},
+        {"ts": t + 7, "event": "job_succeeded", "round": 2, "world_size": 2},
+    ]
+    ends = {1: t + 1, 2: t + 2, 3: t + 3, 4: t + 4, 5: t + 5.5, 6: t + 6.5}  # one step a second
+    metrics = [{"ts": ts, "step": s, "loss": 7.0 - s, "world_size": 1 if s <= 4 else 2} for s, ts in ends.items()]
+    for name, rows in (("events", events), ("metrics", metrics), ("samples", records_for(6, [1, 1, 1, 1, 2, 2]))):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = summarize(config, num_samples=50, started=t, exit_codes={"node-1": 0, "node-2": 0}, problems=[])
+    assert summary.problems == ()
+    assert [(r.world_size, r.first_step, r.last_step) for r in summary.rounds] == [(1, 1, 4), (2, 5, 6)]
+    (event,) = summary.scale_events
+    assert (event.at_step, event.downtime_s, event.pause_s) == (4, pytest.approx(1.5), pytest.approx(0.5))
+    assert "in place: downtime 1.5s, survivors paused 0.5s" in summary.render()
+
+
 def test_summary_fails_when_the_world_sizes_miss_the_schedule(tmp_path: Path) -> None:
     config = DemoConfig(
         run_dir=tmp_path, steps=2, global_batch=4, seed=1, schedule=(Change(at_step=1, action="join", node="node-2"),)
@@ -182,7 +212,7 @@ def test_summary_fails_when_the_world_sizes_miss_the_schedule(tmp_path: Path) ->
     summary = summarize(config, num_samples=50, started=0.0, exit_codes={"node-1": 1}, problems=[])
     assert not summary.ok
     text = "\n".join(summary.problems)
-    assert "world sizes over time were (1,), the schedule expects (1, 2)" in text
+    assert "world sizes over time were (), the schedule expects (1, 2)" in text  # no step trained at any size
     assert "no job_succeeded record" in text
     assert "launcher node-1 exited with 1" in text
     assert not summary.exactly_once
