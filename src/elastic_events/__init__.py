@@ -160,9 +160,11 @@ def elastic_event_detected() -> bool:
         _step_hook()
     reader = _reader
     if reader is None:
-        if _probed or _probe() is None:
+        if _probed:
             return False
-        reader = _reader
+        reader = _probe()
+        if reader is None:
+            return False
     return reader.check()
 
 

@@ -315,7 +315,7 @@ class ControlWriter:
 class ControlReader:
     """Rank side: maps the file; :meth:`check` is the per-step call."""
 
-    def __init__(self, path: Path, local_rank: int) -> None:
+    def __init__(self, path: str | os.PathLike[str], local_rank: int) -> None:
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as e:

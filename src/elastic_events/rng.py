@@ -51,9 +51,14 @@ class RngState:
 def capture_rng_state() -> RngState:
     """Snapshot the global generators of this process (CUDA only if already initialised)."""
     cuda_in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
+    numpy_state = np.random.get_state(legacy=True)
+    if not isinstance(numpy_state, tuple):  # a dict only when the global RandomState is not an MT19937
+        raise TypeError(
+            f"NumPy's global RandomState has no MT19937 state to capture: {numpy_state.get('bit_generator')}"
+        )
     return RngState(
         python=random.getstate(),
-        numpy=np.random.get_state(legacy=True),
+        numpy=numpy_state,
         torch_cpu=torch.get_rng_state(),
         cuda=torch.cuda.get_rng_state() if cuda_in_use else None,
         base_seed=torch.initial_seed(),

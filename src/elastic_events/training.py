@@ -52,7 +52,17 @@ from elastic_events.rounds.config import ElasticConfig
 from elastic_events.rounds.engine import RoundEngine
 from elastic_events.rounds.joining import Joiner, prewarm
 from elastic_events.rounds.snapshots import Snapshots
-from elastic_events.training_state import Builders, ModelFn, OptimizerFn, SchedulerFn, TrainState, WrapFn
+from elastic_events.training_state import (
+    Builders,
+    DataSampler,
+    ModelFn,
+    OptimizerFn,
+    SchedulerFn,
+    StateCheckpointer,
+    StepSampler,
+    TrainState,
+    WrapFn,
+)
 
 __all__ = ["ElasticTraining", "Step"]
 
@@ -114,8 +124,8 @@ class ElasticTraining:
         wrap: WrapFn | None = None,
         optimizer_fn: OptimizerFn | None = None,
         scheduler_fn: SchedulerFn | None = None,
-        sampler: Any = None,
-        checkpointer: Any = None,
+        sampler: DataSampler | None = None,
+        checkpointer: StateCheckpointer | None = None,
         config: ElasticConfig | None = None,
     ) -> None:
         if config is not None and not isinstance(config, ElasticConfig):
@@ -129,11 +139,13 @@ class ElasticTraining:
         self.snapshots = Snapshots(self.engine, self.state)
         self.joiner = Joiner(self.engine, self.state, self.snapshots)
         hooks = [lambda *_: self.snapshots.wait()]
-        if self.engine.commit is not None:
-            hooks.insert(0, lambda *_: self.engine.commit.check(self.state.step + 1))
+        commit = self.engine.commit
+        if commit is not None:
+            hooks.insert(0, lambda *_: commit.check(self.state.step + 1))
         self.state.step_hooks = tuple(hooks)
         self.state.post_step_hooks = (lambda *_: self.snapshots.recapture(), lambda *_: self._count_current())
         self._current: Step | None = None  # the step steps() is in, until it is counted
+        self._stepping: StepSampler | None = None  # the sampler steps() iterates (the state's)
         self._saved_step: int | None = None  # the step this process last saved
         self._started = self._finished = False
 
@@ -271,8 +283,9 @@ class ElasticTraining:
         scale event acted on. The iteration also ends when this rank leaves the job (exit 0 then).
         """
         sampler = self.state.sampler
-        if sampler is None or not hasattr(sampler, "steps"):
+        if not isinstance(sampler, StepSampler):
             raise ElasticTrainingError("steps() needs an ElasticSampler: pass sampler= to ElasticTraining")
+        self._stepping = sampler
         epoch = sampler.epoch
         while True:
             if until is not None and self.step >= until:
@@ -302,8 +315,11 @@ class ElasticTraining:
 
     def _count(self, step: Step) -> None:
         if not step.counted:
+            sampler = self._stepping
+            if sampler is None:
+                raise ElasticTrainingError("a step is counted only in steps(), which marks its sampler")
             step.counted = True
-            self.state.sampler.mark_step()
+            sampler.mark_step()
             self.state.step += 1
 
     def _count_current(self) -> None:
@@ -417,9 +433,11 @@ class ElasticTraining:
     def save_checkpoint(self) -> None:
         """Save the state at :attr:`step` through the checkpointer (collective)."""
         s = self.state
+        if s.checkpointer is None:
+            raise ElasticTrainingError("save_checkpoint() needs a checkpointer: pass checkpointer= to ElasticTraining")
         self._saved_step = s.step
         s.checkpointer.save(
-            s.step, model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, data=s.sampler, extra=s.extra
+            s.step, model=s.built_model(), optimizer=s.optimizer, scheduler=s.scheduler, data=s.sampler, extra=s.extra
         )
 
     def snapshot_stats(self) -> dict[str, int]:

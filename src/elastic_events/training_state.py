@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -23,12 +23,84 @@ from elastic_events.rounds.hydration import FullState, model_tensors
 from elastic_events.rounds.snapshot import Captured, Replicator
 from elastic_events.rounds.snapshot_restore import SnapshotReport
 
-__all__ = ["Builders", "Kept", "TrainState", "is_sharded", "on_meta"]
+__all__ = [
+    "Builders",
+    "DataSampler",
+    "Kept",
+    "LoadedCheckpoint",
+    "StateCheckpointer",
+    "StepSampler",
+    "TrainState",
+    "is_sharded",
+    "on_meta",
+]
 
 ModelFn = Callable[[], torch.nn.Module]
 WrapFn = Callable[[torch.nn.Module], torch.nn.Module]
 OptimizerFn = Callable[[torch.nn.Module], torch.optim.Optimizer]
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
+
+
+class DataSampler(Protocol):
+    """The data position a rank keeps, saves and hands to newcomers (an ElasticSampler is one).
+
+    One with ``set_world(rank=, world_size=)`` is split over each new world as well."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class StepSampler(DataSampler, Protocol):
+    """A sampler that deals each step's global batch: what ``ElasticTraining.steps()`` iterates (ElasticSampler)."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    def steps(self, loader: Iterable[Any]) -> Iterator[Any]: ...
+
+    def mark_step(self) -> None: ...
+
+
+class LoadedCheckpoint(Protocol):
+    """What a checkpointer's ``load`` returns of the state it loaded."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def extra(self) -> dict[str, Any]: ...
+
+
+class StateCheckpointer(Protocol):
+    """The checkpointer a rank loads its state from at start and saves it with (a Checkpointer is one)."""
+
+    def latest(self) -> object | None: ...
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        data: DataSampler | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> object: ...
+
+    def load(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        data: DataSampler | None = None,
+    ) -> LoadedCheckpoint | None: ...
+
+    def wait(self) -> object: ...
+
+    def release_group(self, *, abandon: bool = False) -> None: ...
 
 
 def is_sharded(model: torch.nn.Module | None) -> bool:
@@ -79,7 +151,14 @@ class Kept:
 class TrainState:
     """A rank's training objects and small state (see the module)."""
 
-    def __init__(self, builders: Builders, *, sampler: Any, checkpointer: Any, device: torch.device) -> None:
+    def __init__(
+        self,
+        builders: Builders,
+        *,
+        sampler: DataSampler | None,
+        checkpointer: StateCheckpointer | None,
+        device: torch.device,
+    ) -> None:
         self.builders = builders
         self.sampler, self.checkpointer, self.device = sampler, checkpointer, device
         self.module: torch.nn.Module | None = None  # the bare model (for FSDP2: the sharded model itself)
@@ -98,6 +177,18 @@ class TrainState:
     @property
     def sharded(self) -> bool:
         return is_sharded(self.module)
+
+    def built_module(self) -> torch.nn.Module:
+        """The bare model; raises when none is built (before start, or while a sharded model is rebuilt)."""
+        if self.module is None:
+            raise ElasticTrainingError("the rank has no model: it is built at start() and again in each new round")
+        return self.module
+
+    def built_model(self) -> torch.nn.Module:
+        """What the loop calls; raises when none is built (before start, or while a sharded model is rebuilt)."""
+        if self.model is None:
+            raise ElasticTrainingError("the rank has no model: it is built at start() and again in each new round")
+        return self.model
 
     def optimizer_busy(self) -> bool:
         return self.optimizer_steps[0] != self.optimizer_steps[1]
@@ -121,14 +212,15 @@ class TrainState:
 
     def rewrap(self) -> None:
         """Wrap the hydrated replica for the new group (no second broadcast with the default DDP)."""
+        module = self.built_module()
         if self.builders.wrap is default_wrap:
-            self.model = default_wrap(self.module, init_sync=False)
+            self.model = default_wrap(module, init_sync=False)
         else:
-            self.model = self.builders.wrap(self.module)
+            self.model = self.builders.wrap(module)
 
     def build_optimizer(self) -> None:
         fn = self.builders.optimizer_fn
-        self.optimizer = fn(self.model) if fn is not None else None
+        self.optimizer = fn(self.built_model()) if fn is not None else None
         if self.optimizer is not None:
             steps = self.optimizer_steps
             for hook in self.step_hooks:

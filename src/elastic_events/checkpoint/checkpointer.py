@@ -299,7 +299,11 @@ class Checkpointer:
             with quiet_single_process(comm):
                 if self.config.async_save:
                     result = dcp.async_save(state, storage_writer=writer, **comm.dcp_kwargs)
-                    pending.future = getattr(result, "upload_completion", result)
+                    # a future of the whole save, or (newer torch) an AsyncSaveResponse whose upload is the save
+                    if isinstance(result, concurrent.futures.Future):
+                        pending.future = result
+                    else:
+                        pending.future = result.upload_completion
                 else:
                     dcp.save(state, storage_writer=writer, **comm.dcp_kwargs)
         except (Exception, CheckpointException) as exc:
@@ -523,10 +527,13 @@ class Checkpointer:
             entry = saved.get(f"model.{fqn}")
             if entry is None:
                 raise IncompatibleCheckpointError(f"checkpoint {info.path} has no model entry {fqn!r}")
-            if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != tuple(tensor.shape):
+            if not isinstance(entry, TensorStorageMetadata):
+                continue
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else None
+            if tuple(entry.size) != shape:
+                have = shape if shape is not None else f"a {type(tensor).__name__}, not a tensor"
                 raise IncompatibleCheckpointError(
-                    f"checkpoint {info.path}: model parameter {fqn!r} has shape {tuple(entry.size)}, "
-                    f"the model has {tuple(tensor.shape)}"
+                    f"checkpoint {info.path}: model parameter {fqn!r} has shape {tuple(entry.size)}, the model has {have}"
                 )
 
     @staticmethod

@@ -280,12 +280,13 @@ def sum_in_batch_order(
     if world != plan.world_size:
         raise BatchPlanError(f"the plan is for {plan.world_size} ranks, the group has {world}")
     size, count = 1 << (plan.global_batch - 1).bit_length(), plan.global_batch
-    mine = plan.rank_slice()
+    rank = plan._rank(None)
+    mine = plan.rank_slice(rank)
     leaves = {(mine.start + i, mine.start + i + 1): list(value) for i, value in enumerate(samples)}
     if world == 1:
         return _tree_node(0, size, leaves, count)
     shares = [_nodes_inside(s.start, s.stop, 0, size) for s in map(plan.rank_slice, range(world))]
-    partial = [_tree_node(lo, hi, leaves, count) for lo, hi in shares[plan.rank]]
+    partial = [_tree_node(lo, hi, leaves, count) for lo, hi in shares[rank]]
     width, numel = max(len(nodes) for nodes in shares), sum(t.numel() for t in like)
     padded = like[0].new_zeros((width, numel))
     for i, value in enumerate(partial):
@@ -318,18 +319,17 @@ def _nodes_inside(start: int, stop: int, lo: int, hi: int) -> list[tuple[int, in
     return _nodes_inside(start, stop, lo, mid) + _nodes_inside(start, stop, mid, hi)
 
 
-def _tree_node(
-    lo: int, hi: int, known: dict[tuple[int, int], list[torch.Tensor]], count: int
-) -> list[torch.Tensor] | None:
-    """Node ``[lo, hi)``'s sum from the ``known`` nodes below it (summed in place); None past the ``count`` positions."""
+def _tree_node(lo: int, hi: int, known: dict[tuple[int, int], list[torch.Tensor]], count: int) -> list[torch.Tensor]:
+    """Node ``[lo, hi)``'s sum from the ``known`` nodes below it (summed in place); positions from ``count`` on
+    are absent, so a node must start before ``count``."""
     if lo >= count:
-        return None
+        raise BatchPlanError(f"tree node [{lo}, {hi}) lies past the {count} positions of the batch")
     if (lo, hi) in known:
         return known[(lo, hi)]
     if hi - lo == 1:
         raise BatchPlanError(f"batch position {lo} has no value")
     mid = (lo + hi) // 2
-    left, right = _tree_node(lo, mid, known, count), _tree_node(mid, hi, known, count)
-    if right is not None:
-        torch._foreach_add_(left, right)
+    left = _tree_node(lo, mid, known, count)
+    if mid < count:  # a right half past the batch adds nothing
+        torch._foreach_add_(left, _tree_node(mid, hi, known, count))
     return left

@@ -205,7 +205,10 @@ class ElasticSampler(Sampler[list[int]]):
 
     @property
     def rank(self) -> int:
-        return self._full_plan.rank  # type: ignore[return-value]
+        rank = self._full_plan.rank
+        if rank is None:  # every plan here is made with this rank's number
+            raise SamplerConfigError("the sampler's batch plan has no rank")
+        return rank
 
     @property
     def world_size(self) -> int:

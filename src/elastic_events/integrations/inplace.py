@@ -121,6 +121,12 @@ class Rounds:
 
         return self.engine.reader if self.engine is not None else elastic_events._channel()
 
+    def _engine(self) -> RoundEngine:
+        """The round engine elastic_init() made; raises :class:`InPlaceError` without one."""
+        if self.engine is None:
+            raise InPlaceError("elastic_init() was not called in this process: call it before building the Trainer")
+        return self.engine
+
     @property
     def admitted(self) -> bool:
         """A pre-warmed joiner that was admitted and has not received its state yet."""
@@ -137,7 +143,7 @@ class Rounds:
         """A pre-warmed joiner: wait for the event that places this node in a round, and join its group."""
         from elastic_events.rounds.joining import prewarm
 
-        engine = self.engine
+        engine = self._engine()
         prewarm()  # what the first step would import, paid while parked
         event = engine.wait_for_admission()
         try:
@@ -166,8 +172,8 @@ class Rounds:
         if self._refusal_said:
             return False  # a rank that said it will not train in place stays on the restart path
         if why:
-            if self._admission is not None:
-                self.engine.set_phase(RankPhase.FAILED)
+            if self._admission is not None:  # admitted by elastic_init(): an engine exists
+                self._engine().set_phase(RankPhase.FAILED)
                 raise InPlaceError(
                     f"rank admitted in place, but {framework} cannot train in place here: {'; '.join(why)}"
                 )
@@ -185,7 +191,7 @@ class Rounds:
             self.offered = True
             reader.declare(CAP_RECONFIGURE)
             if self._admission is None:
-                self.engine.set_phase(RankPhase.RUNNING)
+                self._engine().set_phase(RankPhase.RUNNING)
         return True
 
     # ----------------------------------------------------------------- events
@@ -219,7 +225,7 @@ class Rounds:
 
         The caller rebuilds its framework's world and calls :meth:`ready` before training on.
         """
-        engine = self.engine
+        engine = self._engine()
         engine.set_phase(RankPhase.RECONFIGURING)
         try:
             torn_down = engine.release()
@@ -246,7 +252,7 @@ class Rounds:
         try:
             payload = self._hydrate(event, module=module, kept=None)
         except BaseException:
-            self.engine.set_phase(RankPhase.FAILED)
+            self._engine().set_phase(RankPhase.FAILED)
             raise
         return Moved(left=False, payload=payload, survivor=False, event=event)
 
@@ -254,8 +260,9 @@ class Rounds:
         """The rank's framework is rebuilt for the new round: the agent may consider the event done."""
         if moved.event is None or self._reader is None:
             return
-        self.engine.set_phase(RankPhase.READY, round=moved.event.round)
-        self.engine.new_round("reconfigure" if moved.survivor else "admitted")
+        engine = self._engine()
+        engine.set_phase(RankPhase.READY, round=moved.event.round)
+        engine.new_round("reconfigure" if moved.survivor else "admitted")
 
     def failed(self) -> None:
         """The framework could not be rebuilt for the new round: the launcher falls back to a restart."""
@@ -273,7 +280,7 @@ class Rounds:
         """Every rank reports what it holds; the plan's source sends the state to the newcomers."""
         import time
 
-        engine = self.engine
+        engine = self._engine()
         t0 = time.monotonic()
         survivor = kept is not None
         reader = self._reader
@@ -281,7 +288,7 @@ class Rounds:
             rank=engine.rank,
             survivor=survivor,
             source_ready=survivor,
-            step=kept.step if survivor else -1,
+            step=kept.step if kept is not None else -1,
             structure=structure_digest(module),
             checksum=value_checksum(module) if survivor else None,
             sharded=False if survivor else None,
@@ -290,7 +297,7 @@ class Rounds:
         with engine.collectives(InPlaceError):
             reports = engine.agree(report, error=InPlaceError)
             plan = plan_hydration(reports, recovering=event.repair, local_world_size=engine.local_world_size)
-            payload = kept.payload if survivor else None
+            payload = kept.payload if kept is not None else None
             received = engine.rank in plan.newcomers and plan.source is not None
             if plan.source is not None and plan.newcomers:
                 payload = engine.transfer(plan.source, plan.newcomers, module=module, payload=payload)

@@ -62,16 +62,20 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sized
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-try:
+if TYPE_CHECKING:  # checked against the unified package; the standalone one has the same classes
     from lightning.pytorch import Callback, LightningModule, Trainer
-except ImportError:  # the standalone package
-    from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
+else:
+    try:
+        from lightning.pytorch import Callback, LightningModule, Trainer
+    except ImportError:  # the standalone package
+        from pytorch_lightning import Callback, LightningModule, Trainer
 
 from elastic_events import elastic_event_detected, eventlog
 from elastic_events.contract import Record
@@ -175,7 +179,8 @@ class ElasticCallback(Callback):
     ) -> None:
         """``trainer.fit(model, ...)``, and under hyperpodrun, with :func:`elastic_init` called, through
         in-place scale events: the ranks that stay keep their process (see :mod:`.lightning_inplace`)."""
-        if self not in trainer.callbacks:
+        # Lightning's callback connector sets Trainer.callbacks; the class does not declare it
+        if self not in trainer.callbacks:  # type: ignore[attr-defined]
             raise ElasticIntegrationError("fit(): this ElasticCallback is not among the trainer's callbacks")
         fit_args = {
             "train_dataloaders": train_dataloaders,
@@ -203,6 +208,8 @@ class ElasticCallback(Callback):
         for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
             if name in loader_kwargs:
                 raise ElasticIntegrationError(f"dataloader(): {name} is set by the elastic sampler; leave it out")
+        if not isinstance(dataset, Sized):
+            raise ElasticIntegrationError("dataloader(): the elastic order needs a map-style dataset with a length")
         rank, world = rank_and_world()
         sampler = _FullEpochSampler(
             len(dataset),
@@ -275,12 +282,17 @@ class ElasticCallback(Callback):
                 total[key] += steps * new - ready
                 current[key] = steps * new - lag
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _loader_sampler(self) -> ElasticSampler:
+        """The sampler of the loader :meth:`dataloader` made."""
         if self.sampler is None:
             raise ElasticIntegrationError(
                 "the training loader was not made by ElasticCallback.dataloader(); return it from train_dataloader() "
                 "and pass use_distributed_sampler=False to the Trainer"
             )
+        return self.sampler
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._loader_sampler()  # refuses a loader that dataloader() did not make
         self._last_step = trainer.global_step
         rank, world = rank_and_world()
         if self.resumed_in_place:  # from memory, after an in-place event: a new round, maybe a new world
@@ -300,7 +312,7 @@ class ElasticCallback(Callback):
         if trainer.global_step == self._last_step:
             return  # a micro-batch inside an accumulation: no optimizer step yet
         self._last_step = trainer.global_step
-        self.sampler.mark_step()  # type: ignore[union-attr]
+        self._loader_sampler().mark_step()
         if not elastic_event_detected():
             return
         event = rounds().take_event()

@@ -26,16 +26,21 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-try:
+if TYPE_CHECKING:  # checked against the unified package; the standalone one has the same classes
     from lightning.fabric.plugins import CheckpointIO
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-except ImportError:  # the standalone package
-    from lightning_fabric.plugins import CheckpointIO  # type: ignore[no-redef]
-    from lightning_fabric.plugins.environments import TorchElasticEnvironment  # type: ignore[no-redef]
-    from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy  # type: ignore[no-redef]
+else:
+    try:
+        from lightning.fabric.plugins import CheckpointIO
+        from lightning.fabric.plugins.environments import TorchElasticEnvironment
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+    except ImportError:  # the standalone package
+        from lightning_fabric.plugins import CheckpointIO
+        from lightning_fabric.plugins.environments import TorchElasticEnvironment
+        from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 from elastic_events.integrations import inplace
 from elastic_events.rounds.group import teardown_group
@@ -50,7 +55,8 @@ class _MemoryCheckpointIO(CheckpointIO):
     """The strategy's own ``CheckpointIO``, except that one path is served from a dict in memory (once)."""
 
     def __init__(self, base: CheckpointIO, path: str, checkpoint: dict[str, Any]) -> None:
-        self.base, self.path, self._checkpoint = base, path, checkpoint
+        self.base, self.path = base, path
+        self._checkpoint: dict[str, Any] | None = checkpoint  # None once served
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         self.base.save_checkpoint(checkpoint, path, storage_options=storage_options)

@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_pt_utils import AcceleratorConfig
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from elastic_events import elastic_event_detected, eventlog
@@ -189,8 +190,8 @@ class ElasticTrainerMixin(InPlaceTrainerMixin):
     :class:`ElasticCallback`), and any dataset length, each epoch cut to whole global batches."""
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Sampler | None:
-        dataset = train_dataset if train_dataset is not None else self.train_dataset  # type: ignore[attr-defined]
-        args: TrainingArguments = self.args  # type: ignore[attr-defined]
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        args = self.args
         if dataset is None or not hasattr(dataset, "__len__"):
             raise ElasticIntegrationError("elastic training needs a map-style train_dataset with a length")
         _check_strategy(args)
@@ -213,7 +214,8 @@ def _check_order(args: TrainingArguments, train_dataloader: Any, global_batch: i
         raise ElasticIntegrationError(
             "ignore_data_skip=True restarts the epoch's data order on resume; elastic training needs it False"
         )
-    if not args.accelerator_config.use_seedable_sampler:
+    accelerator_config = args.accelerator_config  # an AcceleratorConfig once TrainingArguments.__post_init__ ran
+    if isinstance(accelerator_config, AcceleratorConfig) and not accelerator_config.use_seedable_sampler:
         raise ElasticIntegrationError(
             "accelerator_config.use_seedable_sampler=False draws a new data order at every restart; keep it True"
         )
@@ -254,7 +256,8 @@ def _find_sampler(loader: Any, kind: type) -> Any:
 def _check_fsdp(args: TrainingArguments) -> None:
     if not args.fsdp:
         return
-    kind = str((args.fsdp_config or {}).get("state_dict_type", "FULL_STATE_DICT")).upper()
+    fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}  # a dict after __post_init__
+    kind = str(fsdp_config.get("state_dict_type", "FULL_STATE_DICT")).upper()
     if "LOCAL" in kind:
         raise ElasticIntegrationError(
             f"FSDP state_dict_type={kind} checkpoints load only at the world size that wrote them; use "
@@ -389,4 +392,6 @@ class ElasticCallback(TrainerCallback):
 
 
 def _checkpoint_dir(args: TrainingArguments, step: int) -> Path:
+    if args.output_dir is None:
+        raise ElasticIntegrationError("TrainingArguments.output_dir is not set: the Trainer's checkpoints go there")
     return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"

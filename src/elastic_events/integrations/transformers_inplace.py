@@ -35,13 +35,21 @@ import sys
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers.trainer_utils import TrainOutput
 
 from elastic_events.integrations import inplace
 from elastic_events.integrations.common import GlobalBatchError, accumulation_steps
 from elastic_events.rounds.group import teardown_group
+
+if TYPE_CHECKING:  # the mixin is used only in a Trainer subclass: checked as one, a plain class at run time
+    from torch import nn
+    from transformers import Trainer as _TrainerBase
+
+    from elastic_events.integrations.transformers import ElasticCallback
+else:
+    _TrainerBase = object
 
 __all__ = ["InPlaceTrainerMixin"]
 
@@ -84,16 +92,16 @@ def _combined(outputs: list[tuple[TrainOutput, int]]) -> TrainOutput:
     return TrainOutput(last.global_step, loss, {**last.metrics, "train_loss": loss})
 
 
-class InPlaceTrainerMixin:
+class InPlaceTrainerMixin(_TrainerBase):
     """``Trainer.train`` that goes on in the same process through in-place scale events (see module doc)."""
 
     _elastic_memory: dict[str, Any] | None = None  # the state the next train() resumes from, in memory
     _elastic_memory_dir: str | None = None  # where its trainer_state.json is
 
-    def _elastic_callback(self) -> Any:
+    def _elastic_callback(self) -> ElasticCallback | None:
         from elastic_events.integrations.transformers import ElasticCallback
 
-        found = [cb for cb in self.callback_handler.callbacks if isinstance(cb, ElasticCallback)]  # type: ignore[attr-defined]
+        found = [cb for cb in self.callback_handler.callbacks if isinstance(cb, ElasticCallback)]
         return found[0] if found else None
 
     def train(
@@ -104,13 +112,13 @@ class InPlaceTrainerMixin:
         **kwargs: Any,
     ) -> TrainOutput:
         """``Trainer.train``; under hyperpodrun, with :func:`elastic_init` called, in-place scale events too."""
-        base = super().train  # type: ignore[misc]
+        base = super().train
         callback = self._elastic_callback()
         rounds = inplace.rounds()
         blockers = (
             in_place_blockers(self) if callback is not None else ["no ElasticCallback among the Trainer's callbacks"]
         )
-        if not rounds.offer("transformers", blockers):
+        if not rounds.offer("transformers", blockers) or callback is None:  # no callback: a blocker, not offered
             return base(
                 resume_from_checkpoint=resume_from_checkpoint,
                 trial=trial,
@@ -118,7 +126,7 @@ class InPlaceTrainerMixin:
                 **kwargs,
             )
         callback.in_place = True
-        args = self.args  # type: ignore[attr-defined]
+        args = self.args
         global_batch = (
             callback.global_batch
             or args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
@@ -126,8 +134,8 @@ class InPlaceTrainerMixin:
         resume = resume_from_checkpoint
         if rounds.admitted:
             resume = self._elastic_resume(
-                rounds, rounds.admitted_state(module=self.model), callback, global_batch, resume
-            )  # type: ignore[attr-defined]
+                rounds, rounds.admitted_state(module=self._elastic_module()), callback, global_batch, resume
+            )
         outputs: list[tuple[TrainOutput, int]] = []
         while True:
             try:
@@ -145,7 +153,7 @@ class InPlaceTrainerMixin:
                     sys.exit(0)
                 return _combined(outputs)
             kept = self._elastic_keep(global_batch)
-            moved = rounds.move(event, kept=kept, module=self.model)  # type: ignore[attr-defined]
+            moved = rounds.move(event, kept=kept, module=self._elastic_module())
             if moved.left:
                 callback.stopped_for_event = True
                 if callback.exit_on_event:
@@ -154,20 +162,26 @@ class InPlaceTrainerMixin:
             resume = self._elastic_resume(rounds, moved, callback, global_batch, None)
 
     # ------------------------------------------------------------- at an event
+    def _elastic_module(self) -> nn.Module:
+        """The Trainer's model, whose tensors travel between rounds (the Trainer has one: model_init is a blocker)."""
+        if self.model is None:
+            raise inplace.InPlaceError("the Trainer has no model to carry into the new round")
+        return self.model
+
     def _elastic_keep(self, global_batch: int) -> inplace.Kept:
         """The state to carry into the next round (referenced, not copied), and the old world's objects dropped."""
         self._elastic_drop_world()
-        optimizer, scheduler = self.optimizer, self.lr_scheduler  # type: ignore[attr-defined]
-        scaler = getattr(self.accelerator, "scaler", None)  # type: ignore[attr-defined]
+        optimizer, scheduler = self.optimizer, self.lr_scheduler
+        scaler = getattr(self.accelerator, "scaler", None)
         payload = {
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
-            "trainer_state": json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n",  # type: ignore[attr-defined]
+            "trainer_state": json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n",
             "global_batch": global_batch,
-            "world_size": self.args.world_size,  # type: ignore[attr-defined]
+            "world_size": self.args.world_size,
         }
-        return inplace.Kept(step=self.state.global_step, payload=payload)  # type: ignore[attr-defined]
+        return inplace.Kept(step=self.state.global_step, payload=payload)
 
     def _elastic_drop_world(self) -> None:
         """Let go of what belongs to the current process group: the DDP wrapper holds it (and, left alive, is
@@ -179,14 +193,15 @@ class InPlaceTrainerMixin:
             self.optimizer = self.optimizer.optimizer
         while isinstance(self.lr_scheduler, AcceleratedScheduler):
             self.lr_scheduler = self.lr_scheduler.scheduler
-        wrapper = self.model_wrapped if self.model_wrapped is not self.model else None  # type: ignore[attr-defined]
-        self.model_wrapped = self.model  # type: ignore[attr-defined]
-        handler = self.callback_handler  # type: ignore[attr-defined]
-        handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler  # type: ignore[attr-defined]
+        model = self._elastic_module()
+        wrapper = self.model_wrapped if self.model_wrapped is not model else None
+        self.model_wrapped = model
+        handler = self.callback_handler
+        handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         handler.train_dataloader = None
         alive = weakref.ref(wrapper) if wrapper is not None else None
         del wrapper
-        self.accelerator.free_memory()  # type: ignore[attr-defined]  # its prepared model, optimizer, loaders; collects
+        self.accelerator.free_memory()  # its prepared model, optimizer, loaders; collects
         if alive is not None and alive() is not None:
             gc.collect()
         if hasattr(self, "_eval_dataloaders"):  # persistent workers' evaluation loaders, split for the old world
@@ -194,19 +209,19 @@ class InPlaceTrainerMixin:
 
     def _elastic_world(self, global_batch: int) -> None:
         """Rebuild what the Trainer binds to the world for the round's group (a survivor's; a joiner built them in it)."""
-        args = self.args  # type: ignore[attr-defined]
+        args = self.args
         args.__dict__.pop("_setup_devices", None)  # cached_property: accelerate's PartialState of the old group
         _ = args.device  # a fresh PartialState: the new group is up, so nothing is initialised twice
         args.gradient_accumulation_steps = accumulation_steps(
             global_batch=global_batch, per_device_batch=args.per_device_train_batch_size, world_size=args.world_size
         )
-        self.create_accelerator_and_postprocess()  # type: ignore[attr-defined]
+        self.create_accelerator_and_postprocess()
 
     def _elastic_resume(
         self,
         rounds: inplace.Rounds,
         moved: inplace.Moved,
-        callback: Any,
+        callback: ElasticCallback,
         global_batch: int,
         fallback: str | bool | None,
     ) -> str | bool | None:
@@ -241,48 +256,49 @@ class InPlaceTrainerMixin:
         return self._elastic_memory_dir
 
     # ------------------------------------------- the Trainer's resume, from memory
-    def _in_memory(self, checkpoint: Any) -> bool:
-        return (
-            self._elastic_memory is not None
-            and isinstance(checkpoint, (str, os.PathLike))
-            and os.path.abspath(checkpoint) == self._elastic_memory_dir
-        )
+    def _in_memory(self, checkpoint: Any) -> dict[str, Any] | None:
+        """The state in memory when ``checkpoint`` is its directory, else None."""
+        memory = self._elastic_memory
+        if isinstance(checkpoint, (str, os.PathLike)) and os.path.abspath(checkpoint) == self._elastic_memory_dir:
+            return memory
+        return None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        if self._in_memory(resume_from_checkpoint):
+        if self._in_memory(resume_from_checkpoint) is not None:
             return  # the module holds the weights: its own (a survivor) or received from one (a joiner)
-        super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not self._in_memory(checkpoint):
-            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-        memory = self._elastic_memory
-        if memory["optimizer"] is not None and self.optimizer is not None:  # type: ignore[attr-defined]
-            self.optimizer.load_state_dict(memory["optimizer"])  # type: ignore[attr-defined]
-        if memory["scheduler"] is not None and self.lr_scheduler is not None:  # type: ignore[attr-defined]
-            self.lr_scheduler.load_state_dict(memory["scheduler"])  # type: ignore[attr-defined]
+        memory = self._in_memory(checkpoint)
+        if memory is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if memory["optimizer"] is not None and self.optimizer is not None:
+            self.optimizer.load_state_dict(memory["optimizer"])
+        if memory["scheduler"] is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(memory["scheduler"])
         return None
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        if not self._in_memory(checkpoint):
-            return super()._load_scaler(checkpoint)  # type: ignore[misc]
-        scaler = getattr(self.accelerator, "scaler", None)  # type: ignore[attr-defined]
-        if scaler is not None and self._elastic_memory["scaler"] is not None:
-            scaler.load_state_dict(self._elastic_memory["scaler"])
+        memory = self._in_memory(checkpoint)
+        if memory is None:
+            return super()._load_scaler(checkpoint)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and memory["scaler"] is not None:
+            scaler.load_state_dict(memory["scaler"])
         return None
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        if not self._in_memory(checkpoint):
-            return super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        if self._in_memory(checkpoint) is None:
+            return super()._load_rng_state(checkpoint)
         return None  # ElasticCallback reseeds every rank from (seed, step, rank) before the first step
 
     def _load_callback_state(self) -> None:
         if self._elastic_memory is not None:
             return  # survivors keep their callbacks' live state; a joiner starts them fresh
-        super()._load_callback_state()  # type: ignore[misc]
+        super()._load_callback_state()
 
     def _load_best_model(self) -> None:
         callback = self._elastic_callback()
         if callback is not None and callback.in_place_event_pending:
             return  # training goes on in place: the best model is loaded when it really ends
-        super()._load_best_model()  # type: ignore[misc]
+        super()._load_best_model()

@@ -28,13 +28,16 @@ import contextlib
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from elastic_events.errors import ElasticTrainingError, HydrationError, StateMismatchError
+
+if TYPE_CHECKING:
+    from elastic_events.rounds.snapshot_restore import SnapshotReport
 
 __all__ = [
     "HydrationError",
@@ -62,7 +65,7 @@ class RankReport:
     handoff_step: int = (
         -1
     )  # a newcomer: the step of its predecessor's hand-off for this round (elastic_events.rounds.handoff)
-    snapshot: Any = None  # a sharded survivor of a failure: what it holds of the broken round (snapshot.SnapshotReport)
+    snapshot: SnapshotReport | None = None  # a sharded survivor of a failure: what it holds of the broken round
     failed: bool = False  # a peer failed in its previous round (it came through ElasticTraining.recover)
 
 

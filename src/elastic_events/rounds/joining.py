@@ -26,7 +26,7 @@ import torch.distributed as dist
 from elastic_events import eventlog
 from elastic_events.contract import Record
 from elastic_events.control import NO_SNAPSHOT, SNAPSHOT_WRITING, Event, RankPhase
-from elastic_events.errors import ElasticTrainingError, HydrationError
+from elastic_events.errors import ElasticTrainingError, HydrationError, RecoveryError
 from elastic_events.rng import derive_rank_seed, seed_all
 from elastic_events.rounds.engine import RoundEngine
 from elastic_events.rounds.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
@@ -86,11 +86,12 @@ class Joiner:
         e, s = self.engine, self.state
         sharded = e.distributed and is_sharded(s.model)
         self.snapshots.stop(broken=False)  # every rank is alive: its last snapshot is delivered first
+        module = s.built_module()
         kept = Kept(
             step=s.step,
             sharded=sharded,
-            structure=structure_digest(s.module),
-            checksum=None if sharded else value_checksum(s.module),
+            structure=structure_digest(module),
+            checksum=None if sharded else value_checksum(module),
         )
         if sharded:
             # The shards of a leaving rank exist nowhere else: gather the full state onto the rank
@@ -100,7 +101,7 @@ class Joiner:
             dist.all_gather_object(ranks, new_rank)
             if 0 not in ranks:
                 raise ElasticTrainingError(f"no rank of round {e.round} becomes rank 0 of round {event.round}")
-            kept.full = gather_full_state(s.model, s.optimizer, holder=ranks.index(0))
+            kept.full = gather_full_state(s.built_model(), s.optimizer, holder=ranks.index(0))
             if kept.full is not None:
                 kept.small = s.small_state(control_step=self._control_step)
             s.drop_objects()  # rebuilt on the new mesh, after the old sharded model is freed
@@ -117,12 +118,19 @@ class Joiner:
         e, s = self.engine, self.state
         if s.optimizer is not None:
             s.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+        module = s.built_module()
         if s.sharded:  # its live shards, and the copies of its neighbour's it holds, go into the repaired round
             replicator = self.snapshots.stop(broken=True)
+            if replicator is None:
+                raise RecoveryError(
+                    f"rank {e.rank}: a peer failed in round {e.round} and this sharded (FSDP2) model keeps no "
+                    "in-memory snapshots (snapshot_every=0, --snapshot-every 0, or its capture failed): the failed "
+                    "rank's shards exist nowhere else"
+                )
             kept = Kept(
                 step=s.step,
                 sharded=True,
-                structure=structure_digest(s.module),
+                structure=structure_digest(module),
                 checksum=None,
                 failed=True,
                 captured=self.snapshots.captured,
@@ -139,8 +147,8 @@ class Joiner:
             kept = Kept(
                 step=s.step,
                 sharded=False,
-                structure=structure_digest(s.module),
-                checksum=value_checksum(s.module),
+                structure=structure_digest(module),
+                checksum=value_checksum(module),
                 failed=True,
             )
         # A gloo group closes its sockets only once nothing references it, and a peer blocked on this rank
@@ -178,18 +186,24 @@ class Joiner:
                     flush=True,
                 )
                 handoff = None
+        if kept is not None:
+            structure = kept.structure
+        elif fresh_module is not None:
+            structure = structure_digest(fresh_module)
+        else:
+            raise HydrationError(f"rank {spec.rank} joins round {event.round} with neither its state nor a fresh model")
         report = RankReport(
             rank=spec.rank,
             survivor=survivor,
-            source_ready=survivor and (not kept.sharded or kept.full is not None),
-            step=kept.step if survivor else -1,
-            structure=kept.structure if survivor else structure_digest(fresh_module),
-            checksum=kept.checksum if survivor else None,
-            sharded=kept.sharded if survivor else None,
+            source_ready=kept is not None and (not kept.sharded or kept.full is not None),
+            step=kept.step if kept is not None else -1,
+            structure=structure,
+            checksum=kept.checksum if kept is not None else None,
+            sharded=kept.sharded if kept is not None else None,
             control_step=handoff.control_step if handoff else self._control_step,
             handoff_step=handoff.step if handoff else -1,
-            snapshot=kept.snapshot if survivor else None,
-            failed=survivor and kept.failed,
+            snapshot=kept.snapshot if kept is not None else None,
+            failed=kept is not None and kept.failed,
         )
         with e.collectives(HydrationError):
             reports = e.agree(report, error=HydrationError)
@@ -245,7 +259,7 @@ class Joiner:
         elif plan.sharded:
             self._reshard(plan.source, kept, fresh_module)
         else:
-            self._replicate(plan.source, plan.newcomers, fresh_module if fresh_module is not None else s.module)
+            self._replicate(plan.source, plan.newcomers, fresh_module if fresh_module is not None else s.built_module())
             if not received:
                 s.rewrap()  # DDP over the new group (receivers wrapped in _replicate)
 
@@ -261,12 +275,14 @@ class Joiner:
         if e.rank == source:
             optimizer = s.optimizer.state_dict() if s.optimizer is not None else None
             payload = {"optimizer": optimizer, "small": s.small_state(control_step=self._control_step)}
-        payload = e.transfer(source, newcomers, module=s.module, payload=payload)
+        payload = e.transfer(source, newcomers, module=s.built_module(), payload=payload)
         if receiving:
             s.model = s.module
             s.rewrap()
             s.build_optimizer()
             if payload["optimizer"] is not None:
+                if s.optimizer is None:
+                    raise HydrationError(f"rank {source} sent optimizer state and this rank builds no optimizer")
                 s.optimizer.load_state_dict(payload["optimizer"])
             s.load_small_state(payload["small"])
 
@@ -282,31 +298,36 @@ class Joiner:
         if source != 0:
             raise ElasticTrainingError(f"the full state of the sharded model is on rank {source}, not on rank 0")
         full = kept.full if kept is not None else None
-        small = kept.small if full is not None else None
-        self._build_sharded(fresh_module)
+        small = kept.small if kept is not None and full is not None else None
+        model = self._build_sharded(fresh_module)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(s.model, full.model if full else {}, options=options)
+        set_model_state_dict(model, full.model if full else {}, options=options)
         if s.optimizer is not None:
-            set_optimizer_state_dict(s.model, s.optimizer, full.optimizer if full else {}, options=options)
+            set_optimizer_state_dict(model, s.optimizer, full.optimizer if full else {}, options=options)
         if kept is not None:
             kept.full = full = None
-        self._finish_sharded(small)
+        self._finish_sharded(model, small)
 
-    def _build_sharded(self, fresh_module: torch.nn.Module | None) -> None:
+    def _build_sharded(self, fresh_module: torch.nn.Module | None) -> torch.nn.Module:
+        """The sharded model built and wrapped on the new mesh, with its optimizer; returns what the loop calls."""
         s = self.state
         s.module = fresh_module if fresh_module is not None else s.fresh_module()
-        s.model = s.builders.wrap(s.module)
+        s.model = model = s.builders.wrap(s.module)
         s.check_materialised()
         s.build_optimizer()
+        return model
 
-    def _finish_sharded(self, small: dict[str, Any] | None) -> None:
+    def _finish_sharded(self, model: torch.nn.Module, small: dict[str, Any] | None) -> None:
         """Rank 0's non-persistent buffers and small state (step, scheduler, sampler) to every rank."""
         e = self.engine
-        buffers = nonpersistent_buffers(self.state.model)
+        buffers = nonpersistent_buffers(model)
         broadcast_tensors(buffers, src=0, device=e.comm_device, bucket_bytes=e.config.bucket_bytes)
         box = [small]
         dist.broadcast_object_list(box, src=0)
-        self.state.load_small_state(box[0])
+        small = box[0]
+        if small is None:  # the same on every rank: rank 0's
+            raise HydrationError("rank 0 has no small state (step, scheduler, sampler) to give the new round")
+        self.state.load_small_state(small)
 
     def rebuild_from_storage(self, fresh_module: torch.nn.Module | None) -> None:
         """No rank holds a complete state: every rank builds its model and loads the newest checkpoint."""
@@ -319,7 +340,9 @@ class Joiner:
         s = self.state
         if s.checkpointer is None or s.checkpointer.latest() is None:
             return
-        loaded = s.checkpointer.load(model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, data=s.sampler)
+        loaded = s.checkpointer.load(
+            model=s.built_model(), optimizer=s.optimizer, scheduler=s.scheduler, data=s.sampler
+        )
         if loaded is not None:
             s.step, s.extra = loaded.step, dict(loaded.extra)
             s.resumed_from = "checkpoint"
@@ -369,21 +392,23 @@ class Joiner:
         rank, mine = self.engine.rank, None
         for owner, (source, live) in enumerate(restore.sources):
             if rank == source:
-                piece = self._live_piece(kept) if live else kept.replicator.held_piece(owner, restore.step)
+                piece = self._source_piece(kept, owner, restore.step, live=live)
                 if owner == rank:
                     mine = piece
                 else:
                     send_piece(piece, dst=owner, group=group, bucket_bytes=self.engine.config.bucket_bytes)
             elif rank == owner:
                 mine = self._recv_piece(owner, source, restore.step, group)
+        if mine is None:
+            raise HydrationError(f"rank {rank}: the restore plan of step {restore.step} gives it no shard of its own")
         return mine
 
     def _load_own_piece(self, piece: Piece, kept: Kept | None, fresh_module: torch.nn.Module | None) -> None:
         """Same world size: the fresh model on the new mesh takes this rank's piece as its local shards."""
         self._drop_state(kept)  # the piece holds what it needs of the old state
-        self._build_sharded(fresh_module)
-        load_local_state(self.state.model, self.state.optimizer, piece)
-        self._finish_sharded(piece.small if self.engine.rank == 0 else None)  # owner 0's small state
+        model = self._build_sharded(fresh_module)
+        load_local_state(model, self.state.optimizer, piece)
+        self._finish_sharded(model, piece.small if self.engine.rank == 0 else None)  # owner 0's small state
 
     def _assemble_on_rank0(
         self, restore: RestorePlan, kept: Kept | None, group: Any, fresh_module: torch.nn.Module | None
@@ -408,7 +433,7 @@ class Joiner:
         rank = self.engine.rank
         for owner, (source, live) in enumerate(restore.sources):
             if rank == source:
-                piece = self._live_piece(kept) if live else kept.replicator.held_piece(owner, restore.step)
+                piece = self._source_piece(kept, owner, restore.step, live=live)
                 if rank == 0:
                     yield piece
                 else:
@@ -424,8 +449,21 @@ class Joiner:
         flat = torch.empty(piece.layout.nbytes, dtype=torch.uint8)
         return recv_body(piece, flat, src=source, group=group, bucket_bytes=self.engine.config.bucket_bytes)
 
+    def _source_piece(self, kept: Kept | None, owner: int, step: int, *, live: bool) -> Piece:
+        """The piece of ``owner`` at ``step`` that the restore plan has this rank send: its live state, or a copy it holds."""
+        rank = self.engine.rank
+        if kept is None:
+            raise HydrationError(f"rank {rank} is to give rank {owner}'s shard at step {step} and kept no old state")
+        if live:
+            return self._live_piece(kept)
+        if kept.replicator is None:
+            raise HydrationError(f"rank {rank} is to give a copy of rank {owner}'s shard at step {step} and holds none")
+        return kept.replicator.held_piece(owner, step)
+
     def _live_piece(self, kept: Kept) -> Piece:
         snap, c, s = kept.snapshot, kept.captured, self.state
+        if snap is None or c is None:
+            raise HydrationError(f"rank {self.engine.rank} kept no live shards of the broken round to give")
         return Piece(
             owner=snap.rank,
             round=snap.round,

@@ -43,7 +43,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ import torch.distributed as dist
 from elastic_events.errors import ElasticTrainingError, PeerFailureError
 from elastic_events.rounds import abort
 from elastic_events.rounds.transfer import pinned_empty, recv_tensors, send_tensors
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
 
 __all__ = [
     "Captured",
@@ -143,9 +146,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _entry(key: tuple[str, ...], t: torch.Tensor) -> tuple[Entry, torch.Tensor]:
+def _entry(key: tuple[str, ...], t: ValueType) -> tuple[Entry, torch.Tensor]:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    if not isinstance(t, torch.Tensor):
+        raise SnapshotError(f"{'.'.join(key[1:])}: a {type(t).__name__} in the state dict, not a tensor")
     if not isinstance(t, DTensor):
         return Entry(key, t.dtype, tuple(t.shape), tuple(t.shape), None, 0), t.detach()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -192,15 +197,28 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     groups: list[list[str]] = []
     if optimizer is not None and optimizer.state:
         osd = get_optimizer_state_dict(model, optimizer)
-        for name, state in osd["state"].items():
+        states, param_groups = osd["state"], osd["param_groups"]
+        if not isinstance(states, dict) or not isinstance(param_groups, list):
+            raise SnapshotError("the optimizer's state dict has no per-parameter state or no param groups")
+        for name, state in states.items():
+            if not isinstance(state, dict):
+                raise SnapshotError(f"{name}: the optimizer's state is a {type(state).__name__}, not a dict")
             pairs += [_entry(("optim", name, k), v) for k, v in state.items() if isinstance(v, torch.Tensor)]
-        groups = [list(g["params"]) for g in osd["param_groups"]]
+        for g in param_groups:
+            params = g["params"]
+            if not _names(params):
+                raise SnapshotError(f"an optimizer param group names its parameters as {params!r}, not as strings")
+            groups.append(list(params))
     elif optimizer is not None:  # before its first step: DCP would make its state with a step of lr 0, which
         groups = group_names(model, optimizer)  # counts (AdamW's bias correction would be one step off)
     tensors = [t if t.is_contiguous() else t.contiguous() for _, t in pairs]
     if any(t.data_ptr() != orig.data_ptr() for t, (_, orig) in zip(tensors, pairs)):
         raise SnapshotError("a shard of the local state is not contiguous: it cannot be streamed in place")
     return Captured(Layout(tuple(e for e, _ in pairs)), tensors, groups, optimizer_state_count(optimizer))
+
+
+def _names(value: object) -> TypeGuard[list[str]]:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -287,7 +305,7 @@ class _Slot:
 
 @dataclass
 class _Job:
-    piece: Piece | None  # None: the last one, tells the holder that nothing more comes
+    piece: Piece
     header: bytes = b""  # the piece's header, pickled when the snapshot was taken (the small state moves on)
     ready: Any = None  # a CUDA event the copies must wait for
     done: threading.Event = field(default_factory=threading.Event)  # sent, acknowledged by all, own copy taken
@@ -340,7 +358,7 @@ class Replicator:
         self._own = _Slot()
         self._lock = threading.Condition()
         self._received = -1  # newest step received complete from the owner
-        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()  # None: the last one, nothing more comes
         self._last: _Job | None = None
         self.failed: BaseException | None = None  # why replication stopped in this round
         self.completed = 0  # snapshots whose chain completed
@@ -379,13 +397,12 @@ class Replicator:
             if reason is not None:
                 self._stop_for(PeerFailureError(reason))
             elif time.monotonic() > deadline:
-                self._stop_for(
+                raise self._stop_for(
                     SnapshotError(
                         f"rank {self.rank}: the snapshot of step {job.piece.step} was not "
                         f"complete on every rank within {self.timeout_s:.0f}s"
                     )
                 )
-                raise self.failed
         if self.failed is not None:
             raise PeerFailureError(
                 f"rank {self.rank}: the snapshot of step {job.piece.step} did not complete: {self.failed}"
@@ -410,7 +427,7 @@ class Replicator:
     def close(self, *, timeout_s: float) -> bool:
         """The round ends with every rank alive: tell the holder, wait for both threads. False if they hung."""
         if self.failed is None:
-            self._jobs.put(_Job(None))
+            self._jobs.put(None)
         self._sender.join(timeout_s)
         self._receiver.join(max(0.1, timeout_s))
         if self._sender.is_alive() or self._receiver.is_alive():
@@ -425,7 +442,7 @@ class Replicator:
         for thread in (self._sender, self._receiver):
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():  # a wait its group's shut-down sockets did not end: say where, and go on
-                frame = sys._current_frames().get(thread.ident)
+                frame = sys._current_frames().get(thread.ident) if thread.ident is not None else None
                 where = "".join(traceback.format_stack(frame)[-4:]) if frame is not None else "?"
                 print(
                     f"rank {self.rank}: {thread.name} of round {self.round} still runs {ABORT_JOIN_S} s after the "
@@ -434,23 +451,25 @@ class Replicator:
                     flush=True,
                 )
 
-    def _stop_for(self, exc: BaseException) -> None:
+    def _stop_for(self, exc: BaseException) -> BaseException:
+        """End replication in this round for ``exc``; returns what ended it (an earlier failure stays the reason)."""
         with self._lock:
             if self.failed is None:
                 self.failed = exc
+            failed = self.failed
             self._lock.notify_all()
         abort.shutdown_sockets(self.sockets)
-        self._jobs.put(_Job(None))
+        self._jobs.put(None)
+        return failed
 
     # --------------------------------------------------------------- threads
     def _send_loop(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is None:
+                self._send_end()
+                return
             try:
-                if job.piece is None:
-                    if self.failed is None:
-                        dist.send(torch.zeros(1, dtype=torch.int64), dst=self.holder, group=self.group)
-                    return
                 if self.failed is None:
                     self._chain(job)
                     self.completed += 1
@@ -459,11 +478,20 @@ class Replicator:
             finally:
                 job.done.set()
 
+    def _send_end(self) -> None:
+        """Tell the holder that nothing more comes (a zero-length header), unless replication already failed."""
+        try:
+            if self.failed is None:
+                dist.send(torch.zeros(1, dtype=torch.int64), dst=self.holder, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - a broken group: the holder learns it from its own receive
+            self._note_failure(exc, f"ending the stream to rank {self.holder}")
+
     def _chain(self, job: _Job) -> None:
         piece = job.piece
-        with torch.cuda.stream(self._stream) if job.ready is not None else _nothing():
-            if job.ready is not None:
-                self._stream.wait_event(job.ready)
+        stream = self._stream if job.ready is not None else None  # a CUDA event only where there is a stream
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            if stream is not None:
+                stream.wait_event(job.ready)
             send_piece(piece, dst=self.holder, group=self.group, bucket_bytes=self.bucket_bytes, header=job.header)
             with self._lock:
                 self._lock.wait_for(lambda: self._received >= piece.step or self.failed is not None)

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elastic_events.rounds.snapshot import Entry, Piece, SnapshotError, group_names
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
 
 __all__ = ["RestorePlan", "SnapshotReport", "assemble", "load_local_state", "local_tensors", "plan_restore"]
 
@@ -135,10 +138,12 @@ def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     entries = {e.key: (e, t) for e, t in zip(piece.layout.entries, local_tensors(piece), strict=True)}
     live = get_model_state_dict(model)  # the fresh model's tensors by DCP FQN, DTensors where sharded
     options = StateDictOptions(full_state_dict=False)
-    model_sd = {}
+    model_sd: dict[str, ValueType] = {}
     for fqn, like in live.items():
         if ("model", fqn) not in entries:
             raise SnapshotError(f"{fqn}: not in rank {piece.owner}'s snapshot of step {piece.step}")
+        if not isinstance(like, torch.Tensor):
+            raise SnapshotError(f"{fqn}: a {type(like).__name__} in the model's state dict, not a tensor")
         model_sd[fqn] = _like(*entries[("model", fqn)], like)
     set_model_state_dict(model, model_sd, options=options)
     if optimizer is None:
@@ -147,8 +152,11 @@ def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     for key, (entry, tensor) in entries.items():
         if key[0] == "optim":
             param = live.get(key[1])
-            shaped_like_param = param is not None and entry.global_shape == tuple(param.shape)
-            state.setdefault(key[1], {})[key[2]] = _like(entry, tensor, param) if shaped_like_param else tensor.clone()
+            if isinstance(param, torch.Tensor) and entry.global_shape == tuple(param.shape):
+                value = _like(entry, tensor, param)
+            else:
+                value = tensor.clone()
+            state.setdefault(key[1], {})[key[2]] = value
     _load_optimizer(model, optimizer, state, piece.param_groups)
 
 

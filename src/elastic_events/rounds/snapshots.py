@@ -41,7 +41,7 @@ class Snapshots:
         if self.every == 0 or e.reader is None or not e.distributed or e.world_size < 2 or not s.sharded:
             return
         try:
-            self.captured = capture(s.model, s.optimizer)
+            self.captured = capture(s.built_model(), s.optimizer)
         except SnapshotError as exc:
             print(f"rank {e.rank}: no in-memory snapshots: {exc}", file=sys.stderr, flush=True)
             return
@@ -69,6 +69,8 @@ class Snapshots:
     def piece(self, step: int) -> Piece:
         """This rank's live state at ``step``, as a snapshot piece."""
         e, s, c = self.engine, self.state, self.captured
+        if c is None:
+            raise SnapshotError(f"rank {e.rank}: no local state captured to snapshot at step {step}")
         return Piece(
             owner=e.rank,
             round=e.round,
@@ -82,8 +84,11 @@ class Snapshots:
 
     def recapture(self) -> None:
         """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here)."""
-        if self.replicator is not None and self.captured.count != optimizer_state_count(self.state.optimizer):
-            self.captured = capture(self.state.model, self.state.optimizer)
+        if self.replicator is None:
+            return
+        c, s = self.captured, self.state
+        if c is None or c.count != optimizer_state_count(s.optimizer):
+            self.captured = capture(s.built_model(), s.optimizer)
 
     def wait(self) -> None:
         """The optimizer's pre-step hook: no step is committed before every copy of the last snapshot exists

@@ -111,6 +111,8 @@ def _move(
             piece = bucket.pieces[0]
             pending.append(post(views[piece.index][piece.start : piece.start + piece.length]))
             continue
+        if staging is None:  # _staging makes one whenever the plan has a packed bucket
+            raise ValueError(f"a packed bucket of {bucket.nbytes} bytes and no staging buffer to pack it in")
         buf = staging[: bucket.nbytes]
         if sending:
             for p in bucket.pieces:
