@@ -18,10 +18,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +28,7 @@ from pathlib import Path
 from types import FrameType
 
 from elastic_events.control import ControlWriter, EventKind, RankPhase
+from hyperpodrun.agent_dir import AgentDir
 from hyperpodrun.config import LaunchConfig, RestartMode
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
@@ -41,7 +40,7 @@ from hyperpodrun.reaper import Reaper
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
-from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
+from hyperpodrun.supervisor import DEFAULT_PREFIX_TEMPLATE, WorkerGroup, WorkerState, become_subreaper
 from hyperpodrun.worker_env import base_env, parked_env, parked_round, worker_env
 
 log = logging.getLogger(__name__)
@@ -81,12 +80,10 @@ class Agent:
         self.restart_count = 0
         self._attempt = 0
         self._logs = logs
-        # Node-local, private to this agent: memory-backed where /dev/shm exists.
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self._control_dir = Path(tempfile.mkdtemp(prefix="hyperpodrun-", dir=shm))
-        self._control = ControlWriter(
-            self._control_dir / "control.bin", config.nproc_per_node, spares=spares_for(config)
-        )
+        # Node-local, private to this agent, memory-backed where /dev/shm exists; stale ones are swept first.
+        self._dir, swept = AgentDir.create(job=run_id if config.rdzv_id != "none" else None)
+        self._same_job = swept.same_job  # other live agents of this job on this host
+        self._control = ControlWriter(self._dir.path / "control.bin", config.nproc_per_node, spares=spares_for(config))
         self._group: WorkerGroup | None = None
         self._reaper: Reaper | None = None
         self._signal: int | None = None
@@ -114,6 +111,11 @@ class Agent:
         self._reaper = Reaper()
         previous = self._install_signal_handlers()
         self.events.emit(EventType.AGENT_STARTED, pid=os.getpid(), log_dir=str(self._logs.run_dir))
+        if self._same_job:
+            _say(
+                f"warning: another launcher of job {self.run_id} runs on this host (pid "
+                f"{', '.join(map(str, self._same_job))}): the ranks of both get LOCAL_RANK 0 upward (the same devices)"
+            )
         try:
             self._loop()
         finally:
@@ -124,7 +126,7 @@ class Agent:
             if self._reaper is not None:
                 self._reaper.close()
             self._control.close()
-            shutil.rmtree(self._control_dir, ignore_errors=True)
+            self._dir.close()
             self.rdzv.shutdown(succeeded=self.state == AgentState.SUCCEEDED)
             self.events.emit(EventType.AGENT_STOPPED, state=self.state.value)
 
@@ -553,6 +555,8 @@ class Agent:
             assignment=(rnd or parked_round(cfg.nproc_per_node)).assignment,
             logs=logs,
             reaper=self._reaper,
+            prefix_template=cfg.log_line_prefix_template or DEFAULT_PREFIX_TEMPLATE,
+            role=cfg.role,
         )
         group.start()
         if rnd is not None:

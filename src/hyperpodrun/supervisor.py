@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from string import Template
 
 import psutil
 
@@ -29,6 +30,9 @@ from hyperpodrun.logs import RankLogs, StreamPump, open_for_child
 from hyperpodrun.reaper import Reaper
 
 log = logging.getLogger(__name__)
+
+#: The console prefix of a rank's lines unless ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` sets one.
+DEFAULT_PREFIX_TEMPLATE = "[rank${rank}]:"
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -155,8 +159,12 @@ class WorkerGroup:
         assignment: GroupAssignment,
         logs: dict[int, RankLogs],
         reaper: Reaper | None = None,
+        prefix_template: str = DEFAULT_PREFIX_TEMPLATE,
+        role: str = "default",
     ) -> None:
         self._reaper = reaper
+        self._prefix_template = prefix_template
+        self._role = role
         self._command = command
         self._base_env = base_env
         self._rank_env = rank_env
@@ -225,7 +233,7 @@ class WorkerGroup:
         self._retire(old)
         spare.local_rank, spare.global_rank = local_rank, old.global_rank
         for pump in spare.pumps:
-            pump.relabel(f"[rank{old.global_rank}]:")
+            pump.relabel(self._prefix(local_rank, old.global_rank))
         self._ranks[local_rank], self._spare = spare, None
         self._refresh_after_replace()
         return spare.proc.pid
@@ -254,7 +262,7 @@ class WorkerGroup:
         if self._reaper is not None:
             self._reaper.add(proc.pid)  # the rank's process group: pgid == pid (own session)
         rank = _Rank(local_rank, global_rank, proc, logs)
-        prefix = f"[rank{global_rank}]:" if global_rank >= 0 else "[spare]:"
+        prefix = self._prefix(local_rank, global_rank) if global_rank >= 0 else "[spare]:"
         if proc.stdout is not None:
             rank.pumps.append(StreamPump(proc.stdout, prefix=prefix, file=logs.stdout_file, console=sys.stdout))
         if proc.stderr is not None:
@@ -262,6 +270,12 @@ class WorkerGroup:
         for pump in rank.pumps:
             pump.start()
         return rank
+
+    def _prefix(self, local_rank: int, global_rank: int) -> str:
+        """A rank's console prefix: torchrun's template macros ``${role_name}``, ``${rank}``, ``${local_rank}``."""
+        return Template(self._prefix_template).safe_substitute(
+            role_name=self._role, rank=global_rank, local_rank=local_rank
+        )
 
     def replace(self, local_rank: int, *, rank_env: dict[str, str], logs: RankLogs) -> int:
         """Start a new process in place of a local rank that exited (its siblings keep running); its pid.
