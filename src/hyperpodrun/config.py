@@ -283,7 +283,9 @@ class LaunchConfig:
     snapshot_every: int = 1  # a sharded model's in-memory snapshots, every N steps (0: off); elastic_events.snapshot
     metrics_port: int = 0  # Prometheus endpoint of this agent; 0: off
     metrics_addr: str = "127.0.0.1"
-    log_line_prefix_template: str | None = None  # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: ${role_name} ${rank} ${local_rank}
+    log_line_prefix_template: str | None = (
+        None  # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: ${role_name} ${rank} ${local_rank}
+    )
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
 
     def __post_init__(self) -> None:

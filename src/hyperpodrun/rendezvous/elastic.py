@@ -77,7 +77,7 @@ class ElasticRendezvous(RendezvousHandler):
         local_addr: str,
         join_timeout: float,
         events: EventLog | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         node_id: str | None = None,
     ) -> None:
         self.store = store
@@ -468,7 +468,9 @@ class ElasticRendezvous(RendezvousHandler):
     def _decide(self) -> bool:
         """One decider tick: read, plan, execute. Whether anything was written."""
         snap = self._read_job()
-        result = plan(snap, self._mem, self.clock(), self.ctx)
+        now = self.clock()
+        self._mem = dataclasses.replace(self._mem, wall_offset=time.time() - now)
+        result = plan(snap, self._mem, now, self.ctx)
         self._mem = result.memory
         self._waiting_for = result.waiting_for
         return self._execute(result)
@@ -535,7 +537,7 @@ class ElasticRendezvous(RendezvousHandler):
         for _ in range(5):  # CAS retry: only deciders write here, so contention is rare
             entry = self.store.get(Keys.HISTORY)
             items = decode_list(HistoryEntry, Keys.HISTORY, _value(entry))
-            items = (items + [HistoryEntry(ts=self.clock(), round=round_no, what=what, reason=reason)])[-HISTORY_KEEP:]
+            items = (items + [HistoryEntry(ts=time.time(), round=round_no, what=what, reason=reason)])[-HISTORY_KEEP:]
             if self.store.compare_and_swap(
                 Keys.HISTORY, encode(items), expected_revision=entry.revision if entry else 0
             ):
