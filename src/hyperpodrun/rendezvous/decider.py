@@ -461,9 +461,7 @@ def _target_event(
             return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for the ranks' step rate")
         times.append(rate_wait)  # no second step seen within the bound: steps are at least that slow
     # Ranks kept stepping since they acked: budget for the oldest ack's age (at most the event's).
-    target = choose_target_step(
-        [a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, age)
-    )
+    target = choose_target_step([a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, age))
     mode = ev.mode
     master_addr, master_port = "", 0
     if ev.next_members:
