@@ -32,7 +32,7 @@ from hyperpodrun.agent_dir import AgentDir
 from hyperpodrun.config import LaunchConfig, RestartMode
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
-from hyperpodrun.hang import HangPolicy, hung_ranks
+from hyperpodrun.hang import HangPolicy, hung_ranks, progress_clock
 from hyperpodrun.logs import LogDirectory, RankLogs
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.progress import LateRanks, StepRates, missed_target
@@ -371,7 +371,7 @@ class Agent:
         """A rank without progress for the hang limit: dump every local rank's stacks, then fail the group."""
         limit = self._hang_policy.limit(rates.slowest)
         progress = self._control.progress()
-        now = time.time()
+        now = progress_clock()
         hung = hung_ranks(progress, now=now, limit=limit)
         pids = group.pids
         if hung and self._repairs_in_place():  # the culprits only: the ranks waiting for them hold the state
