@@ -40,7 +40,13 @@ from hyperpodrun.reaper import Reaper
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
-from hyperpodrun.supervisor import DEFAULT_PREFIX_TEMPLATE, WorkerGroup, WorkerState, become_subreaper
+from hyperpodrun.supervisor import (
+    DEFAULT_PREFIX_TEMPLATE,
+    WorkerGroup,
+    WorkerState,
+    become_subreaper,
+    restore_subreaper,
+)
 from hyperpodrun.worker_env import base_env, parked_env, parked_round, worker_env
 
 log = logging.getLogger(__name__)
@@ -107,7 +113,7 @@ class Agent:
 
     def run(self) -> None:
         """Run the job to completion; raises WorkerFailedError or SignalReceived otherwise."""
-        become_subreaper()
+        was_subreaper = become_subreaper()
         self._reaper = Reaper()
         previous = self._install_signal_handlers()
         self.events.emit(EventType.AGENT_STARTED, pid=os.getpid(), log_dir=str(self._logs.run_dir))
@@ -127,6 +133,7 @@ class Agent:
                 self._reaper.close()
             self._control.close()
             self._dir.close()
+            restore_subreaper(was_subreaper)
             self.rdzv.shutdown(succeeded=self.state == AgentState.SUCCEEDED)
             self.events.emit(EventType.AGENT_STOPPED, state=self.state.value)
 

@@ -28,6 +28,7 @@ def progress_clock() -> float:
     processes): hang limits are measured on it, so a step of the wall clock never makes a rank hung."""
     return time.monotonic()
 
+
 #: Process states (psutil's names) of a rank that cannot be merely waiting for a peer.
 STUCK_STATES = frozenset({"stopped", "tracing-stop", "disk-sleep"})
 

@@ -36,6 +36,7 @@ DEFAULT_PREFIX_TEMPLATE = "[rank${rank}]:"
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 def _load_prctl():
@@ -50,10 +51,23 @@ def _load_prctl():
 _prctl = _load_prctl()
 
 
-def become_subreaper() -> None:
-    """Orphaned descendants of our workers are re-parented to us (Linux), so none escape."""
-    if _prctl is not None:
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+def become_subreaper() -> bool:
+    """Orphaned descendants of our workers are re-parented to us (Linux), so none escape.
+
+    Returns whether the process was a subreaper already, for :func:`restore_subreaper` (a
+    program that runs the agent in its own process gets its setting back).
+    """
+    if _prctl is None:
+        return False
+    was = ctypes.c_int(0)
+    _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    return bool(was.value)
+
+
+def restore_subreaper(was: bool) -> None:
+    if _prctl is not None and not was:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec: no Python-level locks
@@ -382,7 +396,7 @@ class WorkerGroup:
                 log.warning("rank %d (pid %d) did not exit after SIGKILL", r.global_rank, r.proc.pid)
             if r.exit_time is None:
                 r.exit_time = time.time()
-        _reap_orphans()
+        self._reap_orphans()
         if self._reaper is not None:
             for r in self._ranks:
                 self._reaper.remove(r.proc.pid)
@@ -413,6 +427,24 @@ class WorkerGroup:
             pass
         return list(procs.values())
 
+    def _reap_orphans(self) -> None:
+        """Collect the exit statuses of our ranks' descendants that were re-parented to us (a subreaper),
+        so none lingers as a zombie; never another child of the process (an embedding program's own)."""
+        rank_pgids = {r.proc.pid for r in self._ranks}
+        try:
+            children = psutil.Process().children()
+        except psutil.NoSuchProcess:
+            return
+        for child in children:
+            if child.pid in rank_pgids:
+                continue  # a rank: its Popen collects it
+            try:
+                if os.getpgid(child.pid) not in rank_pgids:
+                    continue
+                os.waitpid(child.pid, os.WNOHANG)
+            except (ProcessLookupError, ChildProcessError):
+                continue
+
     def _join_pumps(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for r in self._ranks:
@@ -432,14 +464,3 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _reap_orphans() -> None:
-    """Collect exit statuses of re-parented descendants so none linger as zombies."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
