@@ -242,7 +242,8 @@ class ElasticRendezvous(RendezvousHandler):
         or a RECONFIGURE event admits it into a running job in place."""
         deadline = time.monotonic() + timeout
         last = self._round.round if self._round else 0
-        waited_msg = 0.0
+        started = time.monotonic()
+        next_line = started + 1.0  # a start that takes a moment says nothing
         while True:
             if self.lease_lost:
                 self.rejoin()
@@ -283,9 +284,14 @@ class ElasticRendezvous(RendezvousHandler):
                     f"no round of the job included this node within {timeout:g}s (policy min "
                     f"{self.ctx.policy.min_replicas} node(s); a node past max or below a cap waits as a standby)"
                 )
-            if now - waited_msg > 10.0:
-                waited_msg = now
-                log.info("waiting for a round: %s", self._waiting_for or "waiting for nodes")
+            if now >= next_line:  # at the default log level: minutes of silence look like a hang
+                next_line = now + 10.0
+                log.warning(
+                    "waiting for a round (%.0fs of the %gs join timeout): %s",
+                    now - started,
+                    timeout,
+                    self._waiting_for or "waiting for the job's decider",
+                )
             # The decider wakes on any change (joins, acks); the others only when the round changes,
             # so a rendezvous of N nodes costs O(N) store operations in all, not O(N^2).
             # A pre-warmed standby also wakes for the event that admits it (events are few: O(1) per event).
