@@ -217,6 +217,24 @@ CATALOGUE: dict[str, Case] = {
         H, ("--nproc-per-node", "2", "--max-world-size", "1", "{script}"), "--max-world-size: 1 ranks"
     ),
     "no-script": Case(H, (), "Missing argument"),
+    "option-prefix-ambiguous": Case(H, ("--r", "3", "{script}"), "ambiguous option: --r could match"),
+    "monitor-interval-nan": Case(H, ("--monitor-interval", "nan", "{script}"), "--monitor-interval: must be > 0"),
+    "shutdown-timeout-inf": Case(H, ("--shutdown-timeout", "inf", "{script}"), "--shutdown-timeout: must be >= 0"),
+    "rdzv-conf-infinite": Case(
+        H, (*ELASTIC, "--rdzv-conf", "lease_ttl=inf", "{script}"), "lease_ttl: must be a finite number of seconds"
+    ),
+    "nproc-xpu-absent": Case(H, ("--nproc-per-node", "xpu", "{script}"), "--nproc-per-node xpu: no XPU device"),
+    "local-addr-not-this-machine": Case(
+        H, (*ELASTIC, "--local-addr", "203.0.113.5", "{script}"), "--local-addr 203.0.113.5: not an address of this"
+    ),
+    "log-dir-cannot-be-created": Case(H, ("--log-dir", "/proc/x", "{script}"), "--log-dir /proc/x: cannot create"),
+    "event-log-is-a-folder": Case(H, ("--event-log", "{tmp}", "{script}"), "is a folder; give the path of a file"),
+    "standalone-with-endpoint": Case(
+        H, ("--standalone", "--rdzv-endpoint", "127.0.0.1:29400", "{script}"), "--standalone hosts its own store"
+    ),
+    "local-ranks-filter-out-of-range": Case(
+        H, ("--local-ranks-filter", "7", "{script}"), "local rank(s) 7 out of range for --nproc-per-node 1"
+    ),
     # scripts
     "script-missing": Case(H, ("missing.py",), "training script 'missing.py' not found"),
     "script-is-a-directory": Case(H, ("{tmp}",), "is a directory"),
