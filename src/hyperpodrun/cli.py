@@ -311,7 +311,7 @@ def run(
         _opt(
             "--scaling-timeout",
             group=_POLICY,
-            help="Seconds new capacity must stay available before a scale-up (and the wait for more nodes at start) [default: 60].",
+            help="Seconds new capacity must stay available before a scale-up; also the longest wait for more nodes at start (--rdzv-conf last_call_timeout, 30 s) [default: 60].",
         ),
     ] = None,
     faulty_scale_down_timeout: Annotated[

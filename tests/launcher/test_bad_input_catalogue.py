@@ -29,6 +29,7 @@ from hyperpodrun.rendezvous.decider import DeciderContext
 from hyperpodrun.rendezvous.elastic import ElasticRendezvous
 from hyperpodrun.store import create_store
 from support.etcd import free_port
+from support.impostor import Impostor
 from support.launch import SCRIPTS
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "llama_finetune"
@@ -113,6 +114,13 @@ def empty_store(ctx: Ctx) -> None:
     stack: contextlib.ExitStack = ctx.fixture("exit_stack")
     store = stack.enter_context(create_store("c10d", "127.0.0.1:0", run_id="nobody", conf={}, host=True, timeout=10.0))
     ctx.values["store"] = store.inner.endpoint
+
+
+def port_held_by_another_program(ctx: Ctx) -> None:
+    """Another (local) user's program on the job's loopback store port, answering as a store without a secret."""
+    impostor = Impostor(auth=False)
+    ctx.fixture("exit_stack").callback(impostor.close)
+    ctx.values["store"] = impostor.endpoint
 
 
 # ---- checkpoint folders for train.py
@@ -322,6 +330,12 @@ CATALOGUE: dict[str, Case] = {
         (*ELASTIC, "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", "secret_file={secret}", "{script}"),
         "is accessible to other users",
         world_readable_secret,
+    ),
+    "embedded-port-held-by-another-program": Case(
+        H,
+        (*ELASTIC, "--rdzv-endpoint", "{store}", "{script}"),
+        "does not prove it knows this job's secret",
+        port_held_by_another_program,
     ),
     "store-key-typo": Case(
         H,

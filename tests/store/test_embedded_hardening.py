@@ -22,6 +22,7 @@ import pytest
 from hyperpodrun.store import EmbeddedStoreClient, StoreAuthError, create_store
 from hyperpodrun.store.handshake import HANDSHAKE_DEADLINE_S
 from hyperpodrun.store.wire import PROTOCOL_VERSION, recv_frame, send_frame
+from support.impostor import Impostor
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 MiB = 1024 * 1024
@@ -134,36 +135,6 @@ def test_the_server_proves_nothing_before_the_client_did(server) -> None:
         assert hello["auth"] is True and "proof" not in hello  # nothing to guess a weak secret offline from
         send_frame(sock, {"op": "auth", "proof": "0" * 64})
         assert recv_frame(sock)["error"]["kind"] == "auth"
-
-
-class Impostor:
-    """A program on the store's port that answers the handshake without the secret and records every frame."""
-
-    def __init__(self, *, auth: bool) -> None:
-        self.auth = auth
-        self.frames: list[dict] = []
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            with conn, contextlib.suppress(OSError):
-                while (frame := recv_frame(conn)) is not None:
-                    self.frames.append(frame)
-                    if frame.get("op") == "hello":
-                        reply = {"protocol": PROTOCOL_VERSION, "auth": self.auth, "nonce": "n"}
-                        send_frame(conn, {"ok": reply})
-                    else:
-                        send_frame(conn, {"ok": {"proof": "f" * 64} if frame.get("op") == "auth" else 1})
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 @pytest.mark.parametrize("auth", [False, True], ids=["claims-no-auth", "fakes-a-proof"])
