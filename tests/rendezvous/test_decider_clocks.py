@@ -6,6 +6,7 @@ compared ``now`` with ``decided_at``, ``halted_at`` and the rounds' recorded tim
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -155,3 +156,11 @@ def test_a_failure_a_member_did_not_answer_still_waits_a_lease_ttl_measured_here
     assert first.writes == ()  # halted_at 999 s ago on another clock: not a reason to skip the wait
     (closed,) = written(plan(snap, first.memory, NOW + 10.3, ctx()))
     assert closed["status"] == "failed"
+
+
+def test_the_deciders_clock_is_the_monotonic_one() -> None:
+    """The decider measures its timers on it; records carry wall-clock times only for people to read."""
+    from hyperpodrun.rendezvous.elastic import ElasticRendezvous
+
+    rdzv = ElasticRendezvous(None, context=ctx(), local_addr="127.0.0.1", join_timeout=1.0, node_id="a")  # type: ignore[arg-type]
+    assert abs(rdzv.clock() - time.monotonic()) < 1.0
