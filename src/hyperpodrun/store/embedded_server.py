@@ -36,10 +36,11 @@ __all__ = ["EmbeddedHostNotLocalError", "EmbeddedStoreGoneError", "EmbeddedStore
 
 logger = logging.getLogger(__name__)
 
-#: Connections in their handshake at once; more are answered ``busy`` (clients try again).
-MAX_PENDING = 64
-#: Authenticated connections (a thread each); more are answered ``busy``.
-MAX_SESSIONS = 256
+#: Connections in their handshake at once (no thread, at most a 4 KiB frame each); more are answered
+#: ``busy`` and the clients try again.
+MAX_PENDING = 256
+#: Authenticated connections (a thread each; an agent holds two or three); more are answered ``busy``.
+MAX_SESSIONS = 4096
 _LISTEN, _WAKE, _PENDING = "listen", "wake", "pending"
 
 
