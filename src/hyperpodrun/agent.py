@@ -348,7 +348,7 @@ class Agent:
                     f"for up to {self._outage.limit:g}s"
                 )
                 self.events.emit(EventType.STORE_UNREACHABLE, message=str(e))
-            if not self._outage.final:
+            if not self._outage.conclude():
                 return None
             acked = [p.acked_event for p in self._control.progress()]
             final = final_directive(status, pending=pending, acked_events=acked, limit=self._outage.limit, error=str(e))

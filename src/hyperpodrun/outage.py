@@ -41,6 +41,7 @@ class StoreOutage:
     limit: float
     clock: Callable[[], float] = field(default=monotonic)
     since: float | None = None
+    concluded: bool = False  # the job's end was decided once (the ranks may be saving): never again
 
     def failed(self) -> bool:
         """A store request failed; whether this starts an outage (the caller says so once)."""
@@ -56,10 +57,13 @@ class StoreOutage:
         length, self.since = self.clock() - self.since, None
         return length
 
-    @property
-    def final(self) -> bool:
-        """The store has been unreachable for ``limit`` seconds: the job ends for this node."""
-        return self.since is not None and self.clock() - self.since >= self.limit
+    def conclude(self) -> bool:
+        """Whether the outage has become final now (``limit`` seconds without the store): true once only,
+        so the ranks asked to save are not stopped by a second decision while they do."""
+        if self.concluded or self.since is None or self.clock() - self.since < self.limit:
+            return False
+        self.concluded = True
+        return True
 
 
 def final_directive(
