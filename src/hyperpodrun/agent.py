@@ -234,7 +234,7 @@ class Agent:
                     self._guard_store(rdzv.request_leave, group)
                 else:
                     self._on_signal(group, self._signal)
-            if rdzv.lease_lost and self._outage.since is None:  # during an outage the next poll tells first
+            if rdzv.lease_lost:
                 self._rejoin(group)
             now = time.monotonic()
             if now >= next_poll or state != WorkerState.HEALTHY:
