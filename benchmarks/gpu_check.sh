@@ -458,7 +458,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
-from elastic_events import abort  # noqa: E402
+from elastic_events.rounds import abort  # noqa: E402
 from elastic_events.rounds.snapshot import Piece, Replicator, capture, optimizer_state_count  # noqa: E402
 
 p = argparse.ArgumentParser()

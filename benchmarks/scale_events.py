@@ -74,7 +74,7 @@ from common import (
     require_train_script,
     torchrun_cmd,
 )
-from hyperpodrun.devices import DevicePlan
+from hyperpodrun.device_plan import DevicePlan
 from scale_analysis import (
     OURS,
     VARIANTS,

@@ -33,7 +33,7 @@ from common import (
     read_metrics,
     require_train_script,
 )
-from hyperpodrun.devices import DevicePlan
+from hyperpodrun.device_plan import DevicePlan
 
 __all__ = ["JobDied", "SoakJob", "SoakSettings"]
 

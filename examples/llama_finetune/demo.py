@@ -39,7 +39,7 @@ from train import Runtime, TrainConfig, prepare_dataset
 from elastic_events import contract
 from elastic_events.data.dataset import ByteTokenizer
 from elastic_events.data.sampler import epoch_permutation
-from hyperpodrun.devices import DevicePlan
+from hyperpodrun.device_plan import DevicePlan
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 STORE_HOST = "node-1"  # the first launcher hosts the embedded store: the job cannot outlive it

@@ -23,13 +23,13 @@ Layout (little-endian, fixed offsets)::
     192  ..   reserved
     slot of local rank r at 256 + 64*r (written by that rank only)
       0  i64  step              (elastic_event_detected() calls; continues across reconfigurations)
-      8  f64  unix time of the last call
+      8  f64  time.monotonic() of the last call (one clock for every process of the host)
      16  u64  id of the last event the rank acknowledged (returned True for, or was admitted by)
      24  u32  capabilities      (bit 0 CAP_RECONFIGURE: the script uses the in-process API)
      28  u32  phase             (RankPhase)
      32  u64  round the rank is in
      40  i64  step of this rank's hand-off (-1 none, -2 being written; see elastic_events.rounds.handoff)
-     48  f64  unix time of the last phase change
+     48  f64  time.monotonic() of the last phase change
      56  u32  spare slots only: the local rank this spare replaces, plus one (0: none yet)
      60  ..   reserved
     spare slots (pre-started replacements, ``elastic_events.rounds.spare``) follow the ranks' slots
@@ -342,7 +342,7 @@ class ControlReader:
         step = self.step + 1
         self.step = step
         mm, slot = self._mm, self._slot
-        mm[slot : slot + _STEP_SIZE] = _STEP.pack(step, time.time())  # one copy: see _store
+        mm[slot : slot + _STEP_SIZE] = _STEP.pack(step, time.monotonic())  # one copy: see _store
         target = _TARGET.unpack_from(mm, _TARGET_OFFSET)[0]
         if target < 0 or target > step:
             return False
@@ -361,7 +361,7 @@ class ControlReader:
     def set_step(self, step: int) -> None:
         """Continue counting from ``step`` (a joiner adopts its peers' count at admission)."""
         self.step = step
-        _store(self._mm, self._slot, _STEP, step, time.time())
+        _store(self._mm, self._slot, _STEP, step, time.monotonic())
 
     def declare(self, capabilities: int) -> None:
         """Add ``capabilities`` (e.g. :data:`CAP_RECONFIGURE`) to what the agent sees of this rank."""
@@ -372,7 +372,7 @@ class ControlReader:
         """Record a phase change (round first, phase last: a reader never sees READY with a stale round)."""
         if round is not None:
             _store(self._mm, self._slot + _ROUND_OFFSET, _ROUND, round)
-        _store(self._mm, self._slot + _PHASE_TIME_OFFSET, _PHASE_TIME, time.time())
+        _store(self._mm, self._slot + _PHASE_TIME_OFFSET, _PHASE_TIME, time.monotonic())
         _store(self._mm, self._slot + _PHASE_OFFSET, _PHASE, phase)
 
     def set_snapshot_step(self, step: int) -> None:

@@ -18,30 +18,36 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from types import FrameType
 
 from elastic_events.control import ControlWriter, EventKind, RankPhase
+from hyperpodrun.agent_dir import AgentDir
 from hyperpodrun.config import LaunchConfig, RestartMode
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
-from hyperpodrun.hang import HangPolicy, hung_ranks
+from hyperpodrun.hang import HangPolicy, hung_ranks, progress_clock
 from hyperpodrun.logs import LogDirectory, RankLogs
 from hyperpodrun.netif import choose_gloo_interface
+from hyperpodrun.outage import StoreOutage, final_directive
 from hyperpodrun.progress import LateRanks, StepRates, missed_target
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
+from hyperpodrun.signals import SignalLatch
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
-from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
+from hyperpodrun.supervisor import (
+    DEFAULT_PREFIX_TEMPLATE,
+    WorkerGroup,
+    WorkerState,
+    become_subreaper,
+    restore_subreaper,
+)
 from hyperpodrun.worker_env import base_env, parked_env, parked_round, worker_env
 
 log = logging.getLogger(__name__)
@@ -81,17 +87,16 @@ class Agent:
         self.restart_count = 0
         self._attempt = 0
         self._logs = logs
-        # Node-local, private to this agent: memory-backed where /dev/shm exists.
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self._control_dir = Path(tempfile.mkdtemp(prefix="hyperpodrun-", dir=shm))
-        self._control = ControlWriter(
-            self._control_dir / "control.bin", config.nproc_per_node, spares=spares_for(config)
-        )
+        # Node-local, private to this agent, memory-backed where /dev/shm exists; stale ones are swept first.
+        self._dir, swept = AgentDir.create(job=run_id if config.rdzv_id != "none" else None)
+        self._same_job = swept.same_job  # other live agents of this job on this host
+        self._control = ControlWriter(self._dir.path / "control.bin", config.nproc_per_node, spares=spares_for(config))
         self._group: WorkerGroup | None = None
         self._reaper: Reaper | None = None
         self._signal: int | None = None
         self._wake = threading.Event()
-        self._outage_since: float | None = None
+        self._signals = SignalLatch(self._handle)
+        self._outage = StoreOutage(limit=config.rdzv_settings.outage_timeout)
         self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
         self._hang: str | None = None  # why the running group was declared hung
         self._repair = InPlaceRepair(
@@ -110,21 +115,27 @@ class Agent:
 
     def run(self) -> None:
         """Run the job to completion; raises WorkerFailedError or SignalReceived otherwise."""
-        become_subreaper()
+        was_subreaper = become_subreaper()
         self._reaper = Reaper()
-        previous = self._install_signal_handlers()
+        self._signals.install(self.config.signals_to_handle)
         self.events.emit(EventType.AGENT_STARTED, pid=os.getpid(), log_dir=str(self._logs.run_dir))
+        if self._same_job:
+            _say(
+                f"warning: another launcher of job {self.run_id} runs on this host (pid "
+                f"{', '.join(map(str, self._same_job))}): the ranks of both get LOCAL_RANK 0 upward (the same devices)"
+            )
         try:
             self._loop()
         finally:
             for group in (self._group, self._parked):
                 if group is not None and group.state == WorkerState.HEALTHY:
                     group.stop(grace=self.config.shutdown_timeout)
-            self._restore_signal_handlers(previous)
+            self._signals.restore()
             if self._reaper is not None:
                 self._reaper.close()
             self._control.close()
-            shutil.rmtree(self._control_dir, ignore_errors=True)
+            self._dir.close()
+            restore_subreaper(was_subreaper)
             self.rdzv.shutdown(succeeded=self.state == AgentState.SUCCEEDED)
             self.events.emit(EventType.AGENT_STOPPED, state=self.state.value)
 
@@ -133,7 +144,8 @@ class Agent:
     def _loop(self) -> None:
         """Rounds of the job: rendezvous, run the ranks, follow the round's directive."""
         rdzv = self.rdzv
-        self._guard_store(rdzv.join)
+        with self._signals.interruptible(self._signal):
+            self._guard_store(rdzv.join)
         if rdzv.local_addr is not None:
             gloo = choose_gloo_interface(rdzv.local_addr, os.environ)
             self._rank_net_env = dict(gloo.env)
@@ -142,7 +154,8 @@ class Agent:
         while True:
             self.state = AgentState.RENDEZVOUS
             try:
-                rnd = self._guard_store(lambda: rdzv.next_round(timeout=self.rdzv_timeout, prewarm=self._prewarm))
+                with self._signals.interruptible(self._signal):  # Ctrl-C ends the wait for other nodes at once
+                    rnd = self._guard_store(lambda: rdzv.next_round(timeout=self.rdzv_timeout, prewarm=self._prewarm))
             except RendezvousClosedError as e:
                 self._finish_closed(str(e), succeeded=e.status != "failed", left=e.status == "left")
                 return
@@ -245,7 +258,7 @@ class Agent:
                     pending=pending is not None,
                     tick=rdzv.tick,
                 )
-                directive = self._poll_riding_out_outages(status, group)
+                directive = self._poll_riding_out_outages(status, group, pending=pending is not None)
                 if directive is not None and (
                     directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None
                 ):
@@ -321,21 +334,28 @@ class Agent:
             return  # still unreachable: try again at the next tick
         _say("this node's membership lease had expired while the store was unreachable; joined again as the same node")
 
-    def _poll_riding_out_outages(self, status: LocalStatus, group: WorkerGroup) -> Directive | None:
+    def _poll_riding_out_outages(self, status: LocalStatus, group: WorkerGroup, *, pending: bool) -> Directive | None:
         """``poll()``; while the store is unreachable the ranks keep training (they do not need it)
-        until this node's lease expires, which ends the agent (checked by the caller)."""
+        for up to ``outage_timeout``; then the job ends for this node (:mod:`hyperpodrun.outage`)."""
         try:
             directive = self.rdzv.poll(status)
         except EmbeddedStoreGoneError:
             return self._guard_store(lambda: self.rdzv.poll(status), group)  # the job's store is gone for good
         except StoreError as e:
-            if self._outage_since is None:
-                self._outage_since = time.monotonic()
-                _say(f"the rendezvous store is unreachable ({e}); the ranks keep training meanwhile")
+            if self._outage.failed():
+                _say(
+                    f"the rendezvous store is unreachable ({e}); the ranks keep training meanwhile, "
+                    f"for up to {self._outage.limit:g}s"
+                )
                 self.events.emit(EventType.STORE_UNREACHABLE, message=str(e))
-            return None
-        if self._outage_since is not None:
-            outage, self._outage_since = time.monotonic() - self._outage_since, None
+            if not self._outage.conclude():
+                return None
+            acked = [p.acked_event for p in self._control.progress()]
+            final = final_directive(status, pending=pending, acked_events=acked, limit=self._outage.limit, error=str(e))
+            _say(final.reason)
+            self.events.emit(EventType.STORE_LOST, message=final.reason)
+            return final
+        if (outage := self._outage.recovered()) is not None:
             _say(f"the rendezvous store is back after {outage:.1f}s")
             self.events.emit(EventType.STORE_RECOVERED, outage_s=round(outage, 3))
         return directive
@@ -369,7 +389,7 @@ class Agent:
         """A rank without progress for the hang limit: dump every local rank's stacks, then fail the group."""
         limit = self._hang_policy.limit(rates.slowest)
         progress = self._control.progress()
-        now = time.time()
+        now = progress_clock()
         hung = hung_ranks(progress, now=now, limit=limit)
         pids = group.pids
         if hung and self._repairs_in_place():  # the culprits only: the ranks waiting for them hold the state
@@ -553,6 +573,8 @@ class Agent:
             assignment=(rnd or parked_round(cfg.nproc_per_node)).assignment,
             logs=logs,
             reaper=self._reaper,
+            prefix_template=cfg.log_line_prefix_template or DEFAULT_PREFIX_TEMPLATE,
+            role=cfg.role,
         )
         group.start()
         if rnd is not None:
@@ -611,25 +633,9 @@ class Agent:
         group.stop(grace=self.config.shutdown_timeout, sig=signum)
         raise SignalReceived(signum)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def _handle(self, signum: int) -> None:
         self._signal = signum
         self._wake.set()
-
-    def _install_signal_handlers(self) -> dict[int, object]:
-        previous = {}
-        if threading.current_thread() is not threading.main_thread():
-            return previous
-        for sig in self.config.signals_to_handle:
-            try:
-                previous[sig] = signal.signal(sig, self._handle)
-            except (OSError, ValueError):
-                log.warning("cannot handle %s on this platform", sig.name)
-        return previous
-
-    @staticmethod
-    def _restore_signal_handlers(previous: dict[int, object]) -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
 def _value(enum_or_none) -> str | None:

@@ -10,6 +10,7 @@ exit code here, at the boundary, and nowhere else.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -18,6 +19,7 @@ import typer
 from typer.exceptions import TyperException
 
 from hyperpodrun import __version__
+from hyperpodrun.cli_abbrev import AbbreviatingCommand
 from hyperpodrun.config import (
     DEFAULT_SIGNALS,
     LaunchConfig,
@@ -59,8 +61,9 @@ def _opt(*names: str, env: str | None = None, help: str, group: str, **kw):
     return typer.Option(*spellings, envvar=env, show_envvar=env is not None, help=help, rich_help_panel=group, **kw)
 
 
-@app.command()
+@app.command(cls=AbbreviatingCommand)
 def run(
+    ctx: typer.Context,
     training_script: Annotated[
         str,
         typer.Argument(
@@ -308,7 +311,7 @@ def run(
         _opt(
             "--scaling-timeout",
             group=_POLICY,
-            help="Seconds new capacity must stay available before a scale-up (and the wait for more nodes at start) [default: 60].",
+            help="Seconds new capacity must stay available before a scale-up; also the longest wait for more nodes at start (--rdzv-conf last_call_timeout, 30 s) [default: 60].",
         ),
     ] = None,
     faulty_scale_down_timeout: Annotated[
@@ -402,6 +405,7 @@ def run(
     ] = False,
 ) -> None:
     from hyperpodrun.launch import launch
+    from hyperpodrun.preflight import check_machine, preflight_warnings
 
     policy = None
     policy_flags = (
@@ -439,6 +443,11 @@ def run(
     if standalone:
         if max_nodes > 1:
             raise ConfigError("--standalone runs one node; it cannot be combined with --nnodes > 1")
+        if rdzv_endpoint.strip() and _given(ctx, "rdzv_endpoint"):
+            raise ConfigError(
+                f"--standalone hosts its own store on a free local port; --rdzv-endpoint {rdzv_endpoint} "
+                "would be ignored (drop one of them)"
+            )
         rdzv_backend, rdzv_endpoint = "embedded", "127.0.0.1:0"
     nproc = parse_nproc_per_node(nproc_per_node)
     config = LaunchConfig(
@@ -478,8 +487,18 @@ def run(
         hang_timeout=hang_timeout,
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,
+        log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
     )
+    check_machine(config)
+    for line in (*config.warnings, *preflight_warnings(config)):
+        print(f"hyperpodrun: warning: {line}", file=sys.stderr, flush=True)
     launch(config)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether an option was given on the command line (not by its environment variable or default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 def _build_policy(path: Path | None, *, nnodes: tuple[int, int] | None, replica_discrete_values: str | None, **flags):

@@ -9,6 +9,8 @@ Everything is resolved here, once: the rendezvous mode (static or elastic), the 
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 import shutil
 import signal
@@ -56,34 +58,31 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return lo, hi
 
 
-def parse_nproc_per_node(value: str, *, cuda_device_count: int | None = None) -> int:
-    """``N``, ``auto`` (GPUs if any, else CPUs), ``gpu`` or ``cpu``, as torchrun accepts."""
+def parse_nproc_per_node(value: str) -> int:
+    """``N``, or a word torchrun accepts (``auto``, ``cpu``, ``gpu``, ``xpu``): see :mod:`hyperpodrun.devices`."""
     value = value.strip()
-    if value in ("auto", "gpu", "cpu"):
-        if cuda_device_count is None:
-            import torch
-
-            cuda_device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if value == "gpu":
-            if cuda_device_count == 0:
-                raise ConfigError("--nproc-per-node gpu: no CUDA device is available")
-            return cuda_device_count
-        if value == "auto" and cuda_device_count > 0:
-            return cuda_device_count
-        return os.cpu_count() or 1
     try:
         n = int(value)
     except ValueError:
-        raise ConfigError(f"--nproc-per-node: expected a positive integer, auto, gpu or cpu, got {value!r}") from None
+        from hyperpodrun.devices import ranks_for
+
+        return ranks_for(value)
     if n < 1:
         raise ConfigError(f"--nproc-per-node: must be >= 1, got {n}")
     return n
 
 
 def parse_rdzv_conf(value: str) -> dict[str, str]:
-    """``"k1=v1,k2=v2"`` -> dict; empty string -> {}."""
+    """``"k1=v1,k2=v2"`` -> dict; empty string -> {}.
+
+    Quotes around the whole value are dropped: ``--rdzv-conf='a=1,b=2'`` reaches the launcher
+    with them when a shell, a YAML file or a job template passes the text unchanged.
+    """
     conf: dict[str, str] = {}
-    if not value.strip():
+    value = value.strip()
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1].strip()
+    if not value:
         return conf
     for item in value.split(","):
         key, sep, val = item.partition("=")
@@ -165,23 +164,33 @@ class RendezvousSettings:
     """The rendezvous' ``--rdzv-conf`` keys (all seconds), validated on construction."""
 
     lease_ttl: float = 10.0  # a node that stops heartbeating for this long has left the job
-    join_timeout: float = 900.0  # how long a node waits to be admitted to a round
+    join_timeout: float = 600.0  # how long a node waits to be admitted to a round (torchrun's c10d default)
+    last_call_timeout: float = 30.0  # at start, the wait for more nodes once the minimum is there (torchrun's)
     ack_timeout: float = 30.0  # how long the decider waits for members to acknowledge an event
     propagation: float = 1.0  # budget for a target step to reach every rank
     tick: float = 0.2  # how often agents re-read the store at most
     store_timeout: float = 10.0  # how long a store operation may keep failing before the store is lost
+    outage_timeout: float = 60.0  # how long running ranks ride out an unreachable store before the job ends
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ConfigError(f"--rdzv-conf {f.name}: must be a number of seconds > 0, got {value!r}")
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or not value > 0
+            ):
+                raise ConfigError(f"--rdzv-conf {f.name}: must be a finite number of seconds > 0, got {value!r}")
 
 
-#: torchrun's ``--rdzv-conf`` keys: the ones with a meaning here, and those accepted and ignored.
-TORCHRUN_CONF_ALIASES: Mapping[str, str] = {"timeout": "join_timeout", "read_timeout": "store_timeout"}
+#: torchrun's ``--rdzv-conf`` keys that carry a meaning here under another name.
+TORCHRUN_CONF_ALIASES: Mapping[str, str] = {"read_timeout": "store_timeout"}
+#: torchrun's ``timeout``: the etcd rendezvous' overall timeout (our ``join_timeout``); its c10d
+#: rendezvous ignores it (the launcher always sets it), and so does ours.
+ETCD_TIMEOUT_ALIAS = ("timeout", "join_timeout")
 TORCHRUN_CONF_IGNORED: tuple[str, ...] = (
-    "last_call_timeout",
+    "timeout",
     "close_timeout",
     "keep_alive_interval",
     "keep_alive_max_attempt",
@@ -190,15 +199,28 @@ TORCHRUN_CONF_IGNORED: tuple[str, ...] = (
 )
 
 
+def _aliases(spec: BackendSpec) -> Mapping[str, str]:
+    return {**TORCHRUN_CONF_ALIASES, **(dict([ETCD_TIMEOUT_ALIAS]) if spec.kind == "etcd" else {})}
+
+
+def _known_conf_keys(spec: BackendSpec) -> list[str]:
+    return sorted({f.name for f in fields(RendezvousSettings)} | set(_aliases(spec)) | set(spec.conf_keys))
+
+
 def split_rdzv_conf(conf: Mapping[str, str], spec: BackendSpec) -> tuple[RendezvousSettings, dict[str, str]]:
-    """``--rdzv-conf`` as (rendezvous settings, the store's keys); an unknown key is an error listing the known ones."""
+    """``--rdzv-conf`` as (rendezvous settings, the store's keys).
+
+    Keys nobody uses are ignored, as torchrun ignores them (:func:`unused_rdzv_conf` names them for
+    a warning), except a near miss of a known key: a typo is an error that names the known keys.
+    """
     setting_names = {f.name for f in fields(RendezvousSettings)}
+    aliases = _aliases(spec)
     settings: dict[str, float] = {}
     store: dict[str, str] = {}
     for key, raw in conf.items():
-        name = TORCHRUN_CONF_ALIASES.get(key, key)
+        name = aliases.get(key, key)
         if name in setting_names:
-            if key in TORCHRUN_CONF_ALIASES and name in conf:
+            if key in aliases and name in conf:
                 continue  # our own spelling wins over torchrun's
             try:
                 settings[name] = float(raw)
@@ -207,11 +229,18 @@ def split_rdzv_conf(conf: Mapping[str, str], spec: BackendSpec) -> tuple[Rendezv
         elif key in spec.conf_keys:
             store[key] = raw
         elif key not in TORCHRUN_CONF_IGNORED:
-            known = sorted(setting_names | set(TORCHRUN_CONF_ALIASES) | set(spec.conf_keys))
-            raise ConfigError(
-                f"--rdzv-conf: unknown key {key!r} for --rdzv-backend {spec.name}; known keys: {', '.join(known)}"
-            )
+            known = _known_conf_keys(spec)
+            if difflib.get_close_matches(key, known, n=1, cutoff=0.8):
+                raise ConfigError(
+                    f"--rdzv-conf: unknown key {key!r} for --rdzv-backend {spec.name}; known keys: {', '.join(known)}"
+                )
     return RendezvousSettings(**settings), store
+
+
+def unused_rdzv_conf(conf: Mapping[str, str], spec: BackendSpec) -> list[str]:
+    """The ``--rdzv-conf`` keys that nothing here uses (torchrun's keys without a meaning here excepted)."""
+    known = set(_known_conf_keys(spec)) | set(TORCHRUN_CONF_IGNORED)
+    return [key for key in conf if key not in known]
 
 
 @dataclass(kw_only=True)
@@ -256,6 +285,9 @@ class LaunchConfig:
     )
     metrics_port: int = 0  # Prometheus endpoint of this agent; 0: off
     metrics_addr: str = "127.0.0.1"
+    log_line_prefix_template: str | None = (
+        None  # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: ${role_name} ${rank} ${local_rank}
+    )
     python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", "") or _default_python())
 
     def __post_init__(self) -> None:
@@ -277,6 +309,11 @@ class LaunchConfig:
             )
         self.backend = BACKEND_SPECS[self.rdzv_backend]
         self.rdzv_settings, self.store_conf = split_rdzv_conf(self.rdzv_conf, self.backend)
+        #: Suspicious but legal input, one line each; the CLI prints them before the job starts.
+        self.warnings: list[str] = [
+            f"--rdzv-conf {key}: not a setting of --rdzv-backend {self.backend.name}; ignored"
+            for key in unused_rdzv_conf(self.rdzv_conf, self.backend)
+        ]
         if self.mode is RendezvousMode.ELASTIC and self.policy is None:
             raise ConfigError(f"--rdzv-backend {self.rdzv_backend}: an elastic job needs its policy (--nnodes)")
         if self.mode is RendezvousMode.STATIC and self.policy is not None:
@@ -286,8 +323,8 @@ class LaunchConfig:
             )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
-        if self.monitor_interval <= 0:
-            raise ConfigError(f"--monitor-interval: must be > 0, got {self.monitor_interval}")
+        if not (math.isfinite(self.monitor_interval) and self.monitor_interval > 0):
+            raise ConfigError(f"--monitor-interval: must be > 0 seconds, got {self.monitor_interval}")
         if self.start_method not in START_METHODS:
             raise ConfigError(f"--start-method: expected one of {', '.join(START_METHODS)}, got {self.start_method!r}")
         if self.max_world_size is not None and self.max_world_size < self.nproc_per_node * self.min_nodes:
@@ -295,7 +332,7 @@ class LaunchConfig:
                 f"--max-world-size: {self.max_world_size} ranks cannot hold even the minimum "
                 f"{self.min_nodes} node(s) x {self.nproc_per_node} rank(s)"
             )
-        if self.hang_timeout is not None and not self.hang_timeout >= 0:
+        if self.hang_timeout is not None and not (math.isfinite(self.hang_timeout) and self.hang_timeout >= 0):
             raise ConfigError(f"--hang-timeout: must be >= 0 seconds (0: off), got {self.hang_timeout}")
         if self.spare_ranks not in (0, 1):
             raise ConfigError(
@@ -307,8 +344,8 @@ class LaunchConfig:
             )
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port: must be in 0..65535 (0: off), got {self.metrics_port}")
-        if self.shutdown_timeout < 0:
-            raise ConfigError(f"--shutdown-timeout: must be >= 0, got {self.shutdown_timeout}")
+        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
+            raise ConfigError(f"--shutdown-timeout: must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.module and self.no_python:
             raise ConfigError("-m/--module and --no-python cannot be used together")
         if self.master_port is not None and not 0 <= self.master_port < 65536:
@@ -322,6 +359,11 @@ class LaunchConfig:
             )
         if self.is_static and self.max_nodes > 1 and self.node_rank >= self.max_nodes:
             raise ConfigError(f"--node-rank: {self.node_rank} is out of range for --nnodes {self.max_nodes}")
+        if bad := sorted(r for r in self.local_ranks_filter if not 0 <= r < self.nproc_per_node):
+            raise ConfigError(
+                f"--local-ranks-filter: local rank(s) {', '.join(map(str, bad))} out of range for "
+                f"--nproc-per-node {self.nproc_per_node} (0..{self.nproc_per_node - 1})"
+            )
         # Parse eagerly so that a malformed value fails before anything starts.
         self.redirect_map = parse_std(self.redirects, flag="--redirects", nproc=self.nproc_per_node)
         self.tee_map = parse_std(self.tee, flag="--tee", nproc=self.nproc_per_node)

@@ -1,63 +1,66 @@
-"""GPUs for several simulated nodes on one host: each node its own devices, or all of them on the CPU.
+"""What this node can run ranks on: the CPUs this process may use and torch's accelerators.
 
-A real node runs one launcher that owns every GPU of the node. The demo, the benchmarks and the tests
-start several launchers on one host to stand for several nodes; each would otherwise see the same
-GPUs and start its local rank 0 on ``cuda:0``, which NCCL refuses at the first collective of two
-ranks. :class:`DevicePlan` gives node slot ``i`` of ``nproc`` ranks the GPUs ``i*nproc ..
-(i+1)*nproc - 1`` (``CUDA_VISIBLE_DEVICES``) when the host has enough for every slot; otherwise it
-hides the GPUs from every node (one backend for the whole job: gloo on the CPU) and says so in one line.
+``--nproc-per-node`` words resolve here, as torchrun resolves them: ``cpu`` counts the CPUs
+the process may run on (its affinity mask: ``taskset`` and cgroup cpusets shrink it), not the
+machine's; ``auto`` is one rank per accelerator of torch's current accelerator (CUDA, XPU,
+MPS, a PrivateUse1 backend) when one is available, else one per usable CPU; ``gpu`` and
+``xpu`` name a device type that must be available. torch is imported only for the words.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 
-__all__ = ["DevicePlan"]
+from hyperpodrun.errors import ConfigError
+
+__all__ = ["DEVICE_WORDS", "accelerator_count", "ranks_for", "usable_cpus"]
+
+#: The ``--nproc-per-node`` words besides a number (a PrivateUse1 backend's name is accepted too).
+DEVICE_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
-def _visible_gpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), as torch's ``cpu_count`` counts them."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def accelerator_count() -> tuple[int, str]:
+    """(devices, type) of torch's current accelerator; (0, "cpu") when none is available."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        current = accelerator.current_accelerator()
+        return accelerator.device_count(), current.type if current is not None else "accelerator"
+    if torch.cuda.is_available():  # torch releases before the accelerator API
+        return torch.cuda.device_count(), "cuda"
+    return 0, "cpu"
 
 
-@dataclass(frozen=True, kw_only=True)
-class DevicePlan:
-    """Which GPUs each of ``slots`` simulated nodes of ``nproc`` ranks gets on this host."""
+def ranks_for(word: str) -> int:
+    """Ranks per node for a ``--nproc-per-node`` word; ConfigError when it names no available device."""
+    if word == "cpu":
+        return usable_cpus()
+    if word == "auto":
+        count, _ = accelerator_count()
+        return count if count > 0 else usable_cpus()
+    import torch
 
-    slots: int
-    nproc: int
-    gpus: int  # GPUs visible to the tool
-
-    def __post_init__(self) -> None:
-        if self.slots < 1 or self.nproc < 1 or self.gpus < 0:
-            raise ValueError(f"a device plan needs slots >= 1, nproc >= 1, gpus >= 0; got {self}")
-
-    @classmethod
-    def for_host(cls, *, slots: int, nproc: int, gpus: int | None = None) -> DevicePlan:
-        return cls(slots=slots, nproc=nproc, gpus=_visible_gpus() if gpus is None else gpus)
-
-    @property
-    def on_gpus(self) -> bool:
-        """Every slot has GPUs of its own."""
-        return self.gpus >= self.slots * self.nproc
-
-    def env(self, slot: int) -> dict[str, str]:
-        """The environment additions of the launcher in ``slot`` (none on a host without GPUs)."""
-        if not 0 <= slot < self.slots:
-            raise ValueError(f"slot {slot} is outside 0..{self.slots - 1}")
-        if self.gpus == 0:
-            return {}
-        if not self.on_gpus:
-            return {"CUDA_VISIBLE_DEVICES": ""}
-        first = slot * self.nproc
-        return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(first, first + self.nproc))}
-
-    def note(self) -> str | None:
-        """One line when the GPUs are not used (None when they are, or when there are none)."""
-        if self.gpus == 0 or self.on_gpus:
-            return None
-        return (
-            f"{self.gpus} GPU(s) on this host for {self.slots} simulated node(s) x {self.nproc} rank(s): "
-            "one GPU per rank does not fit, every node trains on the CPU (gloo)"
-        )
+    if word == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError("--nproc-per-node gpu: no CUDA device is available")
+        return torch.cuda.device_count()
+    if word == "xpu":
+        xpu = getattr(torch, "xpu", None)
+        if xpu is None or not xpu.is_available():
+            raise ConfigError("--nproc-per-node xpu: no XPU device is available")
+        return xpu.device_count()
+    backend = torch._C._get_privateuse1_backend_name()
+    module = getattr(torch, backend, None) if word == backend and backend != "privateuseone" else None
+    if module is None:
+        raise ConfigError(f"--nproc-per-node: expected a positive integer, {', '.join(DEVICE_WORDS)}, got {word!r}")
+    if not module.is_available():
+        raise ConfigError(f"--nproc-per-node {word}: no {word} device is available")
+    return module.device_count()

@@ -1,6 +1,6 @@
 """Hang detection: a rank that made no progress on the control channel for too long.
 
-Every call of ``elastic_event_detected()`` stamps the rank's slot with the time; a rank
+Every call of ``elastic_event_detected()`` stamps the rank's slot with the host's monotonic clock; a rank
 whose stamp is older than the hang limit, while no scale event is pending, is hung (a
 deadlocked collective, stuck I/O, a SIGSTOPped process). The limit is ``--hang-timeout``,
 or, by default, ten times the slowest step seen, never below a minute. The decision is a
@@ -14,12 +14,20 @@ so that the waiting ranks keep the state the replacement is hydrated from.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elastic_events.control import RankPhase, RankProgress
 
-__all__ = ["HangPolicy", "culprits", "hung_ranks"]
+__all__ = ["HangPolicy", "culprits", "hung_ranks", "progress_clock"]
+
+
+def progress_clock() -> float:
+    """The clock the ranks stamp their progress with (the host's monotonic clock, shared by its
+    processes): hang limits are measured on it, so a step of the wall clock never makes a rank hung."""
+    return time.monotonic()
+
 
 #: Process states (psutil's names) of a rank that cannot be merely waiting for a peer.
 STUCK_STATES = frozenset({"stopped", "tracing-stop", "disk-sleep"})

@@ -420,20 +420,24 @@ def decide(
     *,
     nproc_per_node: int = 1,
     max_world_size: int | None = None,
+    last_call: float | None = None,
 ) -> Decision:
     """Decide what the job should do at time ``now``; pure and deterministic.
 
     ``max_world_size`` (ranks) excludes sizes whose world ``replicas x nproc_per_node``
-    exceeds it. Raises :class:`ClusterViewError` when the view breaks its contract.
+    exceeds it. ``last_call``: at start, how long to wait for more nodes once the minimum is
+    alive (torchrun's ``last_call_timeout``), never longer than ``scaling_timeout``; None:
+    ``scaling_timeout``. Raises :class:`ClusterViewError` when the view breaks its contract.
     """
     _check_time("now", now)
     limit = _replica_limit(policy, view.cap, nproc_per_node, max_world_size)
     if not view.members:
-        return _decide_start(policy, view, now, limit)
+        wait = policy.scaling_timeout if last_call is None else min(last_call, policy.scaling_timeout)
+        return _decide_start(policy, view, now, limit, wait)
     return _decide_running(policy, view, now, limit)
 
 
-def _decide_start(policy: ElasticPolicy, view: ClusterView, now: float, limit: _Limit) -> Decision:
+def _decide_start(policy: ElasticPolicy, view: ClusterView, now: float, limit: _Limit, wait: float) -> Decision:
     ready = sorted((s for s in view.alive.values() if not s.leaving), key=_join_order)
     full = policy.largest_allowed_at_most(limit.replicas)
     target = policy.largest_allowed_at_most(min(len(ready), limit.replicas))
@@ -447,12 +451,12 @@ def _decide_start(policy: ElasticPolicy, view: ClusterView, now: float, limit: _
             f"ClusterView.first_min_reached_at is None although {len(ready)} usable node(s) are alive "
             f"(smallest allowed replica count {policy.allowed_sizes()[0]}); record when it was first reached"
         )
-    deadline = view.first_min_reached_at + policy.scaling_timeout
+    deadline = view.first_min_reached_at + wait
     if now >= deadline:
         return Decision(
             Action.START,
             members,
-            f"scaling_timeout {policy.scaling_timeout:g}s passed since the minimum was reached; "
+            f"{wait:g}s (last call) passed since the minimum was reached; "
             f"starting with {target} of up to {full} replica(s)",
         )
     return Decision(

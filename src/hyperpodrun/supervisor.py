@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from string import Template
 
 import psutil
 
@@ -31,8 +32,12 @@ from hyperpodrun.reaper import Reaper
 
 log = logging.getLogger(__name__)
 
+#: The console prefix of a rank's lines unless ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` sets one.
+DEFAULT_PREFIX_TEMPLATE = "[rank${rank}]:"
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 def _load_prctl():
@@ -47,10 +52,23 @@ def _load_prctl():
 _prctl = _load_prctl()
 
 
-def become_subreaper() -> None:
-    """Orphaned descendants of our workers are re-parented to us (Linux), so none escape."""
-    if _prctl is not None:
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+def become_subreaper() -> bool:
+    """Orphaned descendants of our workers are re-parented to us (Linux), so none escape.
+
+    Returns whether the process was a subreaper already, for :func:`restore_subreaper` (a
+    program that runs the agent in its own process gets its setting back).
+    """
+    if _prctl is None:
+        return False
+    was = ctypes.c_int(0)
+    _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    return bool(was.value)
+
+
+def restore_subreaper(was: bool) -> None:
+    if _prctl is not None and not was:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec: no Python-level locks
@@ -135,8 +153,12 @@ class WorkerGroup:
         assignment: GroupAssignment,
         logs: dict[int, RankLogs],
         reaper: Reaper | None = None,
+        prefix_template: str = DEFAULT_PREFIX_TEMPLATE,
+        role: str = "default",
     ) -> None:
         self._reaper = reaper
+        self._prefix_template = prefix_template
+        self._role = role
         self._command = command
         self._base_env = base_env
         self._rank_env = rank_env
@@ -205,7 +227,7 @@ class WorkerGroup:
         self._retire(old)
         spare.local_rank, spare.global_rank = local_rank, old.global_rank
         for pump in spare.pumps:
-            pump.relabel(f"[rank{old.global_rank}]:")
+            pump.relabel(self._prefix(local_rank, old.global_rank))
         self._ranks[local_rank], self._spare = spare, None
         self._refresh_after_replace()
         return spare.proc.pid
@@ -234,7 +256,7 @@ class WorkerGroup:
         if self._reaper is not None:
             self._reaper.add(proc.pid)  # the rank's process group: pgid == pid (own session)
         rank = _Rank(local_rank, global_rank, proc, logs)
-        prefix = f"[rank{global_rank}]:" if global_rank >= 0 else "[spare]:"
+        prefix = self._prefix(local_rank, global_rank) if global_rank >= 0 else "[spare]:"
         if proc.stdout is not None:
             rank.pumps.append(StreamPump(proc.stdout, prefix=prefix, file=logs.stdout_file, console=sys.stdout))
         if proc.stderr is not None:
@@ -242,6 +264,12 @@ class WorkerGroup:
         for pump in rank.pumps:
             pump.start()
         return rank
+
+    def _prefix(self, local_rank: int, global_rank: int) -> str:
+        """A rank's console prefix: torchrun's template macros ``${role_name}``, ``${rank}``, ``${local_rank}``."""
+        return Template(self._prefix_template).safe_substitute(
+            role_name=self._role, rank=global_rank, local_rank=local_rank
+        )
 
     def replace(self, local_rank: int, *, rank_env: dict[str, str], logs: RankLogs) -> int:
         """Start a new process in place of a local rank that exited (its siblings keep running); its pid.
@@ -348,7 +376,7 @@ class WorkerGroup:
                 log.warning("rank %d (pid %d) did not exit after SIGKILL", r.global_rank, r.proc.pid)
             if r.exit_time is None:
                 r.exit_time = time.time()
-        _reap_orphans()
+        self._reap_orphans()
         if self._reaper is not None:
             for r in self._ranks:
                 self._reaper.remove(r.proc.pid)
@@ -379,6 +407,24 @@ class WorkerGroup:
             pass
         return list(procs.values())
 
+    def _reap_orphans(self) -> None:
+        """Collect the exit statuses of our ranks' descendants that were re-parented to us (a subreaper),
+        so none lingers as a zombie; never another child of the process (an embedding program's own)."""
+        rank_pgids = {r.proc.pid for r in self._ranks}
+        try:
+            children = psutil.Process().children()
+        except psutil.NoSuchProcess:
+            return
+        for child in children:
+            if child.pid in rank_pgids:
+                continue  # a rank: its Popen collects it
+            try:
+                if os.getpgid(child.pid) not in rank_pgids:
+                    continue
+                os.waitpid(child.pid, os.WNOHANG)
+            except (ProcessLookupError, ChildProcessError):
+                continue
+
     def _join_pumps(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for r in self._ranks:
@@ -398,14 +444,3 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _reap_orphans() -> None:
-    """Collect exit statuses of re-parented descendants so none linger as zombies."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return

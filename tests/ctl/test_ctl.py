@@ -47,6 +47,7 @@ from hyperpodrun.rendezvous.records import (
     encode,
 )
 from hyperpodrun.store import EmbeddedStoreServer, Store, create_store
+from hyperpodrun.store.auth import new_secret
 from support.etcd import EtcdServer, free_port
 from support.launch import clean_env
 
@@ -88,7 +89,9 @@ def job(request: pytest.FixtureRequest) -> Iterator[Job]:
         if request.param == "etcd":
             endpoint = request.getfixturevalue("etcd_server").endpoint
         else:
-            endpoint = stack.enter_context(EmbeddedStoreServer("127.0.0.1", 0)).endpoint
+            # as an agent hosts it: a secret of its own, published for this user's agents and hyperpodctl
+            server = EmbeddedStoreServer("127.0.0.1", 0, secret=new_secret(), publish_secret=True)
+            endpoint = stack.enter_context(server).endpoint
         host = False if request.param == "embedded" else None
         store = create_store(request.param, endpoint, run_id=run_id, conf={}, host=host, timeout=10.0)
         stack.callback(store.close)

@@ -29,6 +29,7 @@ from hyperpodrun.rendezvous.decider import DeciderContext
 from hyperpodrun.rendezvous.elastic import ElasticRendezvous
 from hyperpodrun.store import create_store
 from support.etcd import free_port
+from support.impostor import Impostor
 from support.launch import SCRIPTS
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "llama_finetune"
@@ -113,6 +114,13 @@ def empty_store(ctx: Ctx) -> None:
     stack: contextlib.ExitStack = ctx.fixture("exit_stack")
     store = stack.enter_context(create_store("c10d", "127.0.0.1:0", run_id="nobody", conf={}, host=True, timeout=10.0))
     ctx.values["store"] = store.inner.endpoint
+
+
+def port_held_by_another_program(ctx: Ctx) -> None:
+    """Another (local) user's program on the job's loopback store port, answering as a store without a secret."""
+    impostor = Impostor(auth=False)
+    ctx.fixture("exit_stack").callback(impostor.close)
+    ctx.values["store"] = impostor.endpoint
 
 
 # ---- checkpoint folders for train.py
@@ -217,6 +225,24 @@ CATALOGUE: dict[str, Case] = {
         H, ("--nproc-per-node", "2", "--max-world-size", "1", "{script}"), "--max-world-size: 1 ranks"
     ),
     "no-script": Case(H, (), "Missing argument"),
+    "option-prefix-ambiguous": Case(H, ("--r", "3", "{script}"), "ambiguous option: --r could match"),
+    "monitor-interval-nan": Case(H, ("--monitor-interval", "nan", "{script}"), "--monitor-interval: must be > 0"),
+    "shutdown-timeout-inf": Case(H, ("--shutdown-timeout", "inf", "{script}"), "--shutdown-timeout: must be >= 0"),
+    "rdzv-conf-infinite": Case(
+        H, (*ELASTIC, "--rdzv-conf", "lease_ttl=inf", "{script}"), "lease_ttl: must be a finite number of seconds"
+    ),
+    "nproc-xpu-absent": Case(H, ("--nproc-per-node", "xpu", "{script}"), "--nproc-per-node xpu: no XPU device"),
+    "local-addr-not-this-machine": Case(
+        H, (*ELASTIC, "--local-addr", "203.0.113.5", "{script}"), "--local-addr 203.0.113.5: not an address of this"
+    ),
+    "log-dir-cannot-be-created": Case(H, ("--log-dir", "/proc/x", "{script}"), "--log-dir /proc/x: cannot create"),
+    "event-log-is-a-folder": Case(H, ("--event-log", "{tmp}", "{script}"), "is a folder; give the path of a file"),
+    "standalone-with-endpoint": Case(
+        H, ("--standalone", "--rdzv-endpoint", "127.0.0.1:29400", "{script}"), "--standalone hosts its own store"
+    ),
+    "local-ranks-filter-out-of-range": Case(
+        H, ("--local-ranks-filter", "7", "{script}"), "local rank(s) 7 out of range for --nproc-per-node 1"
+    ),
     # scripts
     "script-missing": Case(H, ("missing.py",), "training script 'missing.py' not found"),
     "script-is-a-directory": Case(H, ("{tmp}",), "is a directory"),
@@ -304,6 +330,12 @@ CATALOGUE: dict[str, Case] = {
         (*ELASTIC, "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", "secret_file={secret}", "{script}"),
         "is accessible to other users",
         world_readable_secret,
+    ),
+    "embedded-port-held-by-another-program": Case(
+        H,
+        (*ELASTIC, "--rdzv-endpoint", "{store}", "{script}"),
+        "does not prove it knows this job's secret",
+        port_held_by_another_program,
     ),
     "store-key-typo": Case(
         H,

@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 from hyperpodrun.events import EventLog
 from hyperpodrun.metrics import AgentMetrics, MetricsError, TrainerRecords, serve
 from hyperpodrun.store import EmbeddedStoreServer, StoreError, create_store
+from hyperpodrun.store.auth import new_secret
 from support.prom import parse, scrape, value
 
 
@@ -146,7 +147,7 @@ def test_progress_sets_steps_and_rate_per_local_rank() -> None:
 def test_instrumented_store_times_calls_and_counts_errors() -> None:
     ticks = iter([0.0, 0.002, 1.0, 1.5, 2.0, 2.0])
     metrics = AgentMetrics(clock=lambda: next(ticks))
-    with EmbeddedStoreServer("127.0.0.1", 0) as server:
+    with EmbeddedStoreServer("127.0.0.1", 0, secret=new_secret(), publish_secret=True) as server:
         client = create_store("embedded", server.endpoint, run_id="metrics", conf={}, host=False, timeout=2.0)
         store = metrics.instrument_store(client)
         store.put("k", b"v")

@@ -17,6 +17,7 @@ from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.progress import LateRanks, StepRates, missed_target
 from hyperpodrun.rendezvous.api import LocalStatus
 from hyperpodrun.rendezvous.decider import DeciderContext, DeciderMemory, JobSnapshot, plan
+from hyperpodrun.rendezvous.local_time import event_key, made_key
 from hyperpodrun.rendezvous.records import (
     AckRecord,
     EventKind,
@@ -61,6 +62,12 @@ def event(
     )
 
 
+def watching(*events: EventRecord) -> DeciderMemory:
+    """The memory of the decider that made ``events`` at their ``decided_at`` (on its own clock)."""
+    seen = {key(ev.id): ev.decided_at for ev in events for key in (event_key, made_key)}
+    return DeciderMemory(seen=seen)
+
+
 def decoded(write) -> dict:
     return json.loads(write.value)
 
@@ -83,9 +90,9 @@ def test_target_waits_for_unknown_step_rates_instead_of_guessing() -> None:
     snap = JobSnapshot(
         nodes={"a": node("a"), "b": node("b")}, round=running("a"), event=event(), acks={"a": ack(7, 0.0)}
     )
-    assert plan(snap, DeciderMemory(), NOW, ctx()).writes == ()  # deferred, bounded by ack_timeout
+    assert plan(snap, watching(snap.event), NOW, ctx()).writes == ()  # deferred, bounded by ack_timeout
     known = JobSnapshot(nodes=snap.nodes, round=snap.round, event=snap.event, acks={"a": ack(9, 0.1)})
-    (write,) = plan(known, DeciderMemory(), NOW, ctx()).writes
+    (write,) = plan(known, watching(snap.event), NOW, ctx()).writes
     # 1 s of propagation plus the 1 s since the decision, at 0.1 s per step: 20 steps of margin
     assert write.key == Keys.EVENT and decoded(write)["target"] == 9 + 2 + 20
 
@@ -103,7 +110,7 @@ def test_a_target_is_budgeted_from_the_newest_acks_when_the_decider_watched_them
         event=old,
         acks={"a": ack(100, 0.01, reconfigurable=True)},
     )
-    waiting = plan(first, DeciderMemory(), NOW - 5.0, ctx())  # b is not parked yet: wait, and note a's ack
+    waiting = plan(first, watching(old), NOW - 5.0, ctx())  # b is not parked yet: wait, and note a's ack
     assert waiting.writes == () and waiting.memory.acks_seen == {"a": (5, 0, NOW - 5.0)}
     fresh = JobSnapshot(
         nodes=parked, round=running("a"), event=old, acks={"a": ack(900, 0.002, reconfigurable=True, seq=9)}
@@ -114,8 +121,10 @@ def test_a_target_is_budgeted_from_the_newest_acks_when_the_decider_watched_them
     stale = JobSnapshot(nodes=parked, round=running("a"), event=old, acks={"a": ack(100, 0.01, reconfigurable=True)})
     (write,) = plan(stale, waiting.memory, NOW, ctx()).writes  # the same ack, seen 5 s ago: budget its age
     assert decoded(write)["target"] == 100 + 2 + 620
-    (write,) = plan(fresh, DeciderMemory(), NOW, ctx()).writes  # a decider that never watched: the event's age
+    (write,) = plan(fresh, watching(old), NOW, ctx()).writes  # made the event, never watched the ack: its age
     assert decoded(write)["target"] == 900 + 2 + 4500
+    (write,) = plan(fresh, DeciderMemory(), NOW, ctx()).writes  # took over: at most the re-ack interval (0.9 s)
+    assert decoded(write)["target"] == 900 + 2 + 950
 
 
 def test_an_event_whose_members_all_lapsed_stops_instead_of_targeting() -> None:
@@ -134,14 +143,14 @@ def test_a_rate_that_never_becomes_known_is_waited_for_a_bounded_time() -> None:
         event=event(next_members=("a",), decided_at=NOW - 2.9),
         acks={"a": ack(4, 0.0)},
     )
-    assert plan(held, DeciderMemory(), NOW, ctx()).writes == ()  # within 3 propagation budgets: wait
+    assert plan(held, watching(held.event), NOW, ctx()).writes == ()  # within 3 propagation budgets: wait
     snap = JobSnapshot(
         nodes={"a": node("a")},
         round=running("a"),
         event=event(next_members=("a",), decided_at=NOW - 3.1),
         acks={"a": ack(4, 0.0)},
     )
-    (write,) = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    (write,) = plan(snap, watching(snap.event), NOW, ctx()).writes
     assert decoded(write)["target"] == 4 + 2 + 2  # steps take at least 3 s: (1 + 3.1) / 3 -> a margin of two steps
 
 
@@ -528,8 +537,8 @@ def test_a_peer_failure_report_repairs_at_once_and_leaves_out_a_member_that_does
     ev = event(kind=EventKind.NODE_LOST, mode=EventMode.RECONFIGURE, next_members=("a", "b", "c"), decided_at=NOW - 0.5)
     acks = {"a": ack(0, 0.0), "c": ack(0, 0.0)}
     waiting = JobSnapshot(nodes=nodes, round=in_process("a", "b", "c"), event=ev, acks=acks)
-    assert plan(waiting, DeciderMemory(), NOW, ctx()).writes == ()  # b may still answer within the budget (1 s)
-    repair = plan(waiting, DeciderMemory(), NOW + 1.0, ctx())
+    assert plan(waiting, watching(ev), NOW, ctx()).writes == ()  # b may still answer within the budget (1 s)
+    repair = plan(waiting, watching(ev), NOW + 1.0, ctx())
     (targeted,) = repair.writes
     assert decoded(targeted)["next_members"] == ["a", "c"] and decoded(targeted)["target"] == 0
     # b's lease outlives its agent: found in the soak, the next join admitted it as a standby and stalled
@@ -572,7 +581,7 @@ def test_a_member_silent_while_every_other_reported_the_failure_is_left_out_afte
     snap = JobSnapshot(
         nodes=nodes, round=in_process("a", "b", "c"), event=ev, acks={"a": ack(0, 0.0), "c": ack(0, 0.0)}, failed=failed
     )
-    writes = plan(snap, DeciderMemory(), NOW, ctx()).writes
+    writes = plan(snap, watching(ev), NOW, ctx()).writes
     if not left_out:
         assert writes == ()
         return

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from hyperpodrun.store import EmbeddedStoreServer, Store, create_store
+from hyperpodrun.store.auth import new_secret
 from support.etcd import EtcdServer
 
 BACKEND_NAMES = ["etcd", "embedded"]
@@ -61,7 +62,10 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
             server: EtcdServer = request.getfixturevalue("etcd_server")
             yield Backend("etcd", server.endpoint, lease_ttl=2.0, stack=stack)
         else:
-            embedded = stack.enter_context(EmbeddedStoreServer("127.0.0.1", 0))
+            # as an agent hosts it: a secret of its own, published for this user's other agents
+            embedded = stack.enter_context(
+                EmbeddedStoreServer("127.0.0.1", 0, secret=new_secret(), publish_secret=True)
+            )
             yield Backend("embedded", embedded.endpoint, lease_ttl=1.0, stack=stack)
 
 

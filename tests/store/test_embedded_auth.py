@@ -41,7 +41,7 @@ def test_the_right_secret_gets_in(guarded: EmbeddedStoreServer) -> None:
     ("secret", "match"),
     [
         (None, "requires the job's shared secret: set --rdzv-conf secret_file=PATH or HYPERPODRUN_STORE_SECRET"),
-        (b"x" * 32, r"does not know this job's secret \(wrong secret\?\)"),
+        (b"x" * 32, r"refused this job's secret \(wrong secret\?\)"),
     ],
     ids=["none", "wrong"],
 )

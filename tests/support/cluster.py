@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from hyperpodrun.devices import DevicePlan
+from hyperpodrun.device_plan import DevicePlan
 from support.jsonl import read_jsonl
 from support.launch import clean_env, hyperpodrun_cmd
 

@@ -67,6 +67,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic_events import eventlog
+from elastic_events.checkpoint import partials
+from elastic_events.rounds import abort
 from elastic_events.checkpoint.comm import Comm, GroupComm, quiet_single_process
 from elastic_events.checkpoint.layout import (
     _METADATA,
@@ -91,6 +93,7 @@ from elastic_events.checkpoint.layout import (
     prepare_directory,
     prune,
     recover_interrupted,
+    remove_abandoned,
     verify_checkpoint,
 )
 from elastic_events.contract import Record
@@ -296,6 +299,9 @@ class Checkpointer:
         pending = _PendingSave(info=info, tmp=tmp)
         writer = FileSystemWriter(tmp, sync_files=self.config.sync_files, thread_count=self.config.io_threads)
         try:
+            if comm.rank == 0:
+                remove_abandoned(self.config.dir)  # a crashed save's space back before this one needs it
+                partials.claim(tmp)
             with quiet_single_process(comm):
                 if self.config.async_save:
                     result = dcp.async_save(state, storage_writer=writer, **comm.dcp_kwargs)
@@ -307,7 +313,10 @@ class Checkpointer:
                 else:
                     dcp.save(state, storage_writer=writer, **comm.dcp_kwargs)
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"writing step {step} to {tmp} failed: {_describe(exc)}{_space_hint(tmp)}") from exc
+            hint = _space_hint(tmp)
+            if comm.rank == 0:
+                partials.remove(tmp)  # a failed save gives its space back (a full disk that clears works again)
+            raise CheckpointError(f"writing step {step} to {tmp} failed: {_describe(exc)}{hint}") from exc
         if pending.future is None:
             if comm.rank == 0:
                 self._commit(pending)
@@ -331,8 +340,11 @@ class Checkpointer:
             message = f"async write of step {step} to {pending.tmp} took over {limit:.0f}s"
             raise CheckpointTimeoutError(message) from None
         except (Exception, CheckpointException) as exc:
+            hint = _space_hint(pending.tmp)
+            if comm.rank == 0:
+                partials.remove(pending.tmp)
             raise CheckpointError(
-                f"async write of step {step} to {pending.tmp} failed: {_describe(exc)}{_space_hint(pending.tmp)}"
+                f"async write of step {step} to {pending.tmp} failed: {_describe(exc)}{hint}"
             ) from exc
         if comm.rank == 0 and not pending.committed.wait(limit):
             raise CheckpointTimeoutError(f"committing step {step} ({pending.tmp}) took over {limit:.0f}s")
@@ -473,6 +485,7 @@ class Checkpointer:
             recover_interrupted(self.config.dir)
             sequence = 1 + max((info.sequence for info in list_checkpoints(self.config.dir)), default=0)
             info = replace(pending.info, sequence=sequence)
+            (pending.tmp / partials.WRITER_NAME).unlink(missing_ok=True)
             _write_marker(pending.tmp, info)
             final = info.path
             replaced = final.with_name(final.name + ".old-" + pending.tmp.name.rsplit("-", 1)[1])
@@ -488,6 +501,8 @@ class Checkpointer:
         except Exception as exc:
             pending.commit_error = CheckpointError(f"committing {pending.tmp} failed: {_describe(exc)}")
         finally:
+            if pending.commit_error is not None:
+                partials.remove(pending.tmp)  # never committed: its space back
             pending.committed.set()
 
     def _confirm(self, pending: _PendingSave, comm: Comm) -> None:

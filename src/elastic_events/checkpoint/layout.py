@@ -20,6 +20,8 @@ import torch
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from elastic_events.checkpoint.partials import writer_gone
+
 MARKER_NAME = "COMPLETE"
 _FORMAT_VERSION = 1
 _METADATA = ".metadata"
@@ -188,8 +190,21 @@ def list_checkpoints(root: Path | str) -> list[CheckpointInfo]:
     return found
 
 
+def remove_abandoned(root: Path) -> list[Path]:
+    """Remove partial saves nobody writes any more: ``.tmp-*`` folders of dead writers
+    (:mod:`.partials`), ``.old-*`` copies superseded by their ``step_N``."""
+    removed = []
+    for name in _scan(root)[1]:
+        match = _OLD_RE.match(name)
+        superseded = match is not None and (root / match.group(1)).exists()
+        if superseded or (match is None and writer_gone(root / name)):
+            shutil.rmtree(root / name, ignore_errors=True)
+            removed.append(root / name)
+    return removed
+
+
 def prune(root: Path, *, keep_last: int | None, saved: Path) -> list[Path]:
-    """Drop partial saves, and checkpoints beyond the ``keep_last`` most recently *saved*.
+    """Drop abandoned partial saves, and checkpoints beyond the ``keep_last`` most recently *saved*.
 
     Save order, not step number: after resuming from an older step (``load(step=K)``, or
     past a damaged newer checkpoint) the fresh saves are the ones to keep. Never removed:
@@ -198,9 +213,7 @@ def prune(root: Path, *, keep_last: int | None, saved: Path) -> list[Path]:
     Run :func:`recover_interrupted` first so that no ``.old-*`` copy here is still needed.
     Returns the checkpoints removed.
     """
-    complete, partial = _scan(root)
-    for name in partial:  # saves are serialised: none of these is in flight
-        shutil.rmtree(root / name, ignore_errors=True)
+    remove_abandoned(root)  # never another writer's save in progress
     infos = sorted(list_checkpoints(root), key=save_order, reverse=True)
     just_saved = next((info for info in infos if info.path == saved), None)
     if keep_last is None or just_saved is None:

@@ -86,7 +86,8 @@ class RoundSpec:
 
 
 def _listen_socket(addr: str, port: int) -> socket.socket:
-    """A socket listening on ``addr:port`` only (all interfaces if ``addr`` is not local)."""
+    """A socket listening on ``addr:port`` only, never on all interfaces: the round's store carries its
+    process group, whose object collectives are pickles (whoever reaches it can run code in the ranks)."""
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
@@ -94,10 +95,7 @@ def _listen_socket(addr: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        try:
-            sock.bind(sockaddr)
-        except OSError:
-            sock.bind(("::" if family == socket.AF_INET6 else "", port))
+        sock.bind(sockaddr)
         sock.listen(128)
     except OSError as exc:
         sock.close()

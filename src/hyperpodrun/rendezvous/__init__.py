@@ -80,6 +80,7 @@ def create_rendezvous(config: LaunchConfig, events: EventLog | None = None) -> R
         tick=settings.tick,
         max_world_size=config.max_world_size,
         restart_mode=config.restart_mode,
+        last_call_timeout=settings.last_call_timeout,
     )
     return ElasticRendezvous(
         store,

@@ -35,8 +35,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hyperpodrun.config import RestartMode
-from hyperpodrun.policy import Action, ClusterView, Decision, ElasticPolicy, NodeState, ScaleEvent, decide
+from hyperpodrun.policy import Action, ClusterView, Decision, ElasticPolicy, NodeState, decide
 from hyperpodrun.rendezvous.api import RestartReason
+from hyperpodrun.rendezvous.local_time import event_key, halt_key, made_key, observe, round_key, scale_events
 from hyperpodrun.rendezvous.records import (
     REPAIR_KINDS,
     AckRecord,
@@ -106,6 +107,7 @@ class DeciderContext:
     tick: float
     max_world_size: int | None = None
     restart_mode: RestartMode = RestartMode.AUTO
+    last_call_timeout: float | None = None  # the wait for more nodes at start (None: the policy's scaling_timeout)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +139,10 @@ class DeciderMemory:
     left_out: Mapping[str, NodeRecord] = field(default_factory=dict)
     # The acks of the pending event as first seen: node -> (event id, ack seq, time first seen).
     acks_seen: Mapping[str, tuple[int, int, float]] = field(default_factory=dict)
+    # When this decider first saw the records that start its timers (:mod:`.local_time`).
+    seen: Mapping[str, float] = field(default_factory=dict)
+    # Seconds from ``now`` to the wall clock, for the times written into records for people; no decision reads it.
+    wall_offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -171,8 +177,12 @@ class Plan:
 
 
 def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext) -> Plan:
-    """The writes that move the job on from ``snap`` at time ``now`` (none: nothing to do yet)."""
+    """The writes that move the job on from ``snap`` at time ``now`` (none: nothing to do yet).
+
+    ``now`` is the decider's own monotonic clock: no time written by another node is compared with it.
+    """
     ev, rnd = snap.event, snap.round
+    mem = dataclasses.replace(mem, seen=observe(mem.seen, round=rnd, event=ev, now=now))
     if ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete:
         return _drive_event(snap, ev, rnd, now, ctx, mem)
     if rnd is not None and rnd.state is RoundState.RUNNING:
@@ -237,7 +247,14 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
         if after is not None:
             return after
     mem, view = _view(snap, mem, now, ctx)
-    decision = decide(ctx.policy, view, now, nproc_per_node=ctx.nproc_per_node, max_world_size=ctx.max_world_size)
+    decision = decide(
+        ctx.policy,
+        view,
+        now,
+        nproc_per_node=ctx.nproc_per_node,
+        max_world_size=ctx.max_world_size,
+        last_call=ctx.last_call_timeout,
+    )
     running = rnd is not None and rnd.state is RoundState.RUNNING
     if decision.action is Action.NONE:
         return Plan(memory=mem, waiting_for=decision.reason)
@@ -336,6 +353,8 @@ def _view(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext
         capacity_since=capacity_since,
         first_min_reached_at=first_min,
         left_out=left_out,
+        seen=mem.seen,
+        wall_offset=mem.wall_offset,
     )
     if rnd is not None and rnd.state is RoundState.HALTED and rnd.halt_kind is EventKind.INSUFFICIENT:
         members = ()  # halted for lack of nodes: the start rules apply again
@@ -344,7 +363,7 @@ def _view(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext
         members=members,
         alive=alive,
         lost_since={m: t for m, t in lost_since.items() if m in members},
-        last_events=tuple(ScaleEvent(at, n) for at, n in rnd.events) if rnd is not None else (),
+        last_events=scale_events(rnd, mem.seen, now),
         cap=snap.cap,
         capacity_since=capacity_since,
         first_min_reached_at=first_min,
@@ -371,7 +390,7 @@ def _new_event(
         mode=mode,
         next_members=next_members,
         reason=reason,
-        decided_at=now,
+        decided_at=now + mem.wall_offset,
         failure=failure,
     )
     note = Note(
@@ -386,6 +405,7 @@ def _new_event(
             "next_members": list(next_members) if next_members is not None else None,
         },
     )
+    mem = dataclasses.replace(mem, seen={**mem.seen, event_key(ev.id): now, made_key(ev.id): now})
     return Plan(writes=(Write(Keys.EVENT, encode(ev), snap.event_rev),), notes=(note,), memory=mem)
 
 
@@ -406,7 +426,7 @@ def _drive_event(
     if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:  # a member left out of the repair is gone
         reporting = [m for m in ev.next_members or () if m in snap.nodes]
     waiting = [m for m in reporting if m not in snap.stopped]
-    deadline = ev.decided_at + ctx.policy.graceful_shutdown_timeout + ctx.ack_timeout
+    deadline = mem.seen.get(event_key(ev.id), now) + ctx.policy.graceful_shutdown_timeout + ctx.ack_timeout
     if waiting and now < deadline:
         return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for {len(waiting)} member(s) to stop")
     return _finish_event(snap, ev, rnd, now, mem)
@@ -416,7 +436,7 @@ def _target_event(
     snap: JobSnapshot, ev: EventRecord, live: list[str], now: float, ctx: DeciderContext, mem: DeciderMemory
 ) -> Plan:
     """Every live member acked: agree on the step (or stop ranks that do not cooperate)."""
-    elapsed = now - ev.decided_at
+    elapsed = now - mem.seen.get(event_key(ev.id), now)
     if not live:  # every member's lease lapsed (a store outage): nobody can act at a step
         return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=ev.reason + "; no member is alive"), mem)
     acks = {m: snap.acks[m] for m in live if m in snap.acks}
@@ -441,9 +461,7 @@ def _target_event(
             return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for the ranks' step rate")
         times.append(rate_wait)  # no second step seen within the bound: steps are at least that slow
     # Ranks kept stepping since they acked: budget for the oldest ack's age (at most the event's).
-    target = choose_target_step(
-        [a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, min(age, elapsed))
-    )
+    target = choose_target_step([a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, age))
     mode = ev.mode
     master_addr, master_port = "", 0
     if ev.next_members:
@@ -498,21 +516,24 @@ def _watch_acks(
     """Note when each ack was first seen; the age of the oldest one (members re-ack while an event waits).
 
     An ack this decider has watched since an earlier ack of the same event is at most a tick older
-    than when it was first seen; one it never watched (the first, or a decider that took over) may be
-    as old as the event itself."""
+    than when it was first seen; one it never watched may be as old as the event, when this decider
+    made the event (it knows the age on its own clock), and otherwise (it took over) as old as the
+    interval at which a live member re-acks a waiting event."""
     seen = {m: v for m, v in mem.acks_seen.items() if v[0] == ev.id}
+    made = mem.seen.get(made_key(ev.id))
+    unwatched = now - made if made is not None else ctx.propagation / 2 + 2 * ctx.tick
     ages = []
     for m, a in acks.items():
         prev = seen.get(m)
         if prev is None:
             seen[m] = (ev.id, a.seq, now)
-            ages.append(now - ev.decided_at)
+            ages.append(unwatched)
         elif prev[1] != a.seq:
             seen[m] = (ev.id, a.seq, now)
             ages.append(ctx.tick)
         else:
             ages.append(now - prev[2] + ctx.tick)
-    return dataclasses.replace(mem, acks_seen=seen), max(ages, default=now - ev.decided_at)
+    return dataclasses.replace(mem, acks_seen=seen), max(ages, default=unwatched)
 
 
 def _target_repair(
@@ -651,20 +672,31 @@ def _finish_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: flo
     halt_kind = ev.kind
     if nxt:  # a next member vanished since the decision: let the start rules choose from the live nodes
         halt_kind = EventKind.NODE_LOST
-    halted = evolve(rnd, state=RoundState.HALTED, halt_kind=halt_kind, failure=ev.failure, halted_at=now)
+    # Every member's agent answered a rank failure's stop: none was lost with it, so no lease ttl to wait.
+    answered = ev.kind is EventKind.RANK_FAILURE and all(m in snap.stopped for m in rnd.members)
+    halted = evolve(
+        rnd,
+        state=RoundState.HALTED,
+        halt_kind=halt_kind,
+        failure=ev.failure,
+        halted_at=now + mem.wall_offset,
+        failure_answered=answered,
+    )
     note = Note(round=rnd.round, what=f"round {rnd.round} halted ({halt_kind.value})", reason=ev.reason)
+    mem = dataclasses.replace(mem, seen={**mem.seen, halt_key(rnd.round): now})
     return Plan(writes=(complete, Write(Keys.ROUND, encode(halted), snap.round_rev)), notes=(note,), memory=mem)
 
 
 def _after_failure(
     snap: JobSnapshot, rnd: RoundRecord, now: float, ctx: DeciderContext, mem: DeciderMemory
 ) -> Plan | None:
-    """Halted after a rank failure. Wait one lease ttl: if a member vanished meanwhile, the failure
-    was collateral damage of a lost node (the policy handles it, no restart is counted: None);
-    otherwise restart the same members, counting a restart, or close the job when none are left."""
+    """Halted after a rank failure. Unless every member answered the failure's stop, wait one lease ttl:
+    if a member vanished meanwhile, the failure was collateral damage of a lost node (the policy handles
+    it, no restart is counted: None); otherwise restart the same members, counting a restart, or close
+    the job when none are left."""
     if any(m not in snap.nodes for m in rnd.members):
         return None
-    if now < (rnd.halted_at or now) + ctx.lease_ttl + ctx.tick:
+    if not rnd.failure_answered and now < mem.seen.get(halt_key(rnd.round), now) + ctx.lease_ttl + ctx.tick:
         return Plan(memory=mem, waiting_for="rank failure: waiting one lease ttl to tell it from a node loss")
     failure = rnd.failure or "rank failed"
     if rnd.restarts >= ctx.max_restarts:
@@ -694,7 +726,7 @@ def _publish_round(
     rnd = snap.round
     head = snap.nodes[members[0]]
     master_addr, master_port = master if master[1] else (head.addr, head.port)
-    events = ((rnd.events if rnd is not None else ()) + ((now, len(members)),))[-16:]
+    events = ((rnd.events if rnd is not None else ()) + ((now + mem.wall_offset, len(members)),))[-16:]
     new = RoundRecord(
         round=number or (rnd.round if rnd is not None else 0) + 1,
         members=tuple(members),
@@ -709,4 +741,5 @@ def _publish_round(
     )
     world = len(members) * head.nproc
     note = Note(round=new.round, what=f"round {new.round}: {len(members)} node(s), world {world}", reason=why)
+    mem = dataclasses.replace(mem, seen={**mem.seen, round_key(new.round): now})
     return Plan(writes=(Write(Keys.ROUND, encode(new), snap.round_rev),), notes=(note,), memory=mem)

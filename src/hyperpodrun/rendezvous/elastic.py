@@ -78,7 +78,7 @@ class ElasticRendezvous(RendezvousHandler):
         local_addr: str,
         join_timeout: float,
         events: EventLog | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         node_id: str | None = None,
     ) -> None:
         self.store = store
@@ -243,7 +243,8 @@ class ElasticRendezvous(RendezvousHandler):
         or a RECONFIGURE event admits it into a running job in place."""
         deadline = time.monotonic() + timeout
         last = self._round.round if self._round else 0
-        waited_msg = 0.0
+        started = time.monotonic()
+        next_line = started + 1.0  # a start that takes a moment says nothing
         while True:
             if self.lease_lost:
                 self.rejoin()
@@ -284,9 +285,14 @@ class ElasticRendezvous(RendezvousHandler):
                     f"no round of the job included this node within {timeout:g}s (policy min "
                     f"{self.ctx.policy.min_replicas} node(s); a node past max or below a cap waits as a standby)"
                 )
-            if now - waited_msg > 10.0:
-                waited_msg = now
-                log.info("waiting for a round: %s", self._waiting_for or "waiting for nodes")
+            if now >= next_line:  # at the default log level: minutes of silence look like a hang
+                next_line = now + 10.0
+                log.warning(
+                    "waiting for a round (%.0fs of the %gs join timeout): %s",
+                    now - started,
+                    timeout,
+                    self._waiting_for or "waiting for the job's decider",
+                )
             # The decider wakes on any change (joins, acks); the others only when the round changes,
             # so a rendezvous of N nodes costs O(N) store operations in all, not O(N^2).
             # A pre-warmed standby also wakes for the event that admits it (events are few: O(1) per event).
@@ -469,7 +475,9 @@ class ElasticRendezvous(RendezvousHandler):
     def _decide(self) -> bool:
         """One decider tick: read, plan, execute. Whether anything was written."""
         snap = self._read_job()
-        result = plan(snap, self._mem, self.clock(), self.ctx)
+        now = self.clock()
+        self._mem = dataclasses.replace(self._mem, wall_offset=time.time() - now)
+        result = plan(snap, self._mem, now, self.ctx)
         self._mem = result.memory
         self._waiting_for = result.waiting_for
         return self._execute(result)
@@ -536,7 +544,7 @@ class ElasticRendezvous(RendezvousHandler):
         for _ in range(5):  # CAS retry: only deciders write here, so contention is rare
             entry = self.store.get(Keys.HISTORY)
             items = decode_list(HistoryEntry, Keys.HISTORY, _value(entry))
-            items = (items + [HistoryEntry(ts=self.clock(), round=round_no, what=what, reason=reason)])[-HISTORY_KEEP:]
+            items = (items + [HistoryEntry(ts=time.time(), round=round_no, what=what, reason=reason)])[-HISTORY_KEEP:]
             if self.store.compare_and_swap(
                 Keys.HISTORY, encode(items), expected_revision=entry.revision if entry else 0
             ):

@@ -161,6 +161,7 @@ class RoundRecord:
     halt_kind: EventKind | None = None  # what halted it (HALTED only)
     failure: str | None = None  # the failing rank's message (halted by RANK_FAILURE)
     halted_at: float | None = None
+    failure_answered: bool = False  # every member's agent answered the rank failure's stop (none was lost with it)
     mode: EventMode = EventMode.RESTART  # how the round was entered
     inprocess: bool = False  # every member's ranks declared the in-process API: standbys pre-warm
 

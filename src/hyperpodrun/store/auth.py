@@ -16,6 +16,7 @@ import contextlib
 import ipaddress
 import os
 import secrets
+import socket
 import stat
 import tempfile
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from hyperpodrun.store.base import StoreConfigError
 
 __all__ = [
     "is_loopback",
+    "loopback_name",
     "local_secret_path",
     "new_secret",
     "publish_local_secret",
@@ -47,6 +49,23 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def loopback_name(host: str) -> str | None:
+    """The loopback address a host *name* resolves to here (Debian maps the hostname to 127.0.1.1);
+    None for an address, ``localhost``, a name of other addresses, or one that does not resolve."""
+    if is_loopback(host):
+        return None
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError):
+        return None
+    return min(addresses) if addresses and all(is_loopback(a) for a in addresses) else None
 
 
 def resolve_store_secret(conf: Mapping[str, str], env: Mapping[str, str]) -> bytes | None:

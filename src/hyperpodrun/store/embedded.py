@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from hyperpodrun.security import STORE_SECRET_ENV
-from hyperpodrun.store.auth import is_loopback, read_local_secret
+from hyperpodrun.store.auth import is_loopback, loopback_name, read_local_secret
 from hyperpodrun.store.base import (
     Entry,
     Lease,
@@ -84,6 +84,10 @@ class _EmbeddedLease(Lease):
         self._client._call({"op": "revoke", "lease": self._id})
 
 
+class _Busy(Exception):
+    """Internal: the server is at its connection limit; try again."""
+
+
 class _Dropped(Exception):
     """Internal: the connection broke; ``sent`` says whether the whole request went out."""
 
@@ -104,7 +108,10 @@ class EmbeddedStoreClient(Store):
     The constructor connects, retrying for up to ``connect_timeout`` seconds (the host
     agent may start a little later), and raises :class:`StoreUnavailableError` if nothing
     answers. Every connection proves it knows ``secret`` (for a loopback endpoint without
-    one: the secret a local host agent published, if any). A dropped connection is
+    one: the secret a local host agent of this user published, if any) and then checks
+    that the server proves it too: a client that holds a secret, or that was built with
+    ``require_secret`` (every agent's is), never talks to a server that does not prove it,
+    so a program that took the port gets no request. A dropped connection is
     replaced once for requests that are safe to resend (see ``_RESENDABLE``, and any
     request that never fully went out); if the server cannot be reached again, requests
     raise :class:`EmbeddedStoreGoneError`. A client given ``server`` owns it and stops it
@@ -118,6 +125,7 @@ class EmbeddedStoreClient(Store):
         connect_timeout: float = 5.0,
         request_timeout: float = 10.0,
         secret: bytes | None = None,
+        require_secret: bool = False,
         server: EmbeddedStoreServer | None = None,
     ) -> None:
         _check_timeout("connect_timeout", connect_timeout)
@@ -128,6 +136,9 @@ class EmbeddedStoreClient(Store):
         self.request_timeout = request_timeout
         self.server = server
         self._secret = secret
+        self._require_secret = require_secret
+        # only this machine reaches it: a local host agent of this user published its secret
+        self._local_only = is_loopback(self._host) or loopback_name(self._host) is not None
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
         self._socks: set[socket.socket] = set()
@@ -142,7 +153,21 @@ class EmbeddedStoreClient(Store):
     # ---- connections
 
     def _open(self, timeout: float) -> socket.socket:
-        """A new connection that has passed the handshake (OSError if it could not)."""
+        """A new connection that has passed the handshake (OSError if it could not); a server at its
+        connection limit is asked again until ``timeout`` has passed."""
+        deadline = time.monotonic() + timeout
+        backoff = 0.05
+        while True:
+            try:
+                return self._open_once(max(deadline - time.monotonic(), 0.01))
+            except _Busy as e:
+                if time.monotonic() + backoff >= deadline or self._closed.wait(backoff):
+                    raise StoreUnavailableError(
+                        self.endpoint, f"the embedded store at {self.endpoint} stayed busy for {timeout:g}s: {e}"
+                    ) from None
+                backoff = min(backoff * 2, 0.5)
+
+    def _open_once(self, timeout: float) -> socket.socket:
         sock = socket.create_connection((self._host, self._port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
@@ -167,33 +192,45 @@ class EmbeddedStoreClient(Store):
         return sock
 
     def _handshake(self, sock: socket.socket) -> None:
+        """Prove the secret, then check the server's proof; nothing else is sent before both passed."""
         client_nonce = new_nonce()
         send_frame(sock, {"op": "hello", "protocol": PROTOCOL_VERSION, "nonce": client_nonce})
         reply = recv_frame(sock)
         if reply is None:
             raise ProtocolError("the server closed the connection during the handshake")
+        error = reply.get("error")
+        if isinstance(error, dict) and error.get("kind") == "busy":
+            raise _Busy(str(error.get("message", "busy")))
         hello = reply.get("ok")
         if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL_VERSION:
             raise StoreError(
                 f"{self.endpoint} is not a hyperpodrun embedded store of protocol "
                 f"{PROTOCOL_VERSION} (it answered {reply!r:.200})"
             )
+        secret = self._secret or (self._local_secret() if self._local_only else None)
         if not hello.get("auth"):
+            if secret is not None or self._require_secret:
+                raise StoreAuthError(
+                    f"the program listening at {self.endpoint} does not prove it knows this job's secret: it is "
+                    "not this job's embedded store (another program, or another user's, holds the port)"
+                )
             return
-        secret = self._secret or (self._local_secret() if is_loopback(self._host) else None)
         if secret is None:
             raise StoreAuthError(
                 f"the embedded store at {self.endpoint} requires the job's shared secret: "
                 f"set --rdzv-conf secret_file=PATH or {STORE_SECRET_ENV} on every node"
             )
         server_nonce = str(hello.get("nonce", ""))
-        if not proofs_match(proof(secret, "server", client_nonce, server_nonce), hello.get("proof")):
-            raise StoreAuthError(
-                f"the embedded store at {self.endpoint} does not know this job's secret (wrong secret?)"
-            )
         send_frame(sock, {"op": "auth", "proof": proof(secret, "client", client_nonce, server_nonce)})
-        if (answer := recv_frame(sock)) is None or answer.get("ok") is not True:
+        answer = recv_frame(sock)
+        granted = answer.get("ok") if answer is not None else None
+        if not isinstance(granted, dict):
             raise StoreAuthError(f"the embedded store at {self.endpoint} refused this job's secret (wrong secret?)")
+        if not proofs_match(proof(secret, "server", client_nonce, server_nonce), granted.get("proof")):
+            raise StoreAuthError(
+                f"the program listening at {self.endpoint} does not know this job's secret: "
+                "it is not this job's embedded store"
+            )
 
     def _local_secret(self) -> bytes | None:
         """The secret the hosting agent on this host published; it does so just after it starts to listen."""

@@ -28,24 +28,20 @@ from hyperpodrun.store.base import (
     StoreUnavailableError,
     format_endpoint,
 )
+from hyperpodrun.store.handshake import PREAUTH_FRAME_LIMIT, HandshakeState, ServerHandshake
 from hyperpodrun.store.memory import KeyValueState
-from hyperpodrun.store.wire import (
-    PROTOCOL_VERSION,
-    arg,
-    b64,
-    new_nonce,
-    proof,
-    proofs_match,
-    recv_frame,
-    send_frame,
-    unb64,
-)
+from hyperpodrun.store.wire import HEADER, arg, b64, encode_frame, recv_frame, send_frame, unb64
 
 __all__ = ["EmbeddedHostNotLocalError", "EmbeddedStoreGoneError", "EmbeddedStoreServer"]
 
 logger = logging.getLogger(__name__)
 
-_HANDSHAKE_TIMEOUT = 10.0
+#: Connections in their handshake at once (no thread, at most a 4 KiB frame each); more are answered
+#: ``busy`` and the clients try again.
+MAX_PENDING = 256
+#: Authenticated connections (a thread each; an agent holds two or three); more are answered ``busy``.
+MAX_SESSIONS = 4096
+_LISTEN, _WAKE, _PENDING = "listen", "wake", "pending"
 
 
 class EmbeddedHostNotLocalError(StoreConfigError):
@@ -235,67 +231,107 @@ class EmbeddedStoreServer:
     # ---- serving
 
     def _accept_loop(self) -> None:
+        """Accept connections and run their handshakes (no thread until a connection proved the secret)."""
         if self._listener is None or self._wake_r is None:
             raise StoreClosedError("the embedded store server is not started")
+        pending: dict[socket.socket, ServerHandshake] = {}
         with selectors.DefaultSelector() as sel:
-            sel.register(self._listener, selectors.EVENT_READ)
-            sel.register(self._wake_r, selectors.EVENT_READ)
-            while True:
-                for key, _ in sel.select():
-                    if key.fileobj is self._wake_r:
-                        return
-                    try:
-                        conn, _ = self._listener.accept()
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError as e:
-                        logger.warning("embedded store accept failed: %s", e)
-                        continue
-                    self._spawn(conn)
+            sel.register(self._listener, selectors.EVENT_READ, _LISTEN)
+            sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+            try:
+                while True:
+                    timeout = (
+                        max(0.0, min(h.deadline for h in pending.values()) - time.monotonic()) if pending else None
+                    )
+                    for key, _ in sel.select(timeout):
+                        if key.data == _WAKE:
+                            return
+                        if key.data == _LISTEN:
+                            self._accept(sel, pending, self._listener)
+                        else:
+                            self._advance(sel, pending, key.fileobj)  # type: ignore[arg-type]
+                    now = time.monotonic()
+                    for conn, handshake in list(pending.items()):
+                        if now >= handshake.deadline:
+                            logger.info("embedded store dropped %s: no handshake within its deadline", handshake.peer)
+                            self._forget(sel, pending, conn)
+            finally:
+                for conn in list(pending):
+                    self._forget(sel, pending, conn)
+
+    def _accept(
+        self, sel: selectors.BaseSelector, pending: dict[socket.socket, ServerHandshake], listener: socket.socket
+    ) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                logger.warning("embedded store accept failed: %s", e)
+                return
+            if len(pending) >= MAX_PENDING:
+                _refuse(conn, f"{MAX_PENDING} connections are in their handshake")
+                continue
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            pending[conn] = ServerHandshake(secret=self._secret, peer=_peer(conn))
+            sel.register(conn, selectors.EVENT_READ, _PENDING)
+
+    def _advance(
+        self, sel: selectors.BaseSelector, pending: dict[socket.socket, ServerHandshake], conn: socket.socket
+    ) -> None:
+        handshake = pending[conn]
+        try:
+            data = conn.recv(PREAUTH_FRAME_LIMIT + HEADER.size)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._forget(sel, pending, conn)
+            return
+        for frame in handshake.feed(data):
+            try:
+                sent = conn.send(frame)
+            except OSError:
+                sent = 0
+            if sent < len(frame):  # a peer that does not read its small answers is not a client
+                handshake.state = HandshakeState.FAILED
+                break
+        if handshake.state is HandshakeState.FAILED or (handshake.state is HandshakeState.DONE and handshake.leftover):
+            self._forget(sel, pending, conn)
+        elif handshake.state is HandshakeState.DONE:
+            sel.unregister(conn)
+            del pending[conn]
+            self._spawn(conn)
+
+    @staticmethod
+    def _forget(
+        sel: selectors.BaseSelector, pending: dict[socket.socket, ServerHandshake], conn: socket.socket
+    ) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn)
+        pending.pop(conn, None)
+        conn.close()
 
     def _spawn(self, conn: socket.socket) -> None:
+        """An authenticated connection: a thread of its own, up to :data:`MAX_SESSIONS`."""
         conn.setblocking(True)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         thread = threading.Thread(target=self._serve, args=(conn,), name="embedded-store-conn", daemon=True)
         with self._lock:
             if self._closed:
                 conn.close()
                 return
+            if len(self._threads) >= MAX_SESSIONS:
+                _refuse(conn, f"{MAX_SESSIONS} connections are open")
+                return
             self._conns.add(conn)
             self._threads.add(thread)
         thread.start()
 
-    def _handshake(self, conn: socket.socket) -> bool:
-        """Answer ``hello`` and, with a secret, check the client's proof; False drops it."""
-        hello = recv_frame(conn)
-        if hello is None:
-            return False
-        if hello.get("op") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
-            send_frame(
-                conn, {"error": {"kind": "protocol", "message": f"expected hello of protocol {PROTOCOL_VERSION}"}}
-            )
-            return False
-        if self._secret is None:
-            send_frame(conn, {"ok": {"protocol": PROTOCOL_VERSION, "auth": False}})
-            return True
-        client_nonce, server_nonce = str(hello.get("nonce", "")), new_nonce()
-        mine = proof(self._secret, "server", client_nonce, server_nonce)
-        send_frame(conn, {"ok": {"protocol": PROTOCOL_VERSION, "auth": True, "nonce": server_nonce, "proof": mine}})
-        answer = recv_frame(conn)
-        expected = proof(self._secret, "client", client_nonce, server_nonce)
-        if answer is None or answer.get("op") != "auth" or not proofs_match(expected, answer.get("proof")):
-            logger.warning("embedded store refused a connection from %s: wrong or no secret", _peer(conn))
-            send_frame(conn, {"error": {"kind": "auth", "message": "wrong store secret"}})
-            return False
-        send_frame(conn, {"ok": True})
-        return True
-
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(_HANDSHAKE_TIMEOUT)  # a silent peer must not hold a thread
-            if not self._handshake(conn):
-                return
-            conn.settimeout(None)
             while True:
                 request = recv_frame(conn)
                 if request is None:
@@ -337,6 +373,14 @@ class EmbeddedStoreServer:
     def _op_grant(self, request: dict[str, Any]) -> list[Any]:
         lease_id, ttl = self._state.grant_lease(float(arg(request, "ttl", (int, float))))
         return [lease_id, ttl]
+
+
+def _refuse(conn: socket.socket, why: str) -> None:
+    """Tell a connection the server is at its limit (the client tries again), and close it."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.send(encode_frame({"error": {"kind": "busy", "message": f"the embedded store is busy: {why}"}}))
+    conn.close()
 
 
 def _peer(conn: socket.socket) -> str:

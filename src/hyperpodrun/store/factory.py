@@ -21,13 +21,14 @@ so several jobs can share one etcd without seeing each other's keys.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hyperpodrun.security import STORE_SECRET_ENV
-from hyperpodrun.store.auth import is_loopback, new_secret, resolve_store_secret
+from hyperpodrun.store.auth import is_loopback, loopback_name, new_secret, resolve_store_secret
 from hyperpodrun.store.base import (
     PrefixedStore,
     Store,
@@ -39,6 +40,8 @@ from hyperpodrun.store.base import (
 from hyperpodrun.store.embedded import DEFAULT_PORT as EMBEDDED_DEFAULT_PORT
 from hyperpodrun.store.embedded import EmbeddedHostNotLocalError, EmbeddedStoreClient, EmbeddedStoreServer
 from hyperpodrun.store.etcd import EtcdConfig, EtcdStore
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "BACKENDS",
@@ -180,13 +183,22 @@ def _embedded_store(
         raise StoreConfigError(f"the embedded store takes one --rdzv-endpoint, got {endpoint!r}")
     address, port = parse_endpoint(endpoint, default_port=EMBEDDED_DEFAULT_PORT)
     secret = resolve_store_secret(conf, env)
-    if secret is None and not is_loopback(address):
+    if (loopback := loopback_name(address)) is not None:
+        # --rdzv-endpoint $(hostname):PORT where /etc/hosts maps the name to loopback: the store is this machine's only
+        logger.warning(
+            "--rdzv-endpoint %s: %s resolves to %s (loopback) on this machine, so agents on other machines "
+            "cannot reach the store there; give an address they can reach",
+            endpoint,
+            address,
+            loopback,
+        )
+    if secret is None and not is_loopback(address) and loopback is None:
         raise StoreConfigError(
             f"the embedded store at {endpoint} is reachable from other hosts, so the job needs a shared "
             f"secret: set --rdzv-conf secret_file=PATH (or {STORE_SECRET_ENV}) on every node"
         )
     if host is False:
-        return EmbeddedStoreClient(endpoint, connect_timeout=timeout, secret=secret)
+        return EmbeddedStoreClient(endpoint, connect_timeout=timeout, secret=secret, require_secret=True)
     # One host, no secret given: generate one and leave it where this user's agents find it.
     server = EmbeddedStoreServer(address, port, secret=secret or new_secret(), publish_secret=secret is None)
     try:
@@ -194,7 +206,9 @@ def _embedded_store(
     except (StoreAddressInUseError, EmbeddedHostNotLocalError):
         if host:
             raise
-        return EmbeddedStoreClient(endpoint, connect_timeout=timeout, secret=secret)
+        # Another program holds the address: join it only if it proves this job's secret (an agent of this
+        # user on this host publishes it; another user's program cannot).
+        return EmbeddedStoreClient(endpoint, connect_timeout=timeout, secret=secret, require_secret=True)
     try:
         return EmbeddedStoreClient(server.endpoint, connect_timeout=timeout, secret=server.secret, server=server)
     except BaseException:

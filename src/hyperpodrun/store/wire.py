@@ -4,15 +4,19 @@ Frames: a 4-byte big-endian length, then a JSON object (values base64-encoded); 
 request and one response per frame.
 
 Handshake, on every connection, before any other request (HMAC-SHA256 challenge and
-response in both directions, so the secret itself never crosses the wire)::
+response in both directions, so the secret itself never crosses the wire; the client
+proves first, so the server hands no proof to a peer that does not know the secret)::
 
-    client -> {"op": "hello", "protocol": 2, "nonce": C}
-    server -> {"ok": {"protocol": 2, "auth": true, "nonce": S, "proof": HMAC(k, "server" C S)}}
-    client -> {"op": "auth", "proof": HMAC(k, "client" C S)}          (checks the server first)
-    server -> {"ok": true}   or an error, and the connection is closed
+    client -> {"op": "hello", "protocol": 3, "nonce": C}
+    server -> {"ok": {"protocol": 3, "auth": true, "nonce": S}}
+    client -> {"op": "auth", "proof": HMAC(k, "client" C S)}
+    server -> {"ok": {"proof": HMAC(k, "server" C S)}}    or an error, and the connection is closed
+    (the client checks the server's proof before its first request)
 
-A server without a secret answers ``"auth": false`` and the client goes straight on.
-Proofs are compared with :func:`hmac.compare_digest` (constant time).
+A server without a secret answers ``"auth": false``; a client that holds a secret refuses
+it (something else holds the port). A server at its connection limit answers an error of
+kind ``busy`` and closes; the client tries again within its timeout. Proofs are compared
+with :func:`hmac.compare_digest` (constant time).
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from typing import Any
 from hyperpodrun.store.base import StoreError
 
 __all__ = [
+    "HEADER",
     "PROTOCOL_VERSION",
     "ProtocolError",
     "arg",
     "b64",
+    "encode_frame",
     "new_nonce",
     "proof",
     "proofs_match",
@@ -41,9 +47,9 @@ __all__ = [
     "unb64",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _MAX_FRAME = 64 * 1024 * 1024
-_HEADER = struct.Struct("!I")
+HEADER = struct.Struct("!I")
 
 
 def new_nonce() -> str:
@@ -64,11 +70,15 @@ class ProtocolError(ConnectionError):
     """The peer sent something that is not a frame of this protocol."""
 
 
-def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
+def encode_frame(message: dict[str, Any]) -> bytes:
     data = json.dumps(message, separators=(",", ":")).encode()
     if len(data) > _MAX_FRAME:
         raise StoreError(f"embedded store message of {len(data)} bytes exceeds {_MAX_FRAME} bytes")
-    sock.sendall(_HEADER.pack(len(data)) + data)
+    return HEADER.pack(len(data)) + data
+
+
+def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(encode_frame(message))
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -85,10 +95,10 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 def recv_frame(sock: socket.socket) -> dict[str, Any] | None:
     """The next message, or ``None`` if the peer closed the connection between frames."""
-    header = recv_exact(sock, _HEADER.size)
+    header = recv_exact(sock, HEADER.size)
     if header is None:
         return None
-    (length,) = _HEADER.unpack(header)
+    (length,) = HEADER.unpack(header)
     if length > _MAX_FRAME:
         raise ProtocolError(f"frame of {length} bytes exceeds {_MAX_FRAME} bytes")
     body = recv_exact(sock, length)

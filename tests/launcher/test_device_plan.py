@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hyperpodrun.devices import DevicePlan
+from hyperpodrun.device_plan import DevicePlan
 
 
 def test_each_slot_gets_its_own_gpus_when_every_slot_fits() -> None:

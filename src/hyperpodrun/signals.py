@@ -1,0 +1,78 @@
+"""The launcher's termination signals: handlers installed for the agent's life, and waits they cut short.
+
+The agent's loop polls for a signal between its steps (it then stops the ranks with it). A
+wait that polls nothing, such as waiting in the rendezvous for a round or for the store,
+runs inside :meth:`SignalLatch.interruptible`: a signal raises :class:`SignalReceived` there
+at once, whatever the wait was blocked in (a socket read returns ``EINTR`` to Python, which
+runs the handler), so Ctrl-C ends a launcher waiting for other nodes within a moment, not at
+the wait's timeout. Inside the block the handler raises a ``BaseException`` (as Python's own
+``KeyboardInterrupt`` is), so code that absorbs errors on its way (``logging`` does, while it
+writes a line) cannot swallow the signal; the block turns it into :class:`SignalReceived`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
+
+from hyperpodrun.errors import SignalReceived
+
+__all__ = ["SignalLatch"]
+
+log = logging.getLogger(__name__)
+
+
+class _Interrupted(BaseException):
+    """A signal inside :meth:`SignalLatch.interruptible` (a BaseException: nothing on the way absorbs it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class SignalLatch:
+    """Notes each signal for the agent (``on_signal``) and raises it inside :meth:`interruptible`."""
+
+    def __init__(self, on_signal: Callable[[int], None]) -> None:
+        self._on_signal = on_signal
+        self._armed = 0
+        self._previous: dict[signal.Signals, object] = {}
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        self._on_signal(signum)
+        if self._armed:
+            self._armed = 0  # once: the cleanup that follows may wait on its own
+            raise _Interrupted(signum)
+
+    @contextlib.contextmanager
+    def interruptible(self, pending: int | None = None) -> Iterator[None]:
+        """A block whose blocking waits a signal ends at once (with :class:`SignalReceived`);
+        ``pending``: a signal received before the block that nobody acted on yet ends it on entry."""
+        if pending is not None:
+            raise SignalReceived(pending)
+        self._armed += 1
+        try:
+            yield
+        except _Interrupted as e:
+            raise SignalReceived(e.signum) from None
+        finally:
+            self._armed = max(0, self._armed - 1)
+
+    def install(self, signals: Iterable[signal.Signals]) -> None:
+        """Handle ``signals`` (main thread only: elsewhere the process keeps its handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in signals:
+            try:
+                self._previous[sig] = signal.signal(sig, self.handle)
+            except (OSError, ValueError):
+                log.warning("cannot handle %s on this platform", sig.name)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()

@@ -1,0 +1,39 @@
+"""A store gone for good ends the job within its documented deadline, the ranks saving first.
+
+etcd killed (SIGKILL) and never back: the launcher rode it out forever (still running at 69 s,
+36 s to die on SIGTERM). Now, after ``outage_timeout`` without the store, cooperative ranks save
+at a step of their own and exit, and the launcher ends with one line naming the lost store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from support.etcd import EtcdServer
+
+OUTAGE_S, STORE_S = 3.0, 1.0
+
+
+def test_a_store_gone_for_good_ends_the_job_after_the_ranks_saved(make_job) -> None:
+    with EtcdServer() as etcd:
+        job = make_job(
+            backend="etcd",
+            endpoint=etcd.endpoint,
+            nnodes="1:2",
+            flags=("--rdzv-conf", f"lease_ttl=2,tick=0.1,outage_timeout={OUTAGE_S:g},store_timeout={STORE_S:g}"),
+        )
+        node = job.start_node("a")
+        job.wait_steps(5)
+        etcd.kill()
+        gone = time.monotonic()
+        code = node.wait(timeout=60)
+        took = time.monotonic() - gone
+    # documented bound: outage_timeout + the ranks' save + store_timeout per request on the way out
+    assert took < OUTAGE_S + 4 * STORE_S + 5.0, took
+    assert code == 1
+    last = job.stderr("a").strip().splitlines()[-1]
+    assert last.startswith("hyperpodrun: error: lost the rendezvous store"), last
+    saved = json.loads((job.run_dir / "state.json").read_text())["step"]
+    assert saved == job.progress()[-1]["step"]  # the ranks saved the step they stopped at
+    assert job.events("store_lost")
