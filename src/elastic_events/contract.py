@@ -84,6 +84,7 @@ class Record(str, Enum):
     STORE_UNREACHABLE = "store_unreachable"  # the ranks keep training until the lease expires
     STORE_RECOVERED = "store_recovered"
     STORE_LOST = "store_lost"
+    SCALE_HELD = "scale_held"  # no scale event in a round where training finished (a joiner would train it again)
     JOB_SUCCEEDED = "job_succeeded"
     JOB_FAILED = "job_failed"
     AGENT_STOPPED = "agent_stopped"

@@ -213,6 +213,7 @@ class Agent:
         late: LateRanks | None = None  # ranks that were past the published target: they must act one step late
         published = 0.0  # when the pending event was put on the control channel
         while True:
+            self._note_finished(group)
             state = group.poll()
             rescued = (
                 pending is not None and pending.repair and self._repair.hung_killed is not None
@@ -251,6 +252,7 @@ class Agent:
                     failure=self._repair.repairing or self._hang or (failures[0].summary() if failures else None),
                     repairing=self._repair.repairing is not None,
                     peer_failed=any(p.phase == RankPhase.RECOVERING for p in progress),
+                    finished=bool(group.finished),
                 )
                 next_poll = now + poll_interval(
                     repairing=status.repairing,
@@ -428,6 +430,15 @@ class Agent:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
         self._wake.wait(1.0)
+
+    def _note_finished(self, group: WorkerGroup) -> None:
+        """Local ranks whose training finished: their exit is success whatever its code (a crash at interpreter
+        exit is said once, as a warning), no event is acted on for them, and no joiner is admitted after it."""
+        for r, p in enumerate(self._control.progress()):
+            if p.phase == RankPhase.FINISHED and r not in group.finished:
+                group.finished.add(r)
+        for f in group.newly_forgiven():
+            _say(f"warning: {f.summary()} after its training finished; counted as success")
 
     def _repairs_in_place(self) -> bool:
         """Whether a failed rank is replaced in place (the round runs in-process) rather than the job restarted."""

@@ -167,6 +167,10 @@ class WorkerGroup:
         self._ranks: list[_Rank] = []
         self._spare: _Rank | None = None  # a pre-started replacement (elastic_events.rounds.spare)
         self.state = WorkerState.INIT
+        # Local ranks whose training finished (their control slot says FINISHED): a non-zero exit after it is
+        # a crash at interpreter exit, not a failure of the job (counted as success, said once: newly_forgiven()).
+        self.finished: set[int] = set()
+        self._forgiven: set[int] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -318,7 +322,7 @@ class WorkerGroup:
                 running = True
             elif r.exit_time is None:
                 r.exit_time = now
-        if any(r.proc.returncode not in (None, 0) for r in self._ranks):
+        if any(r.proc.returncode not in (None, 0) and r.local_rank not in self.finished for r in self._ranks):
             self.state = WorkerState.FAILED
         elif not running:
             self._join_pumps(timeout=5.0)
@@ -326,7 +330,17 @@ class WorkerGroup:
         return self.state
 
     def failures(self) -> list[WorkerFailure]:
-        """Failed ranks, earliest first (the first one is the root cause)."""
+        """Failed ranks, earliest first (the first one is the root cause); a finished rank's exit is no failure."""
+        return [f for f in self._exits() if f.local_rank not in self.finished]
+
+    def newly_forgiven(self) -> list[WorkerFailure]:
+        """Finished ranks that exited non-zero since the last call: their training had ended, the job's outcome
+        does not change."""
+        new = [f for f in self._exits() if f.local_rank in self.finished and f.local_rank not in self._forgiven]
+        self._forgiven.update(f.local_rank for f in new)
+        return new
+
+    def _exits(self) -> list[WorkerFailure]:
         out = []
         for r in self._ranks:
             code = r.proc.returncode

@@ -628,3 +628,22 @@ def test_a_repair_made_from_the_survivors_reports_is_named_after_the_crash_repor
     )
     (stopped,) = plan(snap, DeciderMemory(), NOW, ctx(max_restarts=0)).writes
     assert decoded(stopped)["mode"] == "stop"  # a crash counts against --max-restarts however it was first seen
+
+
+def test_no_scale_event_once_training_finished_on_a_member_and_each_new_standby_is_said_once() -> None:
+    """A standby admitted after the end of training would train the job again from its end (issue 21's
+    reproductions): while a member's training is finished, the decider writes nothing."""
+    nodes = {"a": node("a"), "b": node("b"), "c": node("c")}
+    mem = DeciderMemory(first_seen={n: NOW - 100 for n in nodes}, capacity_since=NOW - 100)
+    ready = JobSnapshot(nodes=nodes, round=running("a", "b"))
+    (write,) = plan(ready, mem, NOW, ctx()).writes  # the control: c is admitted while training goes on
+    assert write.key == Keys.EVENT and decoded(write)["kind"] == "join"
+    held = plan(JobSnapshot(nodes=nodes, round=running("a", "b"), finished=frozenset({"b"})), mem, NOW, ctx())
+    assert held.writes == () and "training finished on b" in held.waiting_for
+    (note,) = held.notes
+    assert note.event == "scale_held" and note.fields == {"standbys": ("c",)}
+    again = plan(JobSnapshot(nodes=nodes, round=running("a", "b"), finished=frozenset({"b"})), held.memory, NOW, ctx())
+    assert again.writes == () and again.notes == ()  # said once
+    more = {**nodes, "d": node("d")}
+    later = plan(JobSnapshot(nodes=more, round=running("a", "b"), finished=frozenset({"b"})), held.memory, NOW, ctx())
+    assert later.writes == () and [n.fields for n in later.notes] == [{"standbys": ("c", "d")}]

@@ -68,7 +68,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic_events import eventlog
 from elastic_events.checkpoint import partials
-from elastic_events.rounds import abort
 from elastic_events.checkpoint.comm import Comm, GroupComm, quiet_single_process
 from elastic_events.checkpoint.layout import (
     _METADATA,

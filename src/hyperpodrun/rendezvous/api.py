@@ -85,6 +85,7 @@ class LocalStatus:
     failure: str | None = None
     repairing: bool = False  # ``failure``'s ranks were restarted parked, to be repaired in place
     peer_failed: bool = False  # a local rank's collective failed (a peer died or hung); it waits for the repair
+    finished: bool = False  # a local rank's training finished (ElasticTraining.finish, a framework's end)
 
     @property
     def cooperative(self) -> bool:

@@ -122,6 +122,7 @@ class JobSnapshot:
     acks: Mapping[str, AckRecord] = field(default_factory=dict)  # of the pending event
     stopped: Mapping[str, StoppedRecord] = field(default_factory=dict)  # of the pending event
     done: frozenset[str] = frozenset()  # of the running round
+    finished: frozenset[str] = frozenset()  # nodes whose training finished in the running round
     failed: Mapping[str, FailedRecord] = field(default_factory=dict)  # of the running round
     cap: int | None = None
 
@@ -143,6 +144,8 @@ class DeciderMemory:
     seen: Mapping[str, float] = field(default_factory=dict)
     # Seconds from ``now`` to the wall clock, for the times written into records for people; no decision reads it.
     wall_offset: float = 0.0
+    # the round whose scale events are held because its training finished, and the standbys held off (said once each)
+    held: tuple[int, tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,16 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
         after = _after_failure(snap, rnd, now, ctx, mem)
         if after is not None:
             return after
+    if rnd is not None and rnd.state is RoundState.RUNNING and snap.finished:
+        # training finished on some member: a joiner admitted now would train the job again from its end
+        why = f"training finished on {', '.join(sorted(snap.finished))}: no scale event, waiting for the ranks to exit"
+        held = (rnd.round, tuple(sorted(n for n in snap.nodes if n not in rnd.members)))
+        if mem.held == held:
+            return Plan(memory=mem, waiting_for=why)
+        note = Note(
+            round=rnd.round, what="scale events held", reason=why, event="scale_held", fields={"standbys": held[1]}
+        )
+        return Plan(memory=dataclasses.replace(mem, held=held), notes=(note,), waiting_for=why)
     mem, view = _view(snap, mem, now, ctx)
     decision = decide(
         ctx.policy,

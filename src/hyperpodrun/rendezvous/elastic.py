@@ -322,6 +322,8 @@ class ElasticRendezvous(RendezvousHandler):
         event_of_round = ev is not None and ev.round == my_round
         if status.group_state == WorkerState.SUCCEEDED and not event_of_round:
             self._put_once(Keys.done(my_round) + self._node_id, b"{}")
+        if status.finished:
+            self._put_once(Keys.finished(my_round) + self._node_id, b"{}")
         if status.group_state == WorkerState.FAILED or status.repairing:
             failed = FailedRecord(message=status.failure or "rank failed", repairable=status.repairing)
             self._put_once(Keys.failed(my_round) + self._node_id, encode(failed))
@@ -491,6 +493,7 @@ class ElasticRendezvous(RendezvousHandler):
         cap_entry = self.store.get(Keys.CAP)
         cap = cap_of(cap_entry.value) if cap_entry is not None else None
         acks, stopped, done, failed = {}, {}, frozenset(), {}
+        finished: frozenset[str] = frozenset()
         pending = ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete
         if pending and ev.target is None and ev.mode is not EventMode.STOP:
             acks = {
@@ -510,6 +513,7 @@ class ElasticRendezvous(RendezvousHandler):
             }
         elif rnd is not None and rnd.state is RoundState.RUNNING:
             done = frozenset(Keys.leaf(k) for k in self.store.get_prefix(Keys.done(rnd.round)))
+            finished = frozenset(Keys.leaf(k) for k in self.store.get_prefix(Keys.finished(rnd.round)))
             failed = {
                 Keys.leaf(k): decode(FailedRecord, k, e.value)
                 for k, e in self.store.get_prefix(Keys.failed(rnd.round)).items()
@@ -523,6 +527,7 @@ class ElasticRendezvous(RendezvousHandler):
             acks=acks,
             stopped=stopped,
             done=done,
+            finished=finished,
             failed=failed,
             cap=cap,
         )

@@ -87,6 +87,11 @@ class Keys:
         return f"failed/{round_no}/"
 
     @staticmethod
+    def finished(round_no: int) -> str:
+        """Nodes a rank of which reported its training finished in the round (no event is acted on after it)."""
+        return f"finished/{round_no}/"
+
+    @staticmethod
     def leaf(key: str) -> str:
         """The node id at the end of a per-node key (``ack/3/<id>`` -> ``<id>``)."""
         return key.rsplit("/", 1)[1]
