@@ -40,6 +40,7 @@ from hyperpodrun.progress import LateRanks, StepRates, missed_target
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
+from hyperpodrun.sigterm import InterruptibleWaits, LeaveRequested, ranks_leaving_on_sigterm, requested_by_ranks
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import WorkerGroup, WorkerState, become_subreaper
 from hyperpodrun.worker_env import base_env, parked_env, parked_round, worker_env
@@ -105,6 +106,7 @@ class Agent:
         )
         self._hang_policy = HangPolicy(timeout=config.hang_timeout)
         self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
+        self._waits: InterruptibleWaits | None = None  # the rendezvous store, its waits ended by SIGTERM
 
     # -- public ------------------------------------------------------------------------
 
@@ -133,6 +135,8 @@ class Agent:
     def _loop(self) -> None:
         """Rounds of the job: rendezvous, run the ranks, follow the round's directive."""
         rdzv = self.rdzv
+        if rdzv.elastic and hasattr(rdzv, "store"):  # a SIGTERM ends a rendezvous wait at once (sigterm.py)
+            self._waits = rdzv.store = InterruptibleWaits(rdzv.store, pending=self._leave_pending)
         self._guard_store(rdzv.join)
         if rdzv.local_addr is not None:
             gloo = choose_gloo_interface(rdzv.local_addr, os.environ)
@@ -143,6 +147,11 @@ class Agent:
             self.state = AgentState.RENDEZVOUS
             try:
                 rnd = self._guard_store(lambda: rdzv.next_round(timeout=self.rdzv_timeout, prewarm=self._prewarm))
+            except LeaveRequested:
+                self._signal = None
+                _say("SIGTERM: leaving the job")
+                self._guard_store(rdzv.request_leave)
+                continue
             except RendezvousClosedError as e:
                 self._finish_closed(str(e), succeeded=e.status != "failed", left=e.status == "left")
                 return
@@ -213,6 +222,8 @@ class Agent:
                 else:
                     failure_logged = True
                     self._log_failure(group)  # its siblings stop now: they must not hang in a collective
+            if self._signal is None and not rdzv.leaving and requested_by_ranks(self._control):
+                self._signal = signal.SIGTERM  # a local rank received SIGTERM: the same request as the agent's own
             if self._signal is not None:
                 if self._signal == signal.SIGTERM and rdzv.elastic:
                     self._signal = None
@@ -553,6 +564,7 @@ class Agent:
             assignment=(rnd or parked_round(cfg.nproc_per_node)).assignment,
             logs=logs,
             reaper=self._reaper,
+            sigterm_leaves=lambda: ranks_leaving_on_sigterm(self._control.progress()),
         )
         group.start()
         if rnd is not None:
@@ -614,6 +626,12 @@ class Agent:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self._signal = signum
         self._wake.set()
+        if self._waits is not None and self._waits.waiting and self._leave_pending():
+            raise LeaveRequested  # out of a rendezvous wait (it changes nothing): the node leaves now
+
+    def _leave_pending(self) -> bool:
+        """A SIGTERM the agent has not acted on while it waits in a rendezvous: the node leaves the job."""
+        return self._signal == signal.SIGTERM and self.state is AgentState.RENDEZVOUS and self.rdzv.elastic
 
     def _install_signal_handlers(self) -> dict[int, object]:
         previous = {}

@@ -119,6 +119,11 @@ class RendezvousHandler(ABC):
         return False
 
     @property
+    def leaving(self) -> bool:
+        """Whether this node asked to leave the job (elastic jobs only)."""
+        return False
+
+    @property
     def elastic(self) -> bool:
         """Whether membership changes during the job: SIGTERM then means "leave at the next agreed step"."""
         return False
