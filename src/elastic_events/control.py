@@ -27,7 +27,8 @@ Layout (little-endian, fixed offsets)::
       8  f64  unix time of the last call
      16  u64  id of the last event the rank acknowledged (returned True for, or was admitted by)
      24  u32  capabilities      (bit 0 CAP_RECONFIGURE: the script uses the in-process API;
-                                 bit 1 CAP_LEAVE_ON_SIGTERM: SIGTERM asks to leave, it does not end the rank)
+                                 bit 1 CAP_LEAVE_ON_SIGTERM: SIGTERM asks to leave, it does not end the rank;
+                                 bit 2 CAP_HOLD: below the minimum the rank saves and holds the state)
      28  u32  phase             (RankPhase)
      32  u64  round the rank is in
      40  i64  step of this rank's hand-off (-1 none, -2 being written; see elastic_events.handoff)
@@ -64,6 +65,7 @@ NO_TARGET = -1
 MASTER_ADDR_SIZE = 128
 CAP_RECONFIGURE = 1
 CAP_LEAVE_ON_SIGTERM = 2
+CAP_HOLD = 4
 FLAG_REPAIR = 1
 FLAG_HOLD = 2
 

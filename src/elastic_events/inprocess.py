@@ -50,6 +50,7 @@ from elastic_events import abort, eventlog, names
 from elastic_events.control import CAP_RECONFIGURE, AdmissionTimeoutError, ControlReader, Event, EventKind, RankPhase
 from elastic_events.errors import ElasticTrainingError, RecoveryError
 from elastic_events.group import backend_for, default_device, init_env_group, is_peer_failure, teardown_group
+from elastic_events.hold import CAP_HOLD, hold
 from elastic_events.hydration import gather_full_state, structure_digest, value_checksum
 from elastic_events.inprocess_config import ElasticConfig, default_wrap
 from elastic_events.inprocess_rounds import Kept, RoundJoining, is_sharded, on_meta, prewarm
@@ -155,7 +156,7 @@ class ElasticTraining(RoundJoining):
             gc.freeze()  # before any model is built: a replaced model must stay collectable (ElasticConfig.freeze_gc)
         self._reader = elastic_events._channel()
         if self._reader is not None:
-            self._reader.declare(CAP_RECONFIGURE)
+            self._reader.declare(CAP_RECONFIGURE | CAP_HOLD)
         if os.environ.get(PARKED_ENV) == "1":
             return self._start_parked()
         if "RANK" in os.environ and "WORLD_SIZE" not in os.environ:
@@ -206,10 +207,11 @@ class ElasticTraining(RoundJoining):
             raise ElasticTrainingError(f"event {event.event_id} has unknown kind {event.kind!r}")
         self._phase(RankPhase.RECONFIGURING)
         try:
-            return self._reconfigure(event)
+            moved = self._reconfigure(event)
         except BaseException:
             self._phase(RankPhase.FAILED)
             raise
+        return hold(self) if moved and event.hold else moved  # below the minimum: save, hold the state (.hold)
 
     def recover(self, exc: BaseException) -> bool:
         """Carry this rank through the failure of a peer, in process: call it where a step raised.
@@ -305,7 +307,7 @@ class ElasticTraining(RoundJoining):
             raise RecoveryError(
                 f"rank {rank}: the repaired group of round {event.round} could not be joined: {failed}"
             ) from failed
-        return True
+        return hold(self) if event.hold else True  # too few survivors: save, hold the state (.hold)
 
     def _save_and_exit(self, event: Event) -> bool:
         if self.checkpointer is None:

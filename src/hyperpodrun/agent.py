@@ -29,11 +29,12 @@ from enum import Enum
 from pathlib import Path
 from types import FrameType
 
-from elastic_events.control import ControlWriter, EventKind, RankPhase
+from elastic_events.control import CAP_HOLD, ControlWriter, EventKind, RankPhase
 from hyperpodrun.config import LaunchConfig, RestartMode
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.hang import HangPolicy, hung_ranks
+from hyperpodrun.held import held_line
 from hyperpodrun.logs import LogDirectory, RankLogs
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.progress import LateRanks, StepRates, missed_target
@@ -185,6 +186,8 @@ class Agent:
                     f"round {rnd.round}: ranks reconfigured in place, world size {rnd.assignment.world_size}, "
                     f"this node is group rank {rnd.assignment.group_rank}"
                 )
+                if directive.hold:
+                    _say(held_line(rnd.round, self.config.min_nodes))
             if directive.kind == DirectiveKind.EXIT:
                 if not rdzv.elastic:  # an elastic job's outcome is logged once, by its decider
                     self.events.emit(
@@ -246,6 +249,7 @@ class Agent:
                     steps=steps,
                     step_times=step_times,  # a rank replaced to be repaired in place declares again once it runs
                     reconfigurable=all(p.reconfigurable for p in progress) or self._repair.repairing is not None,
+                    can_hold=all(p.capabilities & CAP_HOLD for p in progress),
                     failure=self._repair.repairing or self._hang or (failures[0].summary() if failures else None),
                     repairing=self._repair.repairing is not None,
                     peer_failed=any(p.phase == RankPhase.RECOVERING for p in progress),
@@ -363,7 +367,8 @@ class Agent:
         """
         self._write_event(directive)
         progress = self._control.progress()
-        missed = [] if directive.repair else missed_target(progress, directive.event_id, directive.target_step)
+        at_once = directive.repair or directive.from_held
+        missed = [] if at_once else missed_target(progress, directive.event_id, directive.target_step)
         self.events.emit(
             EventType.WORKERS_SIGNALLED,
             event_id=directive.event_id,
@@ -433,7 +438,7 @@ class Agent:
         if pending.kind != DirectiveKind.RECONFIGURE or pending.group_rank < 0:
             return False
         return all(
-            p.round == pending.next_round and p.phase in (RankPhase.READY, RankPhase.RUNNING)
+            p.round == pending.next_round and p.phase in (RankPhase.READY, RankPhase.RUNNING, RankPhase.HOLDING)
             for p in self._control.progress()
         )
 
@@ -481,6 +486,7 @@ class Agent:
             master_addr=directive.master_addr if reconfigure else "",
             master_port=directive.master_port if reconfigure else 0,
             repair=directive.repair,
+            hold=directive.hold,
         )
 
     def _stop_now(self, group: WorkerGroup, directive: Directive) -> Directive:
