@@ -15,7 +15,11 @@ does, a request to leave (or stop) at the next agreed step:
   sees the SIGTERM meant for the job, and ends when its rank ends it or exits. A thread started here
   keeps SIGTERM unblocked, so the kernel always has a thread to deliver the rank's SIGTERM to; Python
   runs the handler in the main thread;
-* the rank declares ``CAP_LEAVE_ON_SIGTERM``, so its launcher stops it with SIGKILL, not SIGTERM.
+* the rank declares ``CAP_LEAVE_ON_SIGTERM``, so its launcher stops it with SIGKILL, not SIGTERM;
+* at exit, multiprocessing ends daemonic children (data-loader workers whose iterator is still alive)
+  with SIGTERM and waits for them without a timeout; theirs is blocked, so the guard ends them with
+  SIGKILL just before (what SIGTERM's default action would have done). ``Process.terminate()`` on a
+  child the rank started after the guard no longer ends it: use ``kill()``.
 
 States (:class:`GuardState`)::
 
@@ -29,8 +33,10 @@ the first ``elastic_event_detected()`` call it; so does ``leave_on_sigterm()`` a
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+import sys
 import threading
 from enum import Enum
 from types import FrameType
@@ -69,6 +75,7 @@ class SigtermGuard:
             self.state = GuardState.DECLINED  # the script's own handler decides
             return self.state
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        atexit.register(_end_daemonic_children)  # before multiprocessing's own exit handler (registered earlier)
         self._catcher = threading.Thread(target=_catch_sigterm, name="hyperpodrun-sigterm", daemon=True)
         self._catcher.start()
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -97,6 +104,17 @@ def _catch_sigterm() -> None:
     idle = threading.Event()
     while not idle.wait(_CATCHER_NAP_S):
         pass
+
+
+def _end_daemonic_children() -> None:
+    """Exit: SIGKILL the daemonic multiprocessing children, which multiprocessing would end with SIGTERM and wait
+    for; they inherited this rank's blocked SIGTERM and would never end."""
+    mp = sys.modules.get("multiprocessing")
+    if mp is None:
+        return
+    for child in mp.active_children():
+        if child.daemon:
+            child.kill()
 
 
 _guard: SigtermGuard | None = None
