@@ -39,10 +39,20 @@ def _start(tmp_path: Path, *args: str, channel: bool = True) -> tuple[subprocess
     deadline = time.monotonic() + 120
     while not (tmp_path / "ready").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            _end(proc)
             pytest.fail(f"the rank did not get ready (exit {proc.poll()}): {proc.stderr.read()[-2000:]}")
         time.sleep(0.05)
     return proc, json.loads((tmp_path / "ready").read_text())
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Whatever happened, nothing of the rank's process group outlives the test."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
 
 
 def _until(predicate, *, timeout: float, what: str) -> None:
@@ -55,8 +65,8 @@ def _until(predicate, *, timeout: float, what: str) -> None:
 
 def test_sigterm_to_the_whole_step_is_a_leave_request_and_the_loader_worker_lives_on(tmp_path: Path) -> None:
     writer = ControlWriter(tmp_path / "control.bin", 1)
+    proc, ready = _start(tmp_path)
     try:
-        proc, ready = _start(tmp_path)
         assert ready["installed"] is True
         assert writer.progress()[0].capabilities & CAP_LEAVE_ON_SIGTERM
         assert writer.termination_requests() == ()
@@ -68,13 +78,14 @@ def test_sigterm_to_the_whole_step_is_a_leave_request_and_the_loader_worker_live
         assert proc.wait(timeout=60) == 0  # the loader still delivered batches after the signal
         assert proc.stderr.read().count("rank 0: SIGTERM: the launcher leaves the job at the next agreed step") == 1
     finally:
+        _end(proc)
         writer.close()
 
 
 def test_a_script_that_handles_sigterm_itself_keeps_its_handler(tmp_path: Path) -> None:
     writer = ControlWriter(tmp_path / "control.bin", 1)
+    proc, ready = _start(tmp_path, "own-handler")
     try:
-        proc, ready = _start(tmp_path, "own-handler")
         assert ready["installed"] is False
         os.kill(proc.pid, signal.SIGTERM)
         _until(lambda: (tmp_path / "own_handler_ran").exists(), timeout=30, what="the script's own handler")
@@ -82,11 +93,15 @@ def test_a_script_that_handles_sigterm_itself_keeps_its_handler(tmp_path: Path) 
         (tmp_path / "go").write_text("")
         proc.wait(timeout=60)
     finally:
+        _end(proc)
         writer.close()
 
 
 def test_outside_hyperpodrun_sigterm_ends_the_process_as_always(tmp_path: Path) -> None:
     proc, ready = _start(tmp_path, channel=False)
-    assert ready["installed"] is False
-    os.killpg(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=30) == -signal.SIGTERM
+    try:
+        assert ready["installed"] is False
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        _end(proc)

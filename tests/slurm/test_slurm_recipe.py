@@ -154,19 +154,24 @@ class Recipe:
 
         return wait_until(trained, timeout=timeout, what=f"{steps} steps at world {size} (worlds {self.worlds()})")
 
-    def lost_seconds(self, before: int, after: int) -> float:
-        """Training time the change from world ``before`` to ``after`` cost: the gap between the last step at
-        ``before`` and the first at ``after``, less one ordinary step at ``after``."""
+    def lost_seconds(self, before: int, after: int, *, nth: int = 0) -> float:
+        """Training time the ``nth`` change from world ``before`` to ``after`` cost: the gap between the last step
+        at ``before`` and the first at ``after`` (rank 0's clock), less one ordinary step at ``after``."""
         records = self.metrics()
-        for a, b in zip(records, records[1:]):
-            if a["world_size"] == before and b["world_size"] == after:
-                usual = statistics.median(
-                    y["ts"] - x["ts"]
-                    for x, y in zip(records, records[1:])
-                    if x["world_size"] == y["world_size"] == after
-                )
-                return b["ts"] - a["ts"] - usual
-        raise AssertionError(f"no change from world {before} to {after} in {self.worlds()}")
+        changes = [
+            (a, b) for a, b in zip(records, records[1:]) if (a["world_size"], b["world_size"]) == (before, after)
+        ]
+        if len(changes) <= nth:
+            raise AssertionError(f"no change {nth + 1} from world {before} to {after} in {self.worlds()}")
+        usual = statistics.median(
+            y["ts"] - x["ts"] for x, y in zip(records, records[1:]) if x["world_size"] == y["world_size"] == after
+        )
+        a, b = changes[nth]
+        return b["ts"] - a["ts"] - usual
+
+    def figure(self, what: str, seconds: float) -> None:
+        """A measured cost, printed for docs/slurm.md (pytest -s shows them)."""
+        print(f"figure: {what}: {seconds:.2f} s", flush=True)
 
     def workers_started(self, node: str) -> int:
         return sum(e["node"] == node for e in self.events("workers_started"))
@@ -203,14 +208,20 @@ def test_join_leave_preemption_requeue_and_stop(slurm: SlurmCluster, tmp_path: P
     assert len(originals) == 2
 
     # Grow with join.sbatch, then shrink by scancel --signal=TERM of that job: it leaves in place.
+    t0 = time.monotonic()
     join = run.join(nodes=1)
+    run.wait_world(3, steps=1)
+    run.figure("join.sbatch submitted -> first step at world 3", time.monotonic() - t0)
+    run.figure("training lost to the join", run.lost_seconds(2, 3))
     run.wait_world(3)
+    t0 = time.monotonic()
     slurm.scancel(join, sig=signal.SIGTERM)
     (left,) = run.stopped(join)
+    run.figure("scancel --signal=TERM of the join -> its job COMPLETED", time.monotonic() - t0)
     assert _fields(left) == SUCCESS, left
     run.wait_world(2)
     lost = run.lost_seconds(3, 2)
-    print(f"scancel --signal=TERM of a joined node: {lost:.2f}s of training lost")
+    run.figure("training lost to the leave", lost)
     assert lost <= 2.0, f"the leave cost {lost:.2f}s of training (target: 2 s)"
 
     # A join in the preemptible partition, preempted by an urgent job on its node: it leaves gracefully,
@@ -218,6 +229,7 @@ def test_join_leave_preemption_requeue_and_stop(slurm: SlurmCluster, tmp_path: P
     low = run.join(nodes=1, options=("--partition=low",))
     run.wait_world(3)
     node = slurm.job(low)["NodeList"]
+    t0 = time.monotonic()
     urgent = slurm.command(
         "sbatch",
         "--parsable",
@@ -228,18 +240,25 @@ def test_join_leave_preemption_requeue_and_stop(slurm: SlurmCluster, tmp_path: P
         "sleep 3",
     ).strip()
     requeued = slurm.wait_for(low, "PENDING", timeout=GRACE_TIME + 30)
+    run.figure("urgent job submitted -> preempted join left and requeued", time.monotonic() - t0)
     assert requeued["Restarts"] == "1", requeued
     assert "preempted: requeueing job" in run.output(low)
     run.wait_world(2)
+    run.figure("training lost to the preempted leave", run.lost_seconds(3, 2, nth=1))
     assert _fields(slurm.wait_for(urgent, "COMPLETED", "FAILED", timeout=60)) == SUCCESS
+    t0 = time.monotonic()
     slurm.command("scontrol", "update", f"JobId={low}", "StartTime=now")  # Slurm holds a requeued job 2 min
     slurm.wait_for(low, "RUNNING", timeout=60)
+    run.wait_world(3, steps=1)
+    run.figure("requeued join released -> first step at world 3 again", time.monotonic() - t0)
     run.wait_world(3)
 
     # Whole-job stop: every launcher exits 0 after a checkpoint at the last trained step.
+    t0 = time.monotonic()
     slurm.scancel(main, low, sig=signal.SIGTERM)
     for job in run.stopped(main, low):
         assert _fields(job) == SUCCESS, job
+    run.figure("scancel --signal=TERM of every job -> all COMPLETED, checkpoint written", time.monotonic() - t0)
     steps = run.assert_contiguous()
     assert run.worlds() == [2, 3, 2, 3, 2, 3]
     assert run.checkpoints() == [steps[-1]]
@@ -260,14 +279,17 @@ def test_node_down_hold_refill_resubmit_and_time_limit(slurm: SlurmCluster, tmp_
     # A node taken down by the admin: the job goes on at world 2, repaired in place.
     slurm.command("scontrol", "update", f"NodeName={nodes[2]}", "State=DOWN", "Reason=test")
     run.wait_world(2)
+    run.figure("training lost to scontrol down of a member (repaired in place)", run.lost_seconds(3, 2))
     # A second one: one node is below --nnodes 2:3; the survivor saves and holds the state in memory.
     slurm.command("scontrol", "update", f"NodeName={nodes[1]}", "State=DOWN", "Reason=test")
+    t0 = time.monotonic()
     held = wait_until(
         lambda: re.search(r"holding step (\d+) in memory; checkpoint of step \1 in (\S+);", run.output(main)),
         timeout=90,
         what="the survivor's hold",
     )
     held_step = int(held.group(1))
+    run.figure("scontrol down below MIN -> the survivor saved and holds the state", time.monotonic() - t0)
     assert held.group(2) == str(run.dir / "checkpoints")
     assert run.checkpoints() == [held_step]
     assert run.steps()[-1] == held_step
@@ -278,7 +300,12 @@ def test_node_down_hold_refill_resubmit_and_time_limit(slurm: SlurmCluster, tmp_
             pass  # already back (ReturnToService=2)
 
     # A node that joins is hydrated from the survivor's memory: training resumes at the held step.
+    t0 = time.monotonic()
     join = run.join(nodes=1)
+    run.wait_world(2, after=held_step, steps=1)
+    run.figure(
+        "join.sbatch submitted to a held job -> first step at world 2, at the held step + 1", time.monotonic() - t0
+    )
     run.wait_world(2, after=held_step)
     run.assert_contiguous()
 
@@ -293,11 +320,16 @@ def test_node_down_hold_refill_resubmit_and_time_limit(slurm: SlurmCluster, tmp_
 
     # Resubmission resumes from the checkpoint; the time-limit notice (--signal) stops it with a save.
     last = steps[-1]
+    t0 = time.monotonic()
     again = run.start(nodes=2, options=("--time=10", "--signal=TERM@100"))
+    run.wait_world(2, after=last, steps=1)
+    run.figure("resubmitted job -> first step, resumed from the checkpoint", time.monotonic() - t0)
     run.wait_world(2, after=last)
     assert re.search(rf"resumed at step {last} from checkpoint", run.output(again)), run.output(again)[-3000:]
     slurm.command("scontrol", "update", f"JobId={again}", "TimeLimit=2")  # the notice comes at the next check
+    t0 = time.monotonic()
     (done,) = run.stopped(again, timeout=120)
+    run.figure("time limit moved within the --signal lead time -> job COMPLETED with a save", time.monotonic() - t0)
     assert _fields(done) == SUCCESS, done
     steps = run.assert_contiguous()
     assert run.checkpoints()[-1] == steps[-1] > last
