@@ -25,14 +25,14 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from support.jsonl import read_jsonl
-from support.slurm import GRACE_TIME, SlurmCluster, SlurmError
+from support.slurm import GRACE_TIME, KILL_WAIT, SlurmCluster, SlurmError
 
 REPO = Path(__file__).resolve().parents[2]
 HYPERPODRUN_SBATCH = REPO / "docs" / "slurm" / "hyperpodrun.sbatch"
@@ -104,6 +104,11 @@ class Recipe:
             options=options,
         )
         self.jobs[job] = script
+        return job
+
+    def track(self, job: str) -> str:
+        """A job of the test that is not the recipe's (cancelled at the end if still there)."""
+        self.jobs[job] = Path("other.sbatch")
         return job
 
     def output(self, job: str) -> str:
@@ -199,9 +204,19 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("data-cache")
 
 
+@pytest.fixture
+def run(slurm: SlurmCluster, tmp_path: Path, data_cache: Path) -> Iterator[Recipe]:
+    """The test's jobs; whatever is left of them at the end is cancelled, so the next test has the nodes."""
+    recipe = Recipe(slurm, tmp_path, data_cache)
+    yield recipe
+    left = [j for j in recipe.jobs if j in slurm.squeue()]
+    if left:
+        slurm.scancel(*left)
+        wait_until(lambda: not set(left) & set(slurm.squeue()), timeout=KILL_WAIT + 30, what=f"jobs {left} to end")
+
+
 @pytest.mark.timeout(600)
-def test_join_leave_preemption_requeue_and_stop(slurm: SlurmCluster, tmp_path: Path, data_cache: Path) -> None:
-    run = Recipe(slurm, tmp_path, data_cache)
+def test_join_leave_preemption_requeue_and_stop(slurm: SlurmCluster, run: Recipe, tmp_path: Path) -> None:
     main = run.start(nodes=2)
     run.wait_world(2)
     originals = run.agents()
@@ -212,8 +227,8 @@ def test_join_leave_preemption_requeue_and_stop(slurm: SlurmCluster, tmp_path: P
     join = run.join(nodes=1)
     run.wait_world(3, steps=1)
     run.figure("join.sbatch submitted -> first step at world 3", time.monotonic() - t0)
-    run.figure("training lost to the join", run.lost_seconds(2, 3))
     run.wait_world(3)
+    run.figure("training lost to the join", run.lost_seconds(2, 3))
     t0 = time.monotonic()
     slurm.scancel(join, sig=signal.SIGTERM)
     (left,) = run.stopped(join)
@@ -230,15 +245,17 @@ def test_join_leave_preemption_requeue_and_stop(slurm: SlurmCluster, tmp_path: P
     run.wait_world(3)
     node = slurm.job(low)["NodeList"]
     t0 = time.monotonic()
-    urgent = slurm.command(
-        "sbatch",
-        "--parsable",
-        "--partition=urgent",
-        f"--nodelist={node}",
-        f"--output={tmp_path}/urgent-%j.out",
-        "--wrap",
-        "sleep 3",
-    ).strip()
+    urgent = run.track(
+        slurm.command(
+            "sbatch",
+            "--parsable",
+            "--partition=urgent",
+            f"--nodelist={node}",
+            f"--output={tmp_path}/urgent-%j.out",
+            "--wrap",
+            "sleep 3",
+        ).strip()
+    )
     requeued = slurm.wait_for(low, "PENDING", timeout=GRACE_TIME + 30)
     run.figure("urgent job submitted -> preempted join left and requeued", time.monotonic() - t0)
     assert requeued["Restarts"] == "1", requeued
@@ -269,8 +286,7 @@ def test_join_leave_preemption_requeue_and_stop(slurm: SlurmCluster, tmp_path: P
 
 
 @pytest.mark.timeout(600)
-def test_node_down_hold_refill_resubmit_and_time_limit(slurm: SlurmCluster, tmp_path: Path, data_cache: Path) -> None:
-    run = Recipe(slurm, tmp_path, data_cache)
+def test_node_down_hold_refill_resubmit_and_time_limit(slurm: SlurmCluster, run: Recipe) -> None:
     main = run.start(nodes=3)
     run.wait_world(3)
     originals = run.agents()

@@ -32,7 +32,7 @@ from types import TracebackType
 
 import psutil
 
-__all__ = ["GRACE_TIME", "NODES", "SlurmCluster", "SlurmError", "ensure_slurm_installed"]
+__all__ = ["GRACE_TIME", "KILL_WAIT", "NODES", "SlurmCluster", "SlurmError", "ensure_slurm_installed"]
 
 NODES = ("n1", "n2", "n3")
 GRACE_TIME = 60  # seconds a preempted job of partition low gets between SIGTERM and SIGKILL
