@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from elastic_events.control import CAP_LEAVE_ON_SIGTERM, ControlWriter
+from support.cluster import wait_until
 from support.launch import clean_env
 
 WORKER = Path(__file__).parent / "workers" / "sigterm_loader.py"
@@ -55,14 +56,6 @@ def _end(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
-def _until(predicate, *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout:g}s")
-        time.sleep(0.02)
-
-
 def test_sigterm_to_the_whole_step_is_a_leave_request_and_the_loader_worker_lives_on(tmp_path: Path) -> None:
     writer = ControlWriter(tmp_path / "control.bin", 1)
     proc, ready = _start(tmp_path)
@@ -71,7 +64,7 @@ def test_sigterm_to_the_whole_step_is_a_leave_request_and_the_loader_worker_live
         assert writer.progress()[0].capabilities & CAP_LEAVE_ON_SIGTERM
         assert writer.termination_requests() == ()
         os.killpg(proc.pid, signal.SIGTERM)  # the rank and its worker, as slurmstepd does
-        _until(lambda: writer.termination_requests() == (0,), timeout=30, what="the rank's leave request")
+        wait_until(lambda: writer.termination_requests() == (0,), timeout=30, what="the rank's leave request")
         assert proc.poll() is None, "the rank died of SIGTERM"
         assert all(psutil.pid_exists(pid) for pid in ready["workers"]), "the data-loader worker died of SIGTERM"
         (tmp_path / "go").write_text("")
@@ -88,7 +81,7 @@ def test_a_script_that_handles_sigterm_itself_keeps_its_handler(tmp_path: Path) 
     try:
         assert ready["installed"] is False
         os.kill(proc.pid, signal.SIGTERM)
-        _until(lambda: (tmp_path / "own_handler_ran").exists(), timeout=30, what="the script's own handler")
+        wait_until(lambda: (tmp_path / "own_handler_ran").exists(), timeout=30, what="the script's own handler")
         assert writer.termination_requests() == ()
         (tmp_path / "go").write_text("")
         proc.wait(timeout=60)

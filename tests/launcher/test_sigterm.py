@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from hyperpodrun.reaper import Reaper
+from support.cluster import wait_until
 from support.etcd import free_port
 from support.jsonl import read_jsonl
 from support.launch import clean_env, hyperpodrun_cmd
@@ -25,13 +26,10 @@ from support.launch import clean_env, hyperpodrun_cmd
 LOADER = Path(__file__).resolve().parents[1] / "elastic_events" / "workers" / "sigterm_loader.py"
 
 
-def _until(predicate, *, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout:g}s")
-        time.sleep(0.05)
-    return value
+def _launcher(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        hyperpodrun_cmd(*args), env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _ignores_sigterm(pid: int) -> bool:
@@ -43,7 +41,7 @@ def _ignores_sigterm(pid: int) -> bool:
 def test_the_reaper_outlives_sigterm_and_closing_a_dead_one_does_not_raise() -> None:
     reaper = Reaper()
     pid = reaper._proc.pid
-    _until(lambda: _ignores_sigterm(pid), timeout=30, what="the reaper ignoring SIGTERM")
+    wait_until(lambda: _ignores_sigterm(pid), timeout=30, what="the reaper ignoring SIGTERM")
     reaper._proc.send_signal(signal.SIGTERM)
     reaper.close()
     assert reaper._proc.returncode == 0  # it ended on the agent's "exit", not on the signal
@@ -56,30 +54,18 @@ def test_the_reaper_outlives_sigterm_and_closing_a_dead_one_does_not_raise() -> 
 def test_a_launcher_stops_ranks_that_take_sigterm_as_a_leave_request_at_once(tmp_path: Path) -> None:
     """Such a rank (and its data-loader worker, which blocks SIGTERM too) would otherwise outlive the
     agent's SIGTERM for the whole --shutdown-timeout."""
-    launcher = subprocess.Popen(
-        hyperpodrun_cmd(
-            "--rdzv-backend",
-            "static",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            "1",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            "--shutdown-timeout",
-            "120",
-            str(LOADER),
-            str(tmp_path),
-        ),
-        env=clean_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    launcher = _launcher(
+        "--rdzv-backend=static",
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "--shutdown-timeout=120",
+        str(LOADER),
+        str(tmp_path),
     )
     try:
-        _until(lambda: (tmp_path / "ready").exists(), timeout=120, what="the rank and its loader worker")
+        wait_until(lambda: (tmp_path / "ready").exists(), timeout=120, what="the rank and its loader worker")
         ready = json.loads((tmp_path / "ready").read_text())
         assert ready["installed"] is True
         tree = [p for p in psutil.Process(launcher.pid).children(recursive=True) if p.pid in ready["workers"]]
@@ -98,28 +84,17 @@ def test_a_launcher_stops_ranks_that_take_sigterm_as_a_leave_request_at_once(tmp
 @pytest.mark.timeout(120)
 def test_a_launcher_waiting_for_nodes_leaves_at_once_on_sigterm(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
-    launcher = subprocess.Popen(
-        hyperpodrun_cmd(
-            "--nnodes",
-            "2:2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "embedded",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{free_port()}",
-            "--event-log",
-            str(events),
-            str(LOADER),
-            str(tmp_path),
-        ),
-        env=clean_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    launcher = _launcher(
+        "--nnodes=2:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=embedded",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--event-log={events}",
+        str(LOADER),
+        str(tmp_path),
     )
     try:
-        _until(
+        wait_until(
             lambda: any(e["event"] == "agent_started" for e in read_jsonl(events)),
             timeout=60,
             what="the launcher to wait for a second node",

@@ -103,6 +103,14 @@ def test_a_lost_node_below_the_minimum_is_repaired_into_a_held_round_not_stopped
     assert "hold the state" in ev["reason"]
 
 
+def test_a_node_gone_without_a_failure_report_below_the_minimum_is_held_not_stopped() -> None:
+    """Its lease expired before any collective failed (the survivors were between steps): WAIT_FOR_LOST,
+    and re-forming the group without it leaves too few nodes. Before: a STOP event, nothing saved."""
+    snap = JobSnapshot(nodes={"a": node("a")}, round=rnd("a", "b"))
+    ev = written(plan(snap, DeciderMemory(lost_since={"b": NOW - 1.0}), NOW, ctx()))
+    assert (ev["kind"], ev["mode"], ev["next_members"], ev["hold"]) == ("node_lost", "reconfigure", ["a"], True)
+
+
 def test_the_held_round_is_published_held() -> None:
     ev = EventRecord(
         id=4,

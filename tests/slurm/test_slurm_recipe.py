@@ -25,12 +25,13 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from support.cluster import wait_until
 from support.jsonl import read_jsonl
 from support.slurm import GRACE_TIME, KILL_WAIT, SlurmCluster, SlurmError
 
@@ -45,15 +46,6 @@ TRAIN_ARGS = (
     "--min-step-time 0.1 --log-every 1"
 )
 SUCCESS = {"JobState": "COMPLETED", "ExitCode": "0:0"}
-
-
-def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout:g}s")
-        time.sleep(0.25)
-    return value
 
 
 class Recipe:

@@ -25,12 +25,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 
 import psutil
+
+from support.cluster import wait_until
 
 __all__ = ["GRACE_TIME", "KILL_WAIT", "NODES", "SlurmCluster", "SlurmError", "ensure_slurm_installed"]
 
@@ -73,14 +74,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(predicate: Callable[[], bool], *, timeout: float, what: str, poll: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout:g}s")
-        time.sleep(poll)
-
-
 class SlurmCluster:
     """A running local Slurm cluster (see the module's docstring)."""
 
@@ -113,14 +106,14 @@ class SlurmCluster:
         self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld")
         for node in NODES:
             self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", node], f"slurmd-{node}")
-        _wait(self._all_idle, timeout=60, what=f"nodes {NODES} did not become idle (logs in {self.root / 'log'})")
+        wait_until(self._all_idle, timeout=60, what=f"nodes {NODES} to become idle (logs in {self.root / 'log'})")
 
     def close(self) -> None:
         """Cancel every job, stop the daemons, end what still carries this cluster's SLURM_CONF."""
         if any(d.poll() is None for d in self._daemons):
             subprocess.run(["scancel", "--full", "--user", "root"], env=self.env, capture_output=True, timeout=30)
             try:
-                _wait(lambda: not self.squeue(), timeout=KILL_WAIT + 20, what="jobs still queued")
+                wait_until(lambda: not self.squeue(), timeout=KILL_WAIT + 20, what="the jobs to end")
             except (TimeoutError, SlurmError):
                 pass  # what is left is ended below
         for proc in reversed(self._daemons):
@@ -175,7 +168,7 @@ class SlurmCluster:
         def answers() -> bool:
             return subprocess.run(["munge", "-S", str(self.socket), "-n"], capture_output=True).returncode == 0
 
-        _wait(answers, timeout=20, what=f"munged did not answer on {self.socket}")
+        wait_until(answers, timeout=20, what=f"munged to answer on {self.socket}")
 
     def _write_conf(self) -> None:
         r = self.root
@@ -304,7 +297,7 @@ class SlurmCluster:
             fields = self.job(job_id)
             return fields.get("JobState") in states
 
-        _wait(reached, timeout=timeout, what=f"job {job_id} did not reach {states} (last: {fields})", poll=0.5)
+        wait_until(reached, timeout=timeout, what=f"job {job_id} to reach {states}", interval=0.5)
         return fields
 
     def scancel(self, *job_ids: str, sig: signal.Signals | None = None) -> None:

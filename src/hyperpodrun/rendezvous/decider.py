@@ -283,7 +283,9 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
                 nproc_per_node=ctx.nproc_per_node,
                 max_world_size=ctx.max_world_size,
             )
-            if reshape.members and reshape.members[0] in snap.nodes:
+            repaired = bool(reshape.members) and reshape.members[0] in snap.nodes
+            survivors = () if repaired or reshape.action is not Action.INSUFFICIENT else _survivors(snap, rnd)
+            if repaired or survivors:  # too few survivors: they save and hold the state (.hold)
                 return _new_event(
                     snap,
                     rnd,
@@ -291,20 +293,10 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
                     mem,
                     kind=EventKind.NODE_LOST,
                     mode=EventMode.RECONFIGURE,
-                    next_members=reshape.members,
-                    reason=f"lost member(s) repaired in place: {reshape.reason}",
-                )
-            if reshape.action is Action.INSUFFICIENT and (survivors := _survivors(snap, rnd)):
-                return _new_event(
-                    snap,
-                    rnd,
-                    now,
-                    mem,
-                    kind=EventKind.NODE_LOST,
-                    mode=EventMode.RECONFIGURE,
-                    next_members=survivors,
-                    reason=f"lost member(s): {reshape.reason}; the survivors save and hold the state until nodes join",
-                    hold=True,
+                    next_members=reshape.members or survivors,
+                    reason=f"lost member(s) repaired in place: {reshape.reason}"
+                    + ("; the survivors save and hold the state until nodes join" if survivors else ""),
+                    hold=bool(survivors),
                 )
         return _new_event(
             snap,
