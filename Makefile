@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 setup: $(STAMP)
-	@{ command -v etcd && command -v etcdctl && command -v openssl && command -v ip && command -v unshare; } >/dev/null || { \
-	  echo "installing etcd-server, etcd-client, openssl, iproute2 and util-linux (Debian packages) for the integration tests"; \
-	  (apt-get update -q && apt-get install -y -q etcd-server etcd-client openssl iproute2 util-linux) >/dev/null || \
-	  echo "warning: could not install them; the etcd and two-host tests will fail" >&2; }
+	@{ command -v etcd && command -v etcdctl && command -v openssl && command -v ip && command -v unshare && \
+	   command -v slurmctld && command -v slurmd && command -v sbatch && command -v munged; } >/dev/null || { \
+	  echo "installing etcd-server, etcd-client, openssl, iproute2, util-linux, slurm-wlm and munge (Debian packages) for the integration tests"; \
+	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server etcd-client openssl iproute2 util-linux slurm-wlm munge) >/dev/null || \
+	  echo "warning: could not install them; the etcd, two-host and Slurm tests will fail" >&2; }
 
 demo: $(STAMP)
 	$(PY) examples/llama_finetune/demo.py

@@ -63,7 +63,7 @@ from model import IGNORE_INDEX, Llama, LlamaConfig, LlamaConfigError
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from elastic_events import ElasticConfig, ElasticTraining, ElasticTrainingError, restart_reason
+from elastic_events import ElasticConfig, ElasticTraining, ElasticTrainingError, leave_on_sigterm, restart_reason
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from elastic_events.data.batching import BatchPlan, global_token_count, loss_scale, sum_in_batch_order
 from elastic_events.data.dataset import ByteTokenizer, DatasetError, TokenDataset, Tokenizer, build_token_dataset
@@ -549,6 +549,7 @@ def batch_order_gradients(model: torch.nn.Module, batch: GlobalStep, rt: Runtime
 
 
 def train(cfg: TrainConfig) -> int:
+    leave_on_sigterm()  # under hyperpodrun: SIGTERM (Slurm sends it to every process) leaves at the agreed step
     rt = setup_runtime(cfg)
     cfg = resolve_overrides(cfg, rt.world_size)
     torch.manual_seed(cfg.seed)

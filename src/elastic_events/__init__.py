@@ -75,6 +75,7 @@ __all__ = [
     "current_event",
     "elastic_event_detected",
     "is_elastic",
+    "leave_on_sigterm",
     "restart_reason",
 ]
 
@@ -113,6 +114,9 @@ def _probe() -> ControlReader | _FirstStep | None:
     if ctx.control_file is not None:
         _reader = _FirstStep(ControlReader(Path(ctx.control_file), ctx.local_rank), restart_reason())
         _register_stack_dump()
+        from elastic_events import termination  # SIGTERM: a request to leave the job (Slurm signals every process)
+
+        termination.install(_reader.reader)
     return _reader
 
 
@@ -178,6 +182,16 @@ def current_event() -> Event | None:
     """The pending event (id, target step, kind, round, new world size), or None."""
     reader = _reader if _probed else _probe()
     return reader.event() if reader is not None else None
+
+
+def leave_on_sigterm() -> bool:
+    """Under hyperpodrun, make SIGTERM a request to leave the job at the next agreed step (see
+    :mod:`elastic_events.termination`); whether it is one now. Call it at the top of a script, before
+    its data loader starts workers: they then outlive a SIGTERM meant for the job (Slurm signals every
+    process of a job step). ``ElasticTraining.start()`` and the first ``elastic_event_detected()`` do it too."""
+    from elastic_events import termination
+
+    return _channel() is not None and termination.state() is termination.GuardState.WATCHING
 
 
 def is_elastic() -> bool:

@@ -102,6 +102,7 @@ class Record(str, Enum):
     IN_PLACE_UNAVAILABLE = "in_place_unavailable"  # a framework rank does not offer in-place events (reason)
     RESTART_REQUESTED = "restart_requested"  # a rank that offered in-place events was asked to save and restart
     TRAINING_FINISHED = "training_finished"  # the rank's training ended: no event will be acted on
+    STATE_HELD = "state_held"  # below the job's minimum: the survivors saved and hold the state in memory
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,8 @@ Layout (little-endian, fixed offsets)::
       8  u64  event id          (0: no event yet; increases by one per event)
      16  i64  target step       (-1: nothing pending) -- written LAST by the agent
      24  u32  event kind        (EventKind)
-     28  u32  flags             (bit 0 FLAG_REPAIR: the event repairs a failure; survivors may be a step apart)
+     28  u32  flags             (bit 0 FLAG_REPAIR: the event repairs a failure; survivors may be a step apart;
+                                 bit 1 FLAG_HOLD: the event's round is below the minimum: save, then hold the state)
      32  u64  round the event leads to
      40  i64  new world size    (-1 unknown)
      48  i32  this node's group rank in the new round (-1: this node leaves the job)
@@ -25,13 +26,15 @@ Layout (little-endian, fixed offsets)::
       0  i64  step              (elastic_event_detected() calls; continues across reconfigurations)
       8  f64  time.monotonic() of the last call (one clock for every process of the host)
      16  u64  id of the last event the rank acknowledged (returned True for, or was admitted by)
-     24  u32  capabilities      (bit 0 CAP_RECONFIGURE: the script uses the in-process API)
+     24  u32  capabilities      (bit 0 CAP_RECONFIGURE: the script uses the in-process API;
+                                 bit 1 CAP_LEAVE_ON_SIGTERM: SIGTERM asks to leave, it does not end the rank;
+                                 bit 2 CAP_HOLD: below the minimum the rank saves and holds the state)
      28  u32  phase             (RankPhase)
      32  u64  round the rank is in
      40  i64  step of this rank's hand-off (-1 none, -2 being written; see elastic_events.rounds.handoff)
      48  f64  time.monotonic() of the last phase change
      56  u32  spare slots only: the local rank this spare replaces, plus one (0: none yet)
-     60  ..   reserved
+     60  u32  1: the rank received SIGTERM, a request to leave the job (elastic_events.termination)
     spare slots (pre-started replacements, ``elastic_events.rounds.spare``) follow the ranks' slots
 
 A rank's check is two ``struct`` operations on mapped memory while nothing is
@@ -61,7 +64,10 @@ SLOT_SIZE = 64
 NO_TARGET = -1
 MASTER_ADDR_SIZE = 128
 CAP_RECONFIGURE = 1
+CAP_LEAVE_ON_SIGTERM = 2
+CAP_HOLD = 4
 FLAG_REPAIR = 1
+FLAG_HOLD = 2
 
 # magic, version, event_id, target, kind, flags, round, world, group_rank, group_world, port, reserved, addr
 _HEADER = struct.Struct(f"<IIQqIIQqiiII{MASTER_ADDR_SIZE}s")
@@ -88,6 +94,8 @@ _PHASE_TIME = struct.Struct("<d")
 _PHASE_TIME_OFFSET = 48
 _ASSIGN = struct.Struct("<I")
 _ASSIGN_OFFSET = 56
+_TERM = struct.Struct("<I")
+_TERM_OFFSET = 60
 
 
 class EventKind(IntEnum):
@@ -109,7 +117,8 @@ class RankPhase(IntEnum):
     LEAVING = 5
     FAILED = 6
     RECOVERING = 7  # a collective failed (a peer died): waiting for the RECONFIGURE that repairs the group
-    FINISHED = 8  # training ended on this rank: no event is acted on any more (it exits soon, 0)
+    HOLDING = 8  # below the job's minimum: saved, holding the state in memory until nodes join (or it leaves)
+    FINISHED = 9  # training ended on this rank: no event is acted on any more (it exits soon, 0)
 
 
 class ControlChannelError(RuntimeError):
@@ -132,6 +141,7 @@ class Event:
     master_addr: str = ""
     master_port: int = 0
     repair: bool = False  # the event repairs a failure (a rank died): survivors may be a step apart
+    hold: bool = False  # the event's round is below the job's minimum: save, then hold the state until the next
 
     @property
     def leaves(self) -> bool:
@@ -171,7 +181,19 @@ def _unpack_event(mm: mmap.mmap) -> Event | None:
     if target == NO_TARGET:
         return None
     master = addr.rstrip(b"\0").decode("utf-8", errors="replace")
-    return Event(event_id, target, EventKind(kind), rnd, world, grank, gworld, master, port, bool(flags & FLAG_REPAIR))
+    return Event(
+        event_id,
+        target,
+        EventKind(kind),
+        rnd,
+        world,
+        grank,
+        gworld,
+        master,
+        port,
+        bool(flags & FLAG_REPAIR),
+        bool(flags & FLAG_HOLD),
+    )
 
 
 def _empty_slot() -> bytes:
@@ -245,6 +267,7 @@ class ControlWriter:
         master_addr: str = "",
         master_port: int = 0,
         repair: bool = False,
+        hold: bool = False,
     ) -> None:
         """Announce an event; the target step is written last so a reader never sees half an event.
 
@@ -269,7 +292,7 @@ class ControlWriter:
             event_id,
             NO_TARGET,
             kind,
-            FLAG_REPAIR if repair else 0,
+            (FLAG_REPAIR if repair else 0) | (FLAG_HOLD if hold else 0),
             round,
             world_size,
             group_rank,
@@ -283,6 +306,12 @@ class ControlWriter:
 
     def clear(self) -> None:
         _store(self._mm, _TARGET_OFFSET, _TARGET, NO_TARGET)
+
+    def termination_requests(self) -> tuple[int, ...]:
+        """The local ranks that received SIGTERM (a request to leave the job) since their slot was reset."""
+        return tuple(
+            r for r in range(self.nproc) if _TERM.unpack_from(self._mm, HEADER_SIZE + SLOT_SIZE * r + _TERM_OFFSET)[0]
+        )
 
     def event(self) -> Event | None:
         return _unpack_event(self._mm)
@@ -374,6 +403,10 @@ class ControlReader:
             _store(self._mm, self._slot + _ROUND_OFFSET, _ROUND, round)
         _store(self._mm, self._slot + _PHASE_TIME_OFFSET, _PHASE_TIME, time.monotonic())
         _store(self._mm, self._slot + _PHASE_OFFSET, _PHASE, phase)
+
+    def request_termination(self) -> None:
+        """Tell the agent that this rank received SIGTERM: a request to leave the job at the next agreed step."""
+        _store(self._mm, self._slot + _TERM_OFFSET, _TERM, 1)
 
     def set_snapshot_step(self, step: int) -> None:
         """Record the step of the state this rank holds outside the process (``SNAPSHOT_WRITING``: being written)."""

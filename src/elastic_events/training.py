@@ -46,10 +46,11 @@ import torch
 import elastic_events
 from elastic_events import eventlog
 from elastic_events.contract import Record
-from elastic_events.control import CAP_RECONFIGURE, Event, EventKind, RankPhase
+from elastic_events.control import CAP_HOLD, CAP_RECONFIGURE, Event, EventKind, RankPhase
 from elastic_events.errors import ElasticTrainingError, RecoveryError
 from elastic_events.rounds.config import ElasticConfig
 from elastic_events.rounds.engine import RoundEngine
+from elastic_events.rounds.hold import hold
 from elastic_events.rounds.joining import Joiner, prewarm
 from elastic_events.rounds.snapshots import Snapshots
 from elastic_events.training_state import (
@@ -244,7 +245,7 @@ class ElasticTraining:
             gc.freeze()  # before any model is built: a replaced model must stay collectable (ElasticConfig.freeze_gc)
         e = self.engine
         if e.reader is not None:
-            e.reader.declare(CAP_RECONFIGURE)
+            e.reader.declare(CAP_RECONFIGURE | CAP_HOLD)
         elastic_events._set_step_hook(self._on_step)
         if e.context.parked:
             return self._start_parked()
@@ -346,20 +347,25 @@ class ElasticTraining:
             raise ElasticTrainingError(f"event {event.event_id} has unknown kind {event.kind!r}")
         self.engine.set_phase(RankPhase.RECONFIGURING)
         try:
-            t0 = time.monotonic()
-            if event.repair or self.engine.broken() is not None:
-                # a repair reached at its step: a peer of this round failed, so no collective, no graceful
-                # teardown on it (NCCL's would block on the dead peer): aborted, as after a failed step
-                kept = self.joiner.keep_after_failure(None)
-            else:
-                kept = self.joiner.leave(event)
-            if event.leaves:
-                self.engine.set_phase(RankPhase.LEAVING)
-                return False
-            self.joiner.join(event, kept=kept, fresh_module=None, torn_down_s=time.monotonic() - t0)
+            moved = self._move(event)
         except BaseException:
             self.engine.set_phase(RankPhase.FAILED)
             raise
+        return hold(self) if moved and event.hold else moved  # below the minimum: save, hold the state
+
+    def _move(self, event: Event) -> bool:
+        """Leave the current round for ``event``'s; False when this node leaves the job."""
+        t0 = time.monotonic()
+        if event.repair or self.engine.broken() is not None:
+            # a repair reached at its step: a peer of this round failed, so no collective, no graceful
+            # teardown on it (NCCL's would block on the dead peer): aborted, as after a failed step
+            kept = self.joiner.keep_after_failure(None)
+        else:
+            kept = self.joiner.leave(event)
+        if event.leaves:
+            self.engine.set_phase(RankPhase.LEAVING)
+            return False
+        self.joiner.join(event, kept=kept, fresh_module=None, torn_down_s=time.monotonic() - t0)
         return True
 
     def peer_failure(self, exc: BaseException) -> bool:
@@ -413,7 +419,7 @@ class ElasticTraining:
             raise RecoveryError(
                 f"rank {rank}: the repaired group of round {event.round} could not be joined: {failed}"
             ) from failed
-        return True
+        return hold(self) if event.hold else True  # too few survivors: save, hold the state
 
     def _save_and_exit(self, event: Event) -> bool:
         if self.checkpointer is None:

@@ -26,12 +26,13 @@ from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 
-from elastic_events.control import ControlWriter, EventKind, RankPhase
+from elastic_events.control import CAP_HOLD, ControlWriter, EventKind, RankPhase
 from hyperpodrun.agent_dir import AgentDir
 from hyperpodrun.config import LaunchConfig, RestartMode
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
 from hyperpodrun.hang import HangPolicy, hung_ranks, progress_clock
+from hyperpodrun.held import held_line
 from hyperpodrun.logs import LogDirectory, RankLogs
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.outage import StoreOutage, final_directive
@@ -40,6 +41,7 @@ from hyperpodrun.reaper import Reaper
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
 from hyperpodrun.signals import SignalLatch
+from hyperpodrun.sigterm import InterruptibleWaits, LeaveRequested, ranks_leaving_on_sigterm, requested_by_ranks
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import (
     DEFAULT_PREFIX_TEMPLATE,
@@ -110,6 +112,7 @@ class Agent:
         )
         self._hang_policy = HangPolicy(timeout=config.hang_timeout)
         self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
+        self._waits: InterruptibleWaits | None = None  # the rendezvous store, its waits ended by SIGTERM
 
     # -- public ------------------------------------------------------------------------
 
@@ -144,6 +147,8 @@ class Agent:
     def _loop(self) -> None:
         """Rounds of the job: rendezvous, run the ranks, follow the round's directive."""
         rdzv = self.rdzv
+        if rdzv.elastic and hasattr(rdzv, "store"):  # a SIGTERM ends a rendezvous wait at once (sigterm.py)
+            self._waits = rdzv.store = InterruptibleWaits(rdzv.store, pending=self._leave_pending)
         with self._signals.interruptible(self._signal):
             self._guard_store(rdzv.join)
         if rdzv.local_addr is not None:
@@ -154,8 +159,15 @@ class Agent:
         while True:
             self.state = AgentState.RENDEZVOUS
             try:
-                with self._signals.interruptible(self._signal):  # Ctrl-C ends the wait for other nodes at once
+                # Ctrl-C ends the wait for other nodes at once (SignalReceived); in an elastic job a SIGTERM is a
+                # graceful leave instead: its wait ends (LeaveRequested) and the node asks to leave
+                with self._signals.interruptible(None if self._leave_pending() else self._signal):
                     rnd = self._guard_store(lambda: rdzv.next_round(timeout=self.rdzv_timeout, prewarm=self._prewarm))
+            except LeaveRequested:
+                self._signal = None
+                _say("SIGTERM: leaving the job")
+                self._guard_store(rdzv.request_leave)
+                continue
             except RendezvousClosedError as e:
                 self._finish_closed(str(e), succeeded=e.status != "failed", left=e.status == "left")
                 return
@@ -189,6 +201,8 @@ class Agent:
                     f"round {rnd.round}: ranks reconfigured in place, world size {rnd.assignment.world_size}, "
                     f"this node is group rank {rnd.assignment.group_rank}"
                 )
+                if directive.hold:
+                    _say(held_line(rnd.round, self.config.min_nodes))
             if directive.kind == DirectiveKind.EXIT:
                 if not rdzv.elastic:  # an elastic job's outcome is logged once, by its decider
                     self.events.emit(
@@ -227,6 +241,8 @@ class Agent:
                 else:
                     failure_logged = True
                     self._log_failure(group)  # its siblings stop now: they must not hang in a collective
+            if self._signal is None and not rdzv.leaving and requested_by_ranks(self._control):
+                self._signal = signal.SIGTERM  # a local rank received SIGTERM: the same request as the agent's own
             if self._signal is not None:
                 if self._signal == signal.SIGTERM and rdzv.elastic:
                     self._signal = None
@@ -249,6 +265,7 @@ class Agent:
                     steps=steps,
                     step_times=step_times,  # a rank replaced to be repaired in place declares again once it runs
                     reconfigurable=all(p.reconfigurable for p in progress) or self._repair.repairing is not None,
+                    can_hold=all(p.capabilities & CAP_HOLD for p in progress),
                     failure=self._repair.repairing or self._hang or (failures[0].summary() if failures else None),
                     repairing=self._repair.repairing is not None,
                     peer_failed=any(p.phase == RankPhase.RECOVERING for p in progress),
@@ -374,7 +391,8 @@ class Agent:
         """
         self._write_event(directive)
         progress = self._control.progress()
-        missed = [] if directive.repair else missed_target(progress, directive.event_id, directive.target_step)
+        at_once = directive.repair or directive.from_held
+        missed = [] if at_once else missed_target(progress, directive.event_id, directive.target_step)
         self.events.emit(
             EventType.WORKERS_SIGNALLED,
             event_id=directive.event_id,
@@ -453,7 +471,7 @@ class Agent:
         if pending.kind != DirectiveKind.RECONFIGURE or pending.group_rank < 0:
             return False
         return all(
-            p.round == pending.next_round and p.phase in (RankPhase.READY, RankPhase.RUNNING)
+            p.round == pending.next_round and p.phase in (RankPhase.READY, RankPhase.RUNNING, RankPhase.HOLDING)
             for p in self._control.progress()
         )
 
@@ -501,6 +519,7 @@ class Agent:
             master_addr=directive.master_addr if reconfigure else "",
             master_port=directive.master_port if reconfigure else 0,
             repair=directive.repair,
+            hold=directive.hold,
         )
 
     def _stop_now(self, group: WorkerGroup, directive: Directive) -> Directive:
@@ -586,6 +605,7 @@ class Agent:
             reaper=self._reaper,
             prefix_template=cfg.log_line_prefix_template or DEFAULT_PREFIX_TEMPLATE,
             role=cfg.role,
+            sigterm_leaves=lambda: ranks_leaving_on_sigterm(self._control.progress()),
         )
         group.start()
         if rnd is not None:
@@ -647,6 +667,12 @@ class Agent:
     def _handle(self, signum: int) -> None:
         self._signal = signum
         self._wake.set()
+        if self._waits is not None and self._waits.waiting and self._leave_pending():
+            raise LeaveRequested  # out of a rendezvous wait (it changes nothing): the node leaves now
+
+    def _leave_pending(self) -> bool:
+        """A SIGTERM the agent has not acted on while it waits in a rendezvous: the node leaves the job."""
+        return self._signal == signal.SIGTERM and self.state is AgentState.RENDEZVOUS and self.rdzv.elastic
 
 
 def _value(enum_or_none) -> str | None:

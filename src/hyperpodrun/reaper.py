@@ -51,7 +51,10 @@ class Reaper:
         """Normal exit: the groups were stopped by the agent; the watchdog ends quietly."""
         self._send("exit")
         if self._proc.stdin is not None:
-            self._proc.stdin.close()
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass  # the watchdog is gone already: nothing is left to flush to it
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -67,7 +70,10 @@ def _alive(pgid: int) -> bool:
 
 
 def _watch() -> None:
+    # Slurm sends SIGTERM to every process of a job step: the watchdog outlives it (it ends when the agent
+    # closes its pipe), as the agent and its ranks do when they leave at the next agreed step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     groups: set[int] = set()
     for line in sys.stdin:
         line = line.strip()

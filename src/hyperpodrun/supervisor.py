@@ -1,7 +1,9 @@
 """Worker supervision: spawn the local ranks with torchrun's environment, watch them, stop them.
 
 Each rank runs in its own session (process group). Stopping a rank stops its whole
-process tree: SIGTERM to every process of the tree, a grace period, then SIGKILL.
+process tree: SIGTERM to every process of the tree, a grace period, then SIGKILL. A rank
+that takes SIGTERM as a request to leave the job (``elastic_events.termination``) and its
+tree get SIGKILL at once.
 On Linux the launcher makes itself a *child subreaper*, so grandchildren whose
 parent died (e.g. dataloader workers of a crashed rank) are re-parented to the
 launcher instead of init and are still found and stopped; and each rank gets
@@ -18,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -155,10 +158,13 @@ class WorkerGroup:
         reaper: Reaper | None = None,
         prefix_template: str = DEFAULT_PREFIX_TEMPLATE,
         role: str = "default",
+        sigterm_leaves: Callable[[], Collection[int]] | None = None,
     ) -> None:
         self._reaper = reaper
         self._prefix_template = prefix_template
         self._role = role
+        # The local ranks for which SIGTERM is a request to leave the job, not an end: stop() SIGKILLs them.
+        self._sigterm_leaves = sigterm_leaves
         self._command = command
         self._base_env = base_env
         self._rank_env = rank_env
@@ -374,6 +380,9 @@ class WorkerGroup:
     def stop(self, *, grace: float, sig: int = signal.SIGTERM) -> None:
         """Stop every rank and all its descendants: ``sig``, up to ``grace`` seconds, then SIGKILL."""
         self.drop_spare()
+        if sig == signal.SIGTERM and self._sigterm_leaves is not None:
+            for local_rank in self._sigterm_leaves():
+                self._kill_tree(local_rank)
         procs = self._tree()
         for p in procs:
             _send(p, sig)
@@ -397,6 +406,19 @@ class WorkerGroup:
         self._join_pumps(timeout=5.0)
         if self.state == WorkerState.HEALTHY:
             self.state = WorkerState.STOPPED
+
+    def _kill_tree(self, local_rank: int) -> None:
+        """SIGKILL a local rank and every process below it (its data-loader workers: they block SIGTERM too)."""
+        if not 0 <= local_rank < len(self._ranks) or self._ranks[local_rank].proc.poll() is not None:
+            return
+        root = self._ranks[local_rank].proc.pid
+        try:
+            below = psutil.Process(root).children(recursive=True)
+        except psutil.NoSuchProcess:
+            below = []
+        _killpg(root, signal.SIGKILL)
+        for p in below:
+            _send(p, signal.SIGKILL)
 
     def _tree(self) -> list[psutil.Process]:
         procs: dict[int, psutil.Process] = {}

@@ -67,6 +67,8 @@ class Directive:
     master_addr: str = ""
     master_port: int = 0
     members: tuple[str, ...] = ()  # RECONFIGURE: the next round's nodes in group-rank order
+    hold: bool = False  # RECONFIGURE: the next round is below the minimum; its ranks save and hold the state
+    from_held: bool = False  # RECONFIGURE from a held round: its ranks do not step, they act at once
 
     @property
     def repair(self) -> bool:
@@ -82,6 +84,7 @@ class LocalStatus:
     steps: tuple[int, ...]  # each local rank's count of elastic_event_detected() calls
     step_times: tuple[float, ...]  # each local rank's recent fastest seconds per step (0: not known yet)
     reconfigurable: bool = False  # every local rank declared the in-process API
+    can_hold: bool = False  # every local rank holds the state below the minimum (elastic_events.rounds.hold)
     failure: str | None = None
     repairing: bool = False  # ``failure``'s ranks were restarted parked, to be repaired in place
     peer_failed: bool = False  # a local rank's collective failed (a peer died or hung); it waits for the repair
@@ -110,6 +113,11 @@ class RendezvousHandler(ABC):
     @property
     def lease_lost(self) -> bool:
         """Whether this node lost its membership (elastic jobs only)."""
+        return False
+
+    @property
+    def leaving(self) -> bool:
+        """Whether this node asked to leave the job (elastic jobs only)."""
         return False
 
     @property

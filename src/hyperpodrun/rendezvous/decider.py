@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from hyperpodrun.config import RestartMode
 from hyperpodrun.policy import Action, ClusterView, Decision, ElasticPolicy, NodeState, decide
 from hyperpodrun.rendezvous.api import RestartReason
+from hyperpodrun.rendezvous.hold import holds, next_from_held
 from hyperpodrun.rendezvous.local_time import event_key, halt_key, made_key, observe, round_key, scale_events
 from hyperpodrun.rendezvous.records import (
     REPAIR_KINDS,
@@ -188,6 +189,8 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
     mem = dataclasses.replace(mem, seen=observe(mem.seen, round=rnd, event=ev, now=now))
     if ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete:
         return _drive_event(snap, ev, rnd, now, ctx, mem)
+    if rnd is not None and rnd.state is RoundState.RUNNING and rnd.held:
+        return _plan_held(snap, rnd, now, ctx, mem)
     if rnd is not None and rnd.state is RoundState.RUNNING:
         if rnd.members and all(m in snap.done for m in rnd.members):
             closed = ClosedRecord(status=JobOutcome.SUCCEEDED, message="all ranks exited 0")
@@ -274,6 +277,21 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
     if decision.action is Action.INSUFFICIENT:
         if not running:
             return Plan(memory=mem, waiting_for=decision.reason)
+        survivors = _survivors(snap, rnd)
+        if survivors and _repairs_in_place(rnd, ctx):  # below the minimum: the survivors keep the state (.hold)
+            gone = any(m not in snap.nodes for m in rnd.members)
+            leaving = any(snap.nodes[m].leaving for m in rnd.members if m in snap.nodes)
+            return _new_event(
+                snap,
+                rnd,
+                now,
+                mem,
+                kind=EventKind.NODE_LOST if gone else EventKind.LEAVE if leaving else EventKind.YIELD,
+                mode=EventMode.RECONFIGURE if gone else EventMode.RESTART,
+                next_members=survivors,
+                reason=f"{decision.reason}; the survivors save and hold the state until nodes join",
+                hold=True,
+            )
         return _new_event(
             snap,
             rnd,
@@ -295,7 +313,9 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
                 nproc_per_node=ctx.nproc_per_node,
                 max_world_size=ctx.max_world_size,
             )
-            if reshape.members and reshape.members[0] in snap.nodes:
+            repaired = bool(reshape.members) and reshape.members[0] in snap.nodes
+            survivors = () if repaired or reshape.action is not Action.INSUFFICIENT else _survivors(snap, rnd)
+            if repaired or survivors:  # too few survivors: they save and hold the state (.hold)
                 return _new_event(
                     snap,
                     rnd,
@@ -303,8 +323,10 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
                     mem,
                     kind=EventKind.NODE_LOST,
                     mode=EventMode.RECONFIGURE,
-                    next_members=reshape.members,
-                    reason=f"lost member(s) repaired in place: {reshape.reason}",
+                    next_members=reshape.members or survivors,
+                    reason=f"lost member(s) repaired in place: {reshape.reason}"
+                    + ("; the survivors save and hold the state until nodes join" if survivors else ""),
+                    hold=bool(survivors),
                 )
         return _new_event(
             snap,
@@ -334,8 +356,35 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
 
 
 def _repairs_in_place(rnd: RoundRecord, ctx: DeciderContext) -> bool:
-    """Whether the round's failures are repaired in place (every rank declared the in-process API)."""
-    return rnd.inprocess and ctx.restart_mode is RestartMode.AUTO
+    """Whether the round's failures are repaired in place (every rank declared the in-process API; a held
+    round's are not: its state is saved, :mod:`.hold`)."""
+    return rnd.inprocess and ctx.restart_mode is RestartMode.AUTO and not rnd.held
+
+
+def _survivors(snap: JobSnapshot, rnd: RoundRecord) -> tuple[str, ...]:
+    """The round's members that are alive and not leaving, when all of them can hold the state (else none)."""
+    alive = tuple(m for m in rnd.members if m in snap.nodes and not snap.nodes[m].leaving)
+    return alive if all(snap.nodes[m].can_hold for m in alive) else ()
+
+
+def _plan_held(snap: JobSnapshot, rnd: RoundRecord, now: float, ctx: DeciderContext, mem: DeciderMemory) -> Plan:
+    """A held round (:mod:`.hold`): resume it in place once nodes join, let leavers go, halt when one is lost."""
+    mem, view = _view(snap, mem, now, ctx)
+    decision = decide(ctx.policy, view, now, nproc_per_node=ctx.nproc_per_node, max_world_size=ctx.max_world_size)
+    step = next_from_held(rnd, decision, snap.nodes, ctx.policy, failed=bool(snap.failed))
+    if step is None:
+        return Plan(memory=mem, waiting_for=f"round {rnd.round} holds the state: {decision.reason}")
+    return _new_event(
+        snap,
+        rnd,
+        now,
+        mem,
+        kind=step.kind,
+        mode=step.mode,
+        next_members=step.next_members,
+        reason=step.reason,
+        hold=step.hold,
+    )
 
 
 def _event_kind(snap: JobSnapshot, rnd: RoundRecord, decision: Decision) -> EventKind:
@@ -395,6 +444,7 @@ def _new_event(
     next_members: tuple[str, ...] | None,
     reason: str,
     failure: str | None = None,
+    hold: bool = False,
 ) -> Plan:
     ev = EventRecord(
         id=(snap.event.id if snap.event else 0) + 1,
@@ -405,6 +455,7 @@ def _new_event(
         reason=reason,
         decided_at=now + mem.wall_offset,
         failure=failure,
+        hold=hold,
     )
     note = Note(
         round=rnd.round,
@@ -467,14 +518,19 @@ def _target_event(
     if not all(a.cooperative for a in acks.values()):
         reason = ev.reason + "; ranks do not call elastic_event_detected() on every rank"
         return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=reason), mem)
+    held = snap.round is not None and snap.round.held  # its ranks hold the state, they do not step: act at once
     times = [a.step_time for a in acks.values() if a.step_time > 0]
     rate_wait = min(ctx.ack_timeout, RATE_WAIT_PROPAGATIONS * ctx.propagation)
-    if len(times) < len(acks):
+    if len(times) < len(acks) and not held:
         if elapsed <= rate_wait:  # defer (bounded) until every member knows its step rate
             return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for the ranks' step rate")
         times.append(rate_wait)  # no second step seen within the bound: steps are at least that slow
     # Ranks kept stepping since they acked: budget for the oldest ack's age (at most the event's).
-    target = choose_target_step([a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, age))
+    target = (
+        0
+        if held
+        else choose_target_step([a.step for a in acks.values()], times, propagation=ctx.propagation + max(0.0, age))
+    )
     mode = ev.mode
     master_addr, master_port = "", 0
     if ev.next_members:
@@ -493,6 +549,8 @@ def _target_event(
             cold = [m for m in ev.next_members if m not in acks and m in snap.nodes and not snap.nodes[m].parked]
             if cold and elapsed <= ctx.ack_timeout:  # survivors would wait in the new group for their start-up
                 return Plan(memory=mem, waiting_for=f"event {ev.id}: waiting for {cold} to park their ranks")
+    if ev.hold and mode is not EventMode.RECONFIGURE:  # ranks that save and exit hold nothing: the round halts
+        ev = evolve(ev, next_members=None, hold=False, reason=ev.reason + "; not every rank can hold it: saved instead")
     how = "ranks reconfigure in place" if mode is EventMode.RECONFIGURE else "ranks save and restart"
     note = Note(
         round=ev.round,
@@ -588,12 +646,18 @@ def _target_repair(
         f"; left out {missing}: no answer within {min(elapsed, ctx.propagation):.2g}s" if missing else ""
     )
     reason += f"; left out {vanished}: gone" if vanished else ""
-    if len(nxt) not in ctx.policy.allowed_sizes():
+    if not nxt:
+        return _update(snap, evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{reason}; no member is left"), mem)
+    if holds(nxt, ctx.policy) and not ev.hold and not all(m in snap.nodes and snap.nodes[m].can_hold for m in nxt):
         return _update(
             snap,
             evolve(ev, mode=EventMode.STOP, target=-1, reason=f"{reason}; {len(nxt)} node(s) is not an allowed size"),
             mem,
         )
+    if holds(nxt, ctx.policy) and not ev.hold:  # too few to train: the survivors save and hold the state (.hold)
+        ev = evolve(ev, hold=True)
+        reason += f"; {len(nxt)} node(s) is not an allowed size: the survivors save and hold the state until nodes join"
+
     head = nxt[0]
     if head not in acks:
         return _update(
@@ -670,7 +734,12 @@ def _finish_event(snap: JobSnapshot, ev: EventRecord, rnd: RoundRecord, now: flo
                 master=(ev.master_addr, ev.master_port),
                 inprocess=True,
                 count_restart=ev.kind is EventKind.RANK_FAILURE,
+                held=ev.hold,
             )
+        elif ev.hold:  # a survivor could not move in place: nothing is held; the round halts for lack of nodes
+            halted = evolve(rnd, state=RoundState.HALTED, halt_kind=EventKind.INSUFFICIENT, halted_at=now)
+            note = Note(round=rnd.round, what=f"round {rnd.round} halted (insufficient)", reason=ev.reason)
+            return Plan(writes=(complete, Write(Keys.ROUND, encode(halted), snap.round_rev)), notes=(note,), memory=mem)
         else:  # some node could not move in place: every rank restarts; the skipped number tells the others
             failed = [m for m in nxt if not (m in snap.stopped and snap.stopped[m].reconfigured)]
             why = f"{ev.reason}; in-place reconfiguration failed on {failed}: restarting the ranks"
@@ -735,6 +804,7 @@ def _publish_round(
     master: tuple[str, int] = ("", 0),
     inprocess: bool = False,
     number: int | None = None,
+    held: bool = False,
 ) -> Plan:
     rnd = snap.round
     head = snap.nodes[members[0]]
@@ -751,8 +821,12 @@ def _publish_round(
         why=why,
         mode=mode if mode is EventMode.RECONFIGURE else EventMode.RESTART,
         inprocess=inprocess,
+        held=held,
     )
     world = len(members) * head.nproc
-    note = Note(round=new.round, what=f"round {new.round}: {len(members)} node(s), world {world}", reason=why)
+    what = f"round {new.round}: {len(members)} node(s), world {world}"
+    if held:
+        what = f"round {new.round} holds the state below the minimum: {len(members)} node(s) ({', '.join(members)})"
+    note = Note(round=new.round, what=what, reason=why)
     mem = dataclasses.replace(mem, seen={**mem.seen, round_key(new.round): now})
     return Plan(writes=(Write(Keys.ROUND, encode(new), snap.round_rev),), notes=(note,), memory=mem)

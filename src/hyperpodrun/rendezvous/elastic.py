@@ -99,6 +99,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._stopped_reported = 0
         self._leaving = False
         self._reconfigurable = False  # this node's ranks declared the in-process API
+        self._can_hold = False  # and that they hold the state below the minimum
         self._parked = False  # this standby's pre-warmed ranks are parked, waiting for admission
         self._in_place_event: EventRecord | None = None  # the event this node's ranks moved rounds in place for
         self._keeper: LeaseKeeper | None = None
@@ -190,6 +191,7 @@ class ElasticRendezvous(RendezvousHandler):
             pid=os.getpid(),
             leaving=self._leaving,
             reconfigurable=self._reconfigurable,
+            can_hold=self._can_hold,
             parked=self._parked,
             settings=self._settings(),
         )
@@ -313,8 +315,9 @@ class ElasticRendezvous(RendezvousHandler):
         if closed is not None:
             code = 0 if closed.status is JobOutcome.SUCCEEDED else 1
             return Directive(kind=DirectiveKind.EXIT, exit_code=code, reason=closed.message)
-        if status.reconfigurable and not self._reconfigurable:
-            self._reconfigurable = True
+        if (status.reconfigurable and not self._reconfigurable) or (status.can_hold and not self._can_hold):
+            self._reconfigurable = self._reconfigurable or status.reconfigurable
+            self._can_hold = self._can_hold or status.can_hold
             self._put_node()  # once: the decider marks the round in-process when every member has
         my_round = self._round.round if self._round else 0
         if (stop := self._left_behind(rnd, ev, my_round)) is not None:
@@ -397,6 +400,8 @@ class ElasticRendezvous(RendezvousHandler):
             master_addr=ev.master_addr,
             master_port=ev.master_port,
             members=nxt,
+            hold=ev.hold,
+            from_held=self._round is not None and self._round.held,
         )
 
     def _admission(self, rnd: RoundRecord, ev: EventRecord | None) -> RoundInfo | None:
@@ -610,6 +615,7 @@ class ElasticRendezvous(RendezvousHandler):
             reason=(RestartReason.FAILURE if directive.repair else RestartReason.SCALE).value,
             mode=EventMode.RECONFIGURE,
             inprocess=True,
+            held=directive.hold,
         )
         self._round = rnd
         self._in_place_event = EventRecord(

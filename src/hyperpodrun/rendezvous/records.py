@@ -103,6 +103,8 @@ class RoundState(str, Enum):
     Transitions: RUNNING -(event with next members)-> RUNNING (round + 1);
     RUNNING -(event without: failure, insufficient nodes, lost node)-> HALTED;
     HALTED -(policy or failure restart)-> RUNNING (round + 1).
+    A RUNNING round may be *held* (``RoundRecord.held``): below the minimum, its ranks hold the state
+    without training; its next round (in place, when nodes join) is a RUNNING one again (see :mod:`.hold`).
     """
 
     RUNNING = "running"
@@ -149,6 +151,7 @@ class NodeRecord:
     leaving: bool = False
     reconfigurable: bool = False  # every local rank declared the in-process API
     parked: bool = False  # a standby whose pre-warmed ranks wait for admission (imported, model built)
+    can_hold: bool = False  # every local rank saves and holds the state below the minimum (.hold)
     settings: dict[str, Any] | None = None  # job_settings(): every node of a job must share them
 
 
@@ -169,6 +172,7 @@ class RoundRecord:
     failure_answered: bool = False  # every member's agent answered the rank failure's stop (none was lost with it)
     mode: EventMode = EventMode.RESTART  # how the round was entered
     inprocess: bool = False  # every member's ranks declared the in-process API: standbys pre-warm
+    held: bool = False  # below the minimum: the ranks saved and hold the state, untrained, until nodes join (.hold)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +197,7 @@ class EventRecord:
     master_port: int = 0
     failure: str | None = None
     complete: bool = False
+    hold: bool = False  # the next round is below the minimum: its ranks save and hold the state (.hold)
 
     @property
     def next_round(self) -> int:
