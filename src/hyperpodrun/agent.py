@@ -97,7 +97,8 @@ class Agent:
         self._reaper: Reaper | None = None
         self._signal: int | None = None
         self._wake = threading.Event()
-        self._signals = SignalLatch(self._handle)
+        # in an elastic job a SIGTERM is a graceful leave: it ends only the rendezvous' waits (LeaveRequested)
+        self._signals = SignalLatch(self._handle, interrupts=lambda signum: not self._leaves_on(signum))
         self._outage = StoreOutage(limit=config.rdzv_settings.outage_timeout)
         self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
         self._hang: str | None = None  # why the running group was declared hung
@@ -149,8 +150,12 @@ class Agent:
         rdzv = self.rdzv
         if rdzv.elastic and hasattr(rdzv, "store"):  # a SIGTERM ends a rendezvous wait at once (sigterm.py)
             self._waits = rdzv.store = InterruptibleWaits(rdzv.store, pending=self._leave_pending)
-        with self._signals.interruptible(self._signal):
-            self._guard_store(rdzv.join)
+        try:
+            with self._signals.interruptible(self._signal):
+                self._guard_store(rdzv.join)
+        except LeaveRequested:  # a SIGTERM before this node was part of anything: nothing to hand on
+            self._finish_closed("SIGTERM before joining", succeeded=True, left=True)
+            return
         if rdzv.local_addr is not None:
             gloo = choose_gloo_interface(rdzv.local_addr, os.environ)
             self._rank_net_env = dict(gloo.env)
@@ -161,7 +166,7 @@ class Agent:
             try:
                 # Ctrl-C ends the wait for other nodes at once (SignalReceived); in an elastic job a SIGTERM is a
                 # graceful leave instead: its wait ends (LeaveRequested) and the node asks to leave
-                with self._signals.interruptible(None if self._leave_pending() else self._signal):
+                with self._signals.interruptible(self._signal):
                     rnd = self._guard_store(lambda: rdzv.next_round(timeout=self.rdzv_timeout, prewarm=self._prewarm))
             except LeaveRequested:
                 self._signal = None
@@ -669,6 +674,10 @@ class Agent:
         self._wake.set()
         if self._waits is not None and self._waits.waiting and self._leave_pending():
             raise LeaveRequested  # out of a rendezvous wait (it changes nothing): the node leaves now
+
+    def _leaves_on(self, signum: int) -> bool:
+        """Whether ``signum`` asks this node to leave the job gracefully (SIGTERM in an elastic job)."""
+        return signum == signal.SIGTERM and self.rdzv.elastic
 
     def _leave_pending(self) -> bool:
         """A SIGTERM the agent has not acted on while it waits in a rendezvous: the node leaves the job."""

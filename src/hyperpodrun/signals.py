@@ -37,14 +37,15 @@ class _Interrupted(BaseException):
 class SignalLatch:
     """Notes each signal for the agent (``on_signal``) and raises it inside :meth:`interruptible`."""
 
-    def __init__(self, on_signal: Callable[[int], None]) -> None:
+    def __init__(self, on_signal: Callable[[int], None], *, interrupts: Callable[[int], bool] = lambda signum: True):
         self._on_signal = on_signal
+        self._interrupts = interrupts  # which signals end a block's waits (the others are only noted)
         self._armed = 0
         self._previous: dict[signal.Signals, object] = {}
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         self._on_signal(signum)
-        if self._armed:
+        if self._armed and self._interrupts(signum):
             self._armed = 0  # once: the cleanup that follows may wait on its own
             raise _Interrupted(signum)
 
@@ -52,7 +53,7 @@ class SignalLatch:
     def interruptible(self, pending: int | None = None) -> Iterator[None]:
         """A block whose blocking waits a signal ends at once (with :class:`SignalReceived`);
         ``pending``: a signal received before the block that nobody acted on yet ends it on entry."""
-        if pending is not None:
+        if pending is not None and self._interrupts(pending):
             raise SignalReceived(pending)
         self._armed += 1
         try:
