@@ -62,10 +62,16 @@ def loopback_name(host: str) -> str | None:
     except ValueError:
         pass
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):
         return None
-    return min(addresses) if addresses and all(is_loopback(a) for a in addresses) else None
+    addresses: set[str] = set()
+    for info in infos:
+        address = info[4][0]  # (family, bytes) for a family this Python was built without
+        if not isinstance(address, str) or not is_loopback(address):
+            return None
+        addresses.add(address)
+    return min(addresses) if addresses else None
 
 
 def resolve_store_secret(conf: Mapping[str, str], env: Mapping[str, str]) -> bytes | None:

@@ -26,6 +26,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from hyperpodrun.security import STORE_SECRET_ENV
 from hyperpodrun.store.auth import is_loopback, loopback_name, new_secret, resolve_store_secret
@@ -72,16 +73,19 @@ _ETCD_KEYS: tuple[str, ...] = ("cacert", "cert", "key", "protocol", "user", "pas
 _EMBEDDED_KEYS: tuple[str, ...] = ("secret_file",)
 STORE_CONF_KEYS: tuple[str, ...] = _ETCD_KEYS + _EMBEDDED_KEYS
 
-_ETCD = dict(kind="etcd", default_port=2379, conf_keys=_ETCD_KEYS)
-_EMBEDDED = dict(kind="embedded", default_port=EMBEDDED_DEFAULT_PORT, conf_keys=_EMBEDDED_KEYS, hosted=True)
+# A BackendSpec of each store kind, given its --rdzv-backend name.
+_ETCD = partial(BackendSpec, kind="etcd", default_port=2379, conf_keys=_ETCD_KEYS)
+_EMBEDDED = partial(
+    BackendSpec, kind="embedded", default_port=EMBEDDED_DEFAULT_PORT, conf_keys=_EMBEDDED_KEYS, hosted=True
+)
 
 #: ``--rdzv-backend`` spellings and the store each one selects.
 BACKEND_SPECS: Mapping[str, BackendSpec] = {
-    "etcd": BackendSpec(name="etcd", **_ETCD),
-    "etcd-v3": BackendSpec(name="etcd-v3", **_ETCD),
-    "embedded": BackendSpec(name="embedded", **_EMBEDDED),
-    "c10d": BackendSpec(name="c10d", **_EMBEDDED),
-    "static": BackendSpec(name="static", **_EMBEDDED),
+    "etcd": _ETCD(name="etcd"),
+    "etcd-v3": _ETCD(name="etcd-v3"),
+    "embedded": _EMBEDDED(name="embedded"),
+    "c10d": _EMBEDDED(name="c10d"),
+    "static": _EMBEDDED(name="static"),
 }
 BACKENDS: Mapping[str, str] = {name: spec.kind for name, spec in BACKEND_SPECS.items()}
 
