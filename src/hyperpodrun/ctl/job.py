@@ -23,6 +23,7 @@ from hyperpodrun.rendezvous.records import (
     cap_of,
     decode,
     decode_list,
+    decode_prefix,
 )
 from hyperpodrun.store import STORE_CONF_KEYS, Store, backend_spec, check_store_conf, create_store, job_prefix
 
@@ -87,9 +88,8 @@ def _value(store: Store, key: str) -> bytes | None:
 
 def read_job(store: Store) -> JobRecords:
     """Read every record ``status`` needs (one request per key; each is self-consistent)."""
-    nodes = {Keys.leaf(k): decode(NodeRecord, k, e.value) for k, e in store.get_prefix(Keys.NODES).items()}
     return JobRecords(
-        nodes=nodes,
+        nodes=decode_prefix(NodeRecord, store.get_prefix(Keys.NODES)),
         round=decode(RoundRecord, Keys.ROUND, _value(store, Keys.ROUND)),
         event=decode(EventRecord, Keys.EVENT, _value(store, Keys.EVENT)),
         cap=cap_of(_value(store, Keys.CAP)),

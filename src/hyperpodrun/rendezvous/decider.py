@@ -271,11 +271,10 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
         max_world_size=ctx.max_world_size,
         last_call=ctx.last_call_timeout,
     )
-    running = rnd is not None and rnd.state is RoundState.RUNNING
     if decision.action is Action.NONE:
         return Plan(memory=mem, waiting_for=decision.reason)
     if decision.action is Action.INSUFFICIENT:
-        if not running:
+        if rnd is None or rnd.state is not RoundState.RUNNING:
             return Plan(memory=mem, waiting_for=decision.reason)
         survivors = _survivors(snap, rnd)
         if survivors and _repairs_in_place(rnd, ctx):  # below the minimum: the survivors keep the state (.hold)
@@ -303,7 +302,7 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
             reason=decision.reason,
         )
     if decision.action is Action.WAIT_FOR_LOST:
-        if not running:  # halted already: wait for the lost members to come back or time out
+        if rnd is None or rnd.state is not RoundState.RUNNING:  # halted: wait for lost members to return or time out
             return Plan(memory=mem, waiting_for=decision.reason)
         if _repairs_in_place(rnd, ctx):  # the survivors cannot step without a new group: re-form it now
             reshape = decide(
@@ -338,7 +337,7 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
             next_members=None,
             reason=decision.reason,
         )
-    if running:
+    if rnd is not None and rnd.state is RoundState.RUNNING:
         kind = _event_kind(snap, rnd, decision)
         mode = EventMode.STOP if kind is EventKind.NODE_LOST else EventMode.RESTART
         if kind is EventKind.NODE_LOST and _repairs_in_place(rnd, ctx) and decision.members[0] in snap.nodes:
@@ -507,7 +506,8 @@ def _target_event(
     missing = [m for m in live if m not in acks]
     mem, age = _watch_acks(ev, acks, mem, now, ctx)
     if snap.failed and ev.kind not in REPAIR_KINDS and snap.round is not None and _repairs_in_place(snap.round, ctx):
-        ev = _superseded_by_repair(snap, ev)  # survivors wait in recover(): no step to agree on, no joiner to wait for
+        # survivors wait in recover(): no step to agree on, no joiner to wait for
+        ev = _superseded_by_repair(snap, snap.round, ev)
     if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:
         return _target_repair(snap, ev, acks, missing, elapsed, ctx, mem)
     if missing:
@@ -563,14 +563,13 @@ def _target_event(
     return Plan(writes=updated.writes, notes=(note,), memory=mem)
 
 
-def _superseded_by_repair(snap: JobSnapshot, ev: EventRecord) -> EventRecord:
+def _superseded_by_repair(snap: JobSnapshot, rnd: RoundRecord, ev: EventRecord) -> EventRecord:
     """A scale event not targeted yet when a rank failed: it becomes the failure's repair, in place.
 
     Its survivors stopped at the failed collective and wait for a repaired group, so it is targeted at
     once, like any repair: a leaver is left out as the scale event would have, a joiner whose ranks are
     parked is admitted in it, one still starting is not waited for (it joins in an event of its own).
     """
-    rnd = snap.round
     crashed = [f for f in snap.failed.values() if not f.peer]
     message = (crashed or list(snap.failed.values()))[0].message
     kind = EventKind.RANK_FAILURE if crashed else EventKind.NODE_LOST

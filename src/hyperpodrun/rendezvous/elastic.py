@@ -22,6 +22,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from elastic_events.contract import GroupAssignment
@@ -57,9 +58,10 @@ from hyperpodrun.rendezvous.records import (
     cap_of,
     decode,
     decode_list,
+    decode_prefix,
     encode,
 )
-from hyperpodrun.store import LeaseKeeper, Store, StoreError
+from hyperpodrun.store import Entry, Lease, LeaseKeeper, Store, StoreError
 from hyperpodrun.supervisor import WorkerState
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._parked = False  # this standby's pre-warmed ranks are parked, waiting for admission
         self._in_place_event: EventRecord | None = None  # the event this node's ranks moved rounds in place for
         self._keeper: LeaseKeeper | None = None
-        self._lease = None
+        self._lease: Lease | None = None
 
     # -- the handler's properties ------------------------------------------------------
 
@@ -276,7 +278,11 @@ class ElasticRendezvous(RendezvousHandler):
             standby_in_process = (
                 rnd is not None and rnd.inprocess and rnd.state is RoundState.RUNNING and not self._leaving
             )
-            if standby_in_process and (admission := self._admission(rnd, self._read_event())) is not None:
+            if (
+                standby_in_process
+                and rnd is not None
+                and (admission := self._admission(rnd, self._read_event())) is not None
+            ):
                 return admission
             if standby_in_process and prewarm is not None and not self._parked and prewarm():
                 self._parked = True
@@ -322,8 +328,8 @@ class ElasticRendezvous(RendezvousHandler):
         my_round = self._round.round if self._round else 0
         if (stop := self._left_behind(rnd, ev, my_round)) is not None:
             return stop
-        event_of_round = ev is not None and ev.round == my_round
-        if status.group_state == WorkerState.SUCCEEDED and not event_of_round:
+        ev = ev if ev is not None and ev.round == my_round else None  # from here: the event of this node's round
+        if status.group_state == WorkerState.SUCCEEDED and ev is None:
             self._put_once(Keys.done(my_round) + self._node_id, b"{}")
         if status.finished:
             self._put_once(Keys.finished(my_round) + self._node_id, b"{}")
@@ -343,9 +349,9 @@ class ElasticRendezvous(RendezvousHandler):
         ):
             self._round = rnd  # the decider marked the round in-process
         directive = None
-        if event_of_round and ev.id > self._handled_event:
+        if ev is not None and ev.id > self._handled_event:
             directive = self._follow_event(ev, status)
-        elif event_of_round and ev.id == self._handled_event > self._stopped_reported and ev.mode is EventMode.STOP:
+        elif ev is not None and ev.id == self._handled_event > self._stopped_reported and ev.mode is EventMode.STOP:
             # an event this node is acting on was turned into a stop (e.g. a joiner vanished mid-way)
             directive = Directive(kind=DirectiveKind.STOP, event_id=ev.id, event_kind=ev.kind, reason=ev.reason)
         if self._claim_decider():
@@ -365,27 +371,27 @@ class ElasticRendezvous(RendezvousHandler):
     # -- member side of an event ---------------------------------------------------------
 
     def _follow_event(self, ev: EventRecord, status: LocalStatus) -> Directive | None:
-        base = dict(event_id=ev.id, event_kind=ev.kind, reason=ev.reason, next_round=ev.next_round)
+        base = partial(Directive, event_id=ev.id, event_kind=ev.kind, reason=ev.reason, next_round=ev.next_round)
         if ev.mode is EventMode.STOP and (ev.target is None or ev.target < 0):
             self._handled_event = ev.id
-            return Directive(kind=DirectiveKind.STOP, **base)
+            return base(kind=DirectiveKind.STOP)
         if ev.target is None:
             self._ack(ev, status)
             return None
         self._handled_event = ev.id
         if ev.mode is EventMode.RECONFIGURE and ev.kind in REPAIR_KINDS:
-            return self._reconfigure_directive(ev)  # at once: the ranks stopped at the failed collective
+            return self._reconfigure_directive(ev, ev.target)  # at once: the ranks stopped at the failed collective
         # A local rank already past the target (the ranks outran the decider's margin) acts one step
         # late, together with every other late rank of the job; the agent stops the event if one
         # acted in time instead (``hyperpodrun.progress.LateRanks``).
         if ev.mode is EventMode.RECONFIGURE:
-            return self._reconfigure_directive(ev)
+            return self._reconfigure_directive(ev, ev.target)
         nxt = ev.next_members or ()
         world = len(nxt) * self.ctx.nproc_per_node if nxt else -1
-        return Directive(kind=DirectiveKind.SAVE_AND_EXIT, target_step=ev.target, world_size=world, **base)
+        return base(kind=DirectiveKind.SAVE_AND_EXIT, target_step=ev.target, world_size=world)
 
-    def _reconfigure_directive(self, ev: EventRecord) -> Directive:
-        """This node's place in a targeted RECONFIGURE event's round (group rank -1: it leaves)."""
+    def _reconfigure_directive(self, ev: EventRecord, target: int) -> Directive:
+        """This node's place in a RECONFIGURE event's round, targeted at ``target`` (group rank -1: it leaves)."""
         nxt = ev.next_members or ()
         return Directive(
             kind=DirectiveKind.RECONFIGURE,
@@ -393,7 +399,7 @@ class ElasticRendezvous(RendezvousHandler):
             event_kind=ev.kind,
             reason=ev.reason,
             next_round=ev.next_round,
-            target_step=ev.target,
+            target_step=target,
             world_size=len(nxt) * self.ctx.nproc_per_node if nxt else -1,
             group_rank=nxt.index(self._node_id) if self._node_id in nxt else -1,
             group_world_size=len(nxt),
@@ -417,7 +423,7 @@ class ElasticRendezvous(RendezvousHandler):
             or self._node_id not in ev.next_members
         ):
             return None
-        directive = self._reconfigure_directive(ev)
+        directive = self._reconfigure_directive(ev, ev.target)
         self._handled_event = ev.id
         self._parked = False
         return dataclasses.replace(self.entered_in_place(directive), admission=directive)
@@ -450,18 +456,18 @@ class ElasticRendezvous(RendezvousHandler):
         target computed from an old step and the rate of a busier moment is one the ranks outrun."""
         step_time = min((t for t in status.step_times if t > 0), default=0.0)
         now = self.clock()
-        if self._acked_event == ev.id and self._acked is not None:
-            rate_known = self._acked.step_time == 0 and step_time > 0
+        prev = self._acked if self._acked_event == ev.id else None  # this node's last ack of the event
+        if prev is not None:
+            rate_known = prev.step_time == 0 and step_time > 0
             if not rate_known and now - self._acked_at < self.ctx.propagation / 2:
                 return
-        seq = self._acked.seq + 1 if self._acked_event == ev.id and self._acked is not None else 0
         ack = AckRecord(
             step=max(status.steps, default=0),
             step_time=step_time,
             cooperative=status.cooperative,
             reconfigurable=status.reconfigurable,
-            port=self._acked.port if seq else free_port(self._local_addr),
-            seq=seq,
+            port=prev.port if prev is not None else free_port(self._local_addr),
+            seq=prev.seq + 1 if prev is not None else 0,
         )
         self._acked, self._acked_event, self._acked_at = ack, ev.id, now
         self.store.put(Keys.acks(ev.id) + self._node_id, encode(ack))
@@ -491,38 +497,30 @@ class ElasticRendezvous(RendezvousHandler):
 
     def _read_job(self) -> JobSnapshot:
         """What the decider reads: O(1) keys plus the node records, and the current event's acks or stops."""
-        nodes = {Keys.leaf(k): decode(NodeRecord, k, e.value) for k, e in self.store.get_prefix(Keys.NODES).items()}
+        nodes = decode_prefix(NodeRecord, self.store.get_prefix(Keys.NODES))
         rnd_entry, ev_entry = self.store.get(Keys.ROUND), self.store.get(Keys.EVENT)
         rnd = decode(RoundRecord, Keys.ROUND, _value(rnd_entry))
         ev = decode(EventRecord, Keys.EVENT, _value(ev_entry))
         cap_entry = self.store.get(Keys.CAP)
         cap = cap_of(cap_entry.value) if cap_entry is not None else None
-        acks, stopped, done, failed = {}, {}, frozenset(), {}
+        acks: dict[str, AckRecord] = {}
+        stopped: dict[str, StoppedRecord] = {}
+        failed: dict[str, FailedRecord] = {}
+        done: frozenset[str] = frozenset()
         finished: frozenset[str] = frozenset()
-        pending = ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete
-        if pending and ev.target is None and ev.mode is not EventMode.STOP:
-            acks = {
-                Keys.leaf(k): decode(AckRecord, k, e.value) for k, e in self.store.get_prefix(Keys.acks(ev.id)).items()
-            }
-            # a rank's crash reported after its peers' failed collectives names a repair; in a round that repairs in
-            # place, a failure turns a scale event still waiting for acks or joiners into its repair
-            if ev.kind in REPAIR_KINDS or rnd.inprocess:
-                failed = {
-                    Keys.leaf(k): decode(FailedRecord, k, e.value)
-                    for k, e in self.store.get_prefix(Keys.failed(rnd.round)).items()
-                }
-        elif pending:
-            stopped = {
-                Keys.leaf(k): decode(StoppedRecord, k, e.value)
-                for k, e in self.store.get_prefix(Keys.stopped(ev.id)).items()
-            }
+        if ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete:  # a pending event
+            if ev.target is None and ev.mode is not EventMode.STOP:
+                acks = decode_prefix(AckRecord, self.store.get_prefix(Keys.acks(ev.id)))
+                # a rank's crash reported after its peers' failed collectives names a repair; in a round that repairs
+                # in place, a failure turns a scale event still waiting for acks or joiners into its repair
+                if ev.kind in REPAIR_KINDS or rnd.inprocess:
+                    failed = decode_prefix(FailedRecord, self.store.get_prefix(Keys.failed(rnd.round)))
+            else:
+                stopped = decode_prefix(StoppedRecord, self.store.get_prefix(Keys.stopped(ev.id)))
         elif rnd is not None and rnd.state is RoundState.RUNNING:
             done = frozenset(Keys.leaf(k) for k in self.store.get_prefix(Keys.done(rnd.round)))
             finished = frozenset(Keys.leaf(k) for k in self.store.get_prefix(Keys.finished(rnd.round)))
-            failed = {
-                Keys.leaf(k): decode(FailedRecord, k, e.value)
-                for k, e in self.store.get_prefix(Keys.failed(rnd.round)).items()
-            }
+            failed = decode_prefix(FailedRecord, self.store.get_prefix(Keys.failed(rnd.round)))
         return JobSnapshot(
             nodes=nodes,
             round=rnd,
@@ -643,5 +641,5 @@ class ElasticRendezvous(RendezvousHandler):
         )
 
 
-def _value(entry) -> bytes | None:
+def _value(entry: Entry | None) -> bytes | None:
     return entry.value if entry is not None else None

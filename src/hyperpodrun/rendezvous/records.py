@@ -22,11 +22,15 @@ ones it needs: a malformed record raises :class:`RecordError` naming the key.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hyperpodrun.errors import RendezvousError
+
+if TYPE_CHECKING:
+    from hyperpodrun.store.base import Entry
 
 __all__ = [
     "AckRecord",
@@ -47,6 +51,7 @@ __all__ = [
     "StoppedRecord",
     "cap_of",
     "decode",
+    "decode_prefix",
     "encode",
 ]
 
@@ -281,6 +286,17 @@ def decode(cls: type[_R], key: str, raw: bytes | None) -> _R | None:
     return from_dict(cls, key, data)
 
 
+def decode_prefix(cls: type[_R], entries: Mapping[str, Entry]) -> dict[str, _R]:
+    """The records of a ``get_prefix`` read by leaf key; a key there without a value is malformed."""
+    records: dict[str, _R] = {}
+    for key, entry in entries.items():
+        record = decode(cls, key, entry.value)
+        if record is None:
+            raise RecordError(f"key {key!r} holds no {cls.__name__}")
+        records[Keys.leaf(key)] = record
+    return records
+
+
 def decode_list(cls: type[_R], key: str, raw: bytes | None) -> list[_R]:
     if not raw:
         return []
@@ -293,7 +309,13 @@ def decode_list(cls: type[_R], key: str, raw: bytes | None) -> list[_R]:
     return [from_dict(cls, key, item) for item in data]
 
 
-_ENUMS = {"state": RoundState, "kind": EventKind, "halt_kind": EventKind, "mode": EventMode, "status": JobOutcome}
+_ENUMS: dict[str, type[Enum]] = {
+    "state": RoundState,
+    "kind": EventKind,
+    "halt_kind": EventKind,
+    "mode": EventMode,
+    "status": JobOutcome,
+}
 _TUPLES = {"members", "next_members"}
 
 
