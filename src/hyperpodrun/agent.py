@@ -185,7 +185,7 @@ class Agent:
                     f"this node is group rank {rnd.assignment.group_rank} ({rnd.reason.value})"
                 )
             if rnd.admission is not None:  # admitted in place: the (pre-warmed) ranks join the running job
-                group, pending = self._admit(rnd), rnd.admission
+                group, pending = self._admit(rnd, rnd.admission), rnd.admission
             else:
                 self._drop_parked()
                 group, pending = self._start_group(rnd, rnd.reason), None
@@ -293,7 +293,7 @@ class Agent:
                         pending, published, deadline = directive, now, now + rdzv.graceful_timeout
                         continue
                     return self._stop_now(group, directive), False
-                if late is not None and (stuck := late.stuck(progress, now)) is not None:
+                if pending is not None and late is not None and (stuck := late.stuck(progress, now)) is not None:
                     late = None
                     if stuck:  # some rank acted at the target in time: the late one waits in a collective for it
                         self._control.clear()
@@ -413,6 +413,8 @@ class Agent:
     def _check_hang(self, group: WorkerGroup, rates: StepRates) -> None:
         """A rank without progress for the hang limit: dump every local rank's stacks, then fail the group."""
         limit = self._hang_policy.limit(rates.slowest)
+        if limit is None:  # hang detection is off
+            return
         progress = self._control.progress()
         now = progress_clock()
         hung = hung_ranks(progress, now=now, limit=limit)
@@ -490,15 +492,14 @@ class Agent:
             return False
         return all(p.phase == RankPhase.PARKED for p in self._control.progress())
 
-    def _admit(self, rnd: RoundInfo) -> WorkerGroup:
-        """Publish the admitting event to the parked ranks (started now when this node was not pre-warmed)."""
+    def _admit(self, rnd: RoundInfo, admission: Directive) -> WorkerGroup:
+        """Publish the round's admitting event ``admission`` to the parked ranks (started now when not pre-warmed)."""
         group = self._parked if self._parked is not None and self._parked.poll() == WorkerState.HEALTHY else None
         if group is None:
             self._drop_parked()
             group = self._start_group(None, RestartReason.SCALE)
         self._parked = None
         group.assignment = rnd.assignment
-        admission = rnd.admission
         self._write_event(admission)
         self.events.emit(
             EventType.WORKERS_SIGNALLED, event_id=admission.event_id, kind="admit", target_step=admission.target_step
