@@ -29,6 +29,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/mypy
 
 test: setup lint
 	$(PY) -m pytest -q tests
