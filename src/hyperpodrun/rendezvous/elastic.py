@@ -39,7 +39,8 @@ from hyperpodrun.rendezvous.api import (
     RoundInfo,
     free_port,
 )
-from hyperpodrun.rendezvous.decider import DeciderContext, DeciderMemory, JobSnapshot, Plan, plan
+from hyperpodrun.rendezvous.decider import DeciderContext
+from hyperpodrun.rendezvous.decider_seat import DeciderSeat
 from hyperpodrun.rendezvous.records import (
     REPAIR_KINDS,
     AckRecord,
@@ -48,25 +49,19 @@ from hyperpodrun.rendezvous.records import (
     EventMode,
     EventRecord,
     FailedRecord,
-    HistoryEntry,
     JobOutcome,
     Keys,
     NodeRecord,
     RoundRecord,
     RoundState,
     StoppedRecord,
-    cap_of,
     decode,
-    decode_list,
-    decode_prefix,
     encode,
 )
 from hyperpodrun.store import Entry, Lease, LeaseKeeper, Store, StoreError
 from hyperpodrun.supervisor import WorkerState
 
 log = logging.getLogger(__name__)
-
-HISTORY_KEEP = 50
 
 
 class ElasticRendezvous(RendezvousHandler):
@@ -90,9 +85,7 @@ class ElasticRendezvous(RendezvousHandler):
         self.events = events
         self.clock = clock
         self._node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
-        self._mem = DeciderMemory()
         self._last_decide = -float("inf")
-        self._waiting_for = ""
         self._round: RoundRecord | None = None  # the round this node runs in
         self._handled_event = 0
         self._acked: AckRecord | None = None
@@ -106,6 +99,9 @@ class ElasticRendezvous(RendezvousHandler):
         self._in_place_event: EventRecord | None = None  # the event this node's ranks moved rounds in place for
         self._keeper: LeaseKeeper | None = None
         self._lease: Lease | None = None
+        self._seat = DeciderSeat(
+            store, context=context, node_id=self._node_id, events=events, clock=clock, lease=lambda: self._lease
+        )
 
     # -- the handler's properties ------------------------------------------------------
 
@@ -258,7 +254,7 @@ class ElasticRendezvous(RendezvousHandler):
                 raise RendezvousClosedError(closed.message, status=closed.status.value)
             if self._leaving and not self._is_member(rnd):
                 raise RendezvousClosedError("left the job gracefully", status="left")
-            decider = self._claim_decider()
+            decider = self._seat.claim()
             if decider:
                 # At most one decision per tick: a burst of N joins costs the decider O(N) reads, not O(N^2).
                 coalesce = self._last_decide + self.ctx.tick - time.monotonic()
@@ -266,7 +262,7 @@ class ElasticRendezvous(RendezvousHandler):
                     self.store.wait_for_change(Keys.ROUND, after_revision=rev, timeout=coalesce)
                     continue
                 self._last_decide = time.monotonic()
-                if self._decide():
+                if self._seat.decide():
                     rnd, _, _ = self._read_round()
             if (
                 rnd is not None
@@ -299,7 +295,7 @@ class ElasticRendezvous(RendezvousHandler):
                     "waiting for a round (%.0fs of the %gs join timeout): %s",
                     now - started,
                     timeout,
-                    self._waiting_for or "waiting for the job's decider",
+                    self._seat.waiting_for or "waiting for the job's decider",
                 )
             # The decider wakes on any change (joins, acks); the others only when the round changes,
             # so a rendezvous of N nodes costs O(N) store operations in all, not O(N^2).
@@ -354,8 +350,8 @@ class ElasticRendezvous(RendezvousHandler):
         elif ev is not None and ev.id == self._handled_event > self._stopped_reported and ev.mode is EventMode.STOP:
             # an event this node is acting on was turned into a stop (e.g. a joiner vanished mid-way)
             directive = Directive(kind=DirectiveKind.STOP, event_id=ev.id, event_kind=ev.kind, reason=ev.reason)
-        if self._claim_decider():
-            self._decide()
+        if self._seat.claim():
+            self._seat.decide()
         return directive
 
     def report_stopped(self, event_id: int, *, ok: bool, reconfigured: bool = False) -> None:
@@ -473,90 +469,6 @@ class ElasticRendezvous(RendezvousHandler):
         self.store.put(Keys.acks(ev.id) + self._node_id, encode(ack))
 
     # -- decider -------------------------------------------------------------------------
-
-    def _claim_decider(self) -> bool:
-        """Whether this node decides for the job: it holds the leased ``decider`` key, or takes it when free.
-
-        The key dies with its holder's lease (crash, kill -9, graceful exit), so another
-        node takes over within one lease ttl; everything a decider needs is in the store.
-        """
-        entry = self.store.get(Keys.DECIDER)
-        if entry is not None:
-            return entry.value.decode() == self._node_id
-        return self.store.compare_and_swap(Keys.DECIDER, self._node_id.encode(), expected_revision=0, lease=self._lease)
-
-    def _decide(self) -> bool:
-        """One decider tick: read, plan, execute. Whether anything was written."""
-        snap = self._read_job()
-        now = self.clock()
-        self._mem = dataclasses.replace(self._mem, wall_offset=time.time() - now)
-        result = plan(snap, self._mem, now, self.ctx)
-        self._mem = result.memory
-        self._waiting_for = result.waiting_for
-        return self._execute(result)
-
-    def _read_job(self) -> JobSnapshot:
-        """What the decider reads: O(1) keys plus the node records, and the current event's acks or stops."""
-        nodes = decode_prefix(NodeRecord, self.store.get_prefix(Keys.NODES))
-        rnd_entry, ev_entry = self.store.get(Keys.ROUND), self.store.get(Keys.EVENT)
-        rnd = decode(RoundRecord, Keys.ROUND, _value(rnd_entry))
-        ev = decode(EventRecord, Keys.EVENT, _value(ev_entry))
-        cap_entry = self.store.get(Keys.CAP)
-        cap = cap_of(cap_entry.value) if cap_entry is not None else None
-        acks: dict[str, AckRecord] = {}
-        stopped: dict[str, StoppedRecord] = {}
-        failed: dict[str, FailedRecord] = {}
-        done: frozenset[str] = frozenset()
-        finished: frozenset[str] = frozenset()
-        if ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete:  # a pending event
-            if ev.target is None and ev.mode is not EventMode.STOP:
-                acks = decode_prefix(AckRecord, self.store.get_prefix(Keys.acks(ev.id)))
-                # a rank's crash reported after its peers' failed collectives names a repair; in a round that repairs
-                # in place, a failure turns a scale event still waiting for acks or joiners into its repair
-                if ev.kind in REPAIR_KINDS or rnd.inprocess:
-                    failed = decode_prefix(FailedRecord, self.store.get_prefix(Keys.failed(rnd.round)))
-            else:
-                stopped = decode_prefix(StoppedRecord, self.store.get_prefix(Keys.stopped(ev.id)))
-        elif rnd is not None and rnd.state is RoundState.RUNNING:
-            done = frozenset(Keys.leaf(k) for k in self.store.get_prefix(Keys.done(rnd.round)))
-            finished = frozenset(Keys.leaf(k) for k in self.store.get_prefix(Keys.finished(rnd.round)))
-            failed = decode_prefix(FailedRecord, self.store.get_prefix(Keys.failed(rnd.round)))
-        return JobSnapshot(
-            nodes=nodes,
-            round=rnd,
-            round_rev=rnd_entry.revision if rnd_entry else 0,
-            event=ev,
-            event_rev=ev_entry.revision if ev_entry else 0,
-            acks=acks,
-            stopped=stopped,
-            done=done,
-            finished=finished,
-            failed=failed,
-            cap=cap,
-        )
-
-    def _execute(self, result: Plan) -> bool:
-        """Apply the plan's writes in order; stop at the first that lost a race (the next tick re-plans)."""
-        for write in result.writes:
-            if not self.store.compare_and_swap(write.key, write.value, expected_revision=write.expected_revision):
-                return False
-        for note in result.notes:
-            log.warning("%s: %s", note.what, note.reason)
-            self._record(note.round, note.what, note.reason)
-            if self.events and note.event:
-                self.events.emit(note.event, reason=note.reason, **note.fields)
-        return bool(result.writes)
-
-    def _record(self, round_no: int, what: str, reason: str) -> None:
-        """Append to the job's bounded decision history (read by ``hyperpodctl status``)."""
-        for _ in range(5):  # CAS retry: only deciders write here, so contention is rare
-            entry = self.store.get(Keys.HISTORY)
-            items = decode_list(HistoryEntry, Keys.HISTORY, _value(entry))
-            items = (items + [HistoryEntry(ts=time.time(), round=round_no, what=what, reason=reason)])[-HISTORY_KEEP:]
-            if self.store.compare_and_swap(
-                Keys.HISTORY, encode(items), expected_revision=entry.revision if entry else 0
-            ):
-                return
 
     # -- helpers -------------------------------------------------------------------------
 
