@@ -14,7 +14,6 @@ carries out its :class:`Directive` (stop now, save and exit at a step, exit).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -24,33 +23,32 @@ import threading
 import time
 from collections.abc import Callable
 from enum import Enum
-from pathlib import Path
 
-from elastic_events.control import CAP_HOLD, ControlWriter, EventKind, RankPhase
+from elastic_events.control import CAP_HOLD, ControlWriter, RankPhase
 from hyperpodrun.agent_dir import AgentDir
 from hyperpodrun.config import LaunchConfig, RestartMode
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
-from hyperpodrun.hang import HangPolicy, hung_ranks, progress_clock
+from hyperpodrun.hang import HangPolicy, dump_stacks, hung_ranks, progress_clock
 from hyperpodrun.held import held_line
-from hyperpodrun.logs import LogDirectory, RankLogs
+from hyperpodrun.logs import LogDirectory
 from hyperpodrun.netif import choose_gloo_interface
 from hyperpodrun.outage import StoreOutage, final_directive
-from hyperpodrun.progress import LateRanks, StepRates, missed_target
+from hyperpodrun.progress import LateRanks, StepRates
+from hyperpodrun.publishing import publish, write_event
+from hyperpodrun.rank_start import RankStarter
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
 from hyperpodrun.signals import SignalLatch
-from hyperpodrun.sigterm import InterruptibleWaits, LeaveRequested, ranks_leaving_on_sigterm, requested_by_ranks
+from hyperpodrun.sigterm import InterruptibleWaits, LeaveRequested, requested_by_ranks
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import (
-    DEFAULT_PREFIX_TEMPLATE,
     WorkerGroup,
     WorkerState,
     become_subreaper,
     restore_subreaper,
 )
-from hyperpodrun.worker_env import base_env, parked_env, parked_round, worker_env
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +85,6 @@ class Agent:
         self.rdzv_timeout = rdzv_timeout
         self.state = AgentState.INIT
         self.restart_count = 0
-        self._attempt = 0
         self._logs = logs
         # Node-local, private to this agent, memory-backed where /dev/shm exists; stale ones are swept first.
         self._dir, swept = AgentDir.create(job=run_id if config.rdzv_id != "none" else None)
@@ -102,17 +99,19 @@ class Agent:
         self._outage = StoreOutage(limit=config.rdzv_settings.outage_timeout)
         self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
         self._hang: str | None = None  # why the running group was declared hung
+        self._ranks = RankStarter(
+            config, run_id=run_id, logs=logs, control=self._control, node_id=rendezvous.node_id, event_log=events.path
+        )
         self._repair = InPlaceRepair(
             config,
             control=self._control,
             events=events,
-            new_attempt=self._new_attempt,
-            rank_setup=lambda directory, local_rank: self._rank_setup(
-                directory, local_rank, None, RestartReason.FAILURE
+            new_attempt=self._ranks.new_attempt,
+            rank_setup=lambda directory, local_rank: self._ranks.rank_setup(
+                directory, local_rank, None, RestartReason.FAILURE, restart_count=self.restart_count
             ),
         )
         self._hang_policy = HangPolicy(timeout=config.hang_timeout)
-        self._rank_net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
         self._waits: InterruptibleWaits | None = None  # the rendezvous store, its waits ended by SIGTERM
 
     # -- public ------------------------------------------------------------------------
@@ -120,7 +119,7 @@ class Agent:
     def run(self) -> None:
         """Run the job to completion; raises WorkerFailedError or SignalReceived otherwise."""
         was_subreaper = become_subreaper()
-        self._reaper = Reaper()
+        self._reaper = self._ranks.reaper = Reaper()
         self._signals.install(self.config.signals_to_handle)
         self.events.emit(EventType.AGENT_STARTED, pid=os.getpid(), log_dir=str(self._logs.run_dir))
         if self._same_job:
@@ -158,7 +157,7 @@ class Agent:
             return
         if rdzv.local_addr is not None:
             gloo = choose_gloo_interface(rdzv.local_addr, os.environ)
-            self._rank_net_env = dict(gloo.env)
+            self._ranks.net_env = dict(gloo.env)
             if gloo.message:
                 _say(gloo.message)
         while True:
@@ -288,7 +287,10 @@ class Agent:
                 ):
                     if directive.kind in (DirectiveKind.SAVE_AND_EXIT, DirectiveKind.RECONFIGURE):
                         late = LateRanks.after_publish(
-                            directive.event_id, self._publish(directive), now=now, slowest_step_s=rates.slowest
+                            directive.event_id,
+                            publish(self._control, self.events, directive),
+                            now=now,
+                            slowest_step_s=rates.slowest,
                         )
                         pending, published, deadline = directive, now, now + rdzv.graceful_timeout
                         continue
@@ -315,7 +317,7 @@ class Agent:
                         _say(
                             f"{why}; their Python stacks go to their logs, then they are killed and replaced in the same repair"
                         )
-                        self._dump_stacks([group.pids[r] for r in stuck])
+                        dump_stacks([group.pids[r] for r in stuck], wait=self._wake.wait)
                         self._repair.kill_culprits(group, stuck, why)
             if (
                 pending is None
@@ -384,32 +386,6 @@ class Agent:
             self.events.emit(EventType.STORE_RECOVERED, outage_s=round(outage, 3))
         return directive
 
-    def _publish(self, directive: Directive) -> list[int]:
-        """Put a cooperative event on the control channel; the local ranks that had already passed its step.
-
-        A rank checks the channel once per step and acts at the first step at or past the
-        target, so one that was past it when it was written acts one step late: fine when
-        every rank of the job was (they act together), a deadlock when some acted in time
-        (``LateRanks`` watches for that). Reading progress after the write closes the window
-        between the agent's progress read and the write. A repair has no agreed step: every
-        rank acts on it at once.
-        """
-        self._write_event(directive)
-        progress = self._control.progress()
-        at_once = directive.repair or directive.from_held
-        missed = [] if at_once else missed_target(progress, directive.event_id, directive.target_step)
-        self.events.emit(
-            EventType.WORKERS_SIGNALLED,
-            event_id=directive.event_id,
-            kind=directive.kind.value,
-            event_kind=_value(directive.event_kind),
-            target_step=directive.target_step,
-            steps=[p.step for p in progress],
-            reason=directive.reason,
-            **({"late_ranks": missed} if missed else {}),
-        )
-        return missed
-
     def _check_hang(self, group: WorkerGroup, rates: StepRates) -> None:
         """A rank without progress for the hang limit: dump every local rank's stacks, then fail the group."""
         limit = self._hang_policy.limit(rates.slowest)
@@ -440,21 +416,12 @@ class Agent:
             log_file=str(group.log_file(r)),
         )
         _say(why)
-        self._dump_stacks(list(pids.values()))
+        dump_stacks(list(pids.values()), wait=self._wake.wait)
         if self._repairs_in_place():  # the kill shows as a failed rank: repaired like a crash
             self._repair.kill_culprits(group, hung, why)
             return
         self._hang = why
         group.stop(grace=self.config.shutdown_timeout)
-
-    def _dump_stacks(self, pids: list[int]) -> None:
-        """Have ranks write their Python stacks to their logs (faulthandler, registered by elastic_events, on
-        SIGUSR1; SIGCONT so that a SIGSTOPped rank dumps too), with a second's grace for the dumps to land."""
-        for pid in pids:
-            for sig in (signal.SIGUSR1, signal.SIGCONT):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-        self._wake.wait(1.0)
 
     def _note_finished(self, group: WorkerGroup) -> None:
         """Local ranks whose training finished: their exit is success whatever its code (a crash at interpreter
@@ -500,7 +467,7 @@ class Agent:
             group = self._start_group(None, RestartReason.SCALE)
         self._parked = None
         group.assignment = rnd.assignment
-        self._write_event(admission)
+        write_event(self._control, admission)
         self.events.emit(
             EventType.WORKERS_SIGNALLED, event_id=admission.event_id, kind="admit", target_step=admission.target_step
         )
@@ -510,23 +477,6 @@ class Agent:
         if self._parked is not None:
             self._parked.stop(grace=self.config.shutdown_timeout)
             self._parked = None
-
-    def _write_event(self, directive: Directive) -> None:
-        """Put a SAVE_AND_EXIT or RECONFIGURE directive on the control channel (target step last)."""
-        reconfigure = directive.kind == DirectiveKind.RECONFIGURE
-        self._control.publish(
-            event_id=directive.event_id,
-            target_step=directive.target_step,
-            kind=EventKind.RECONFIGURE if reconfigure else EventKind.SAVE_AND_EXIT,
-            round=directive.next_round,
-            world_size=directive.world_size,
-            group_rank=directive.group_rank,
-            group_world_size=directive.group_world_size,
-            master_addr=directive.master_addr if reconfigure else "",
-            master_port=directive.master_port if reconfigure else 0,
-            repair=directive.repair,
-            hold=directive.hold,
-        )
 
     def _stop_now(self, group: WorkerGroup, directive: Directive) -> Directive:
         """STOP or EXIT: stop the ranks at once and tell the rendezvous."""
@@ -596,24 +546,7 @@ class Agent:
 
     def _start_group(self, rnd: RoundInfo | None, reason: RestartReason) -> WorkerGroup:
         """Start the local ranks for ``rnd``; ``None``: parked (no rank, world or master until admitted)."""
-        attempt_dir = self._new_attempt()
-        cfg = self.config
-        logs, envs = {}, {}
-        for local_rank in range(cfg.nproc_per_node):
-            logs[local_rank], envs[local_rank] = self._rank_setup(attempt_dir, local_rank, rnd, reason)
-        self._control.reset_ranks()
-        group = WorkerGroup(
-            command=cfg.worker_command(),
-            base_env={**base_env(cfg), **self._rank_net_env},
-            rank_env=envs,
-            assignment=(rnd or parked_round(cfg.nproc_per_node)).assignment,
-            logs=logs,
-            reaper=self._reaper,
-            prefix_template=cfg.log_line_prefix_template or DEFAULT_PREFIX_TEMPLATE,
-            role=cfg.role,
-            sigterm_leaves=lambda: ranks_leaving_on_sigterm(self._control.progress()),
-        )
-        group.start()
+        group, attempt_dir = self._ranks.start(rnd, reason, restart_count=self.restart_count)
         if rnd is not None:
             self._group, self._hang = group, None
         self.events.emit(
@@ -624,38 +557,6 @@ class Agent:
             log_dir=str(attempt_dir),
         )
         return group
-
-    def _new_attempt(self) -> Path:
-        """A new attempt folder of the run's logs."""
-        path = self._logs.new_attempt(self._attempt)
-        self._attempt += 1
-        return path
-
-    def _rank_setup(
-        self, attempt_dir: Path, local_rank: int, rnd: RoundInfo | None, reason: RestartReason
-    ) -> tuple[RankLogs, dict[str, str]]:
-        """A local rank's log files and environment for ``rnd`` (None: parked until admitted)."""
-        cfg = self.config
-        logs = LogDirectory.rank_logs(
-            attempt_dir,
-            local_rank,
-            redirect=cfg.redirect_map[local_rank],
-            tee=cfg.tee_map[local_rank],
-            show_on_console=not cfg.local_ranks_filter or local_rank in cfg.local_ranks_filter,
-        )
-        env = worker_env(
-            cfg,
-            rnd or parked_round(cfg.nproc_per_node),
-            local_rank,
-            run_id=self.run_id,
-            restart_count=self.restart_count,
-            reason=reason,
-            error_file=logs.error_file,
-            control_file=self._control.path,
-            node_id=self.rdzv.node_id,
-            event_log=self.events.path,
-        )
-        return logs, env if rnd is not None else parked_env(env)
 
     # -- signals -----------------------------------------------------------------------
 

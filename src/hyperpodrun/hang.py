@@ -14,8 +14,11 @@ so that the waiting ranks keep the state the replacement is hydrated from.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from elastic_events.control import RankPhase, RankProgress
@@ -72,3 +75,13 @@ def culprits(hung: Sequence[int], *, idle: dict[int, float], states: dict[int, s
     idle for a second limit, which gives the culprit's own agent time to act."""
     stuck = tuple(r for r in hung if states.get(r) in STUCK_STATES)
     return stuck or tuple(r for r in hung if idle[r] > 2 * limit)
+
+
+def dump_stacks(pids: list[int], *, wait: Callable[[float], object]) -> None:
+    """Have ranks write their Python stacks to their logs (faulthandler, registered by elastic_events, on
+    SIGUSR1; SIGCONT so that a SIGSTOPped rank dumps too), then ``wait`` a second for the dumps to land."""
+    for pid in pids:
+        for sig in (signal.SIGUSR1, signal.SIGCONT):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    wait(1.0)
