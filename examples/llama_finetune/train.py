@@ -650,13 +650,13 @@ def train(cfg: TrainConfig) -> int:
             step_time, ended = time.perf_counter() - t0, time.time()  # the step, without the save below
             if step.number == cfg.steps or (cfg.ckpt_every and step.number % cfg.ckpt_every == 0):
                 elastic.save_checkpoint()  # before the event: in the world that trained the step
-        if step.failed is not None:
+        if not step.counted:  # abandoned: the repaired round trains it again
             continue
-        if cfg.sample_log is not None:
+        if cfg.sample_log is not None:  # trained, even where a peer died after the optimizer step (step.failed)
             ids = torch.cat([mb["sample_id"] for mb in step.batch.micro_batches]).tolist()
             record = {"step": step.number, "rank": rt.rank, "world_size": rt.world_size, "epoch": step.batch.epoch}
             append_jsonl(cfg.sample_log, {**record, "position": step.batch.start, "sample_ids": ids})
-        if log:
+        if log and step.failed is None:  # a failed step's loss all-reduce did not complete
             metrics = {
                 "ts": ended,
                 "step": step.number,

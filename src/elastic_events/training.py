@@ -78,6 +78,11 @@ class Step:
     taken up by :meth:`ElasticTraining.recover`: the block's exception is swallowed and the
     iteration goes on in the repaired round, from the step the survivors committed. Any other
     exception leaves the block as usual.
+
+    After the block, ``counted`` says whether the step was trained: a peer that dies after the
+    optimizer step (in a collective for the log, say) sets ``failed`` and leaves the step counted,
+    and the repaired round goes on after it (a sharded model restored from an older snapshot trains
+    it again). An uncounted step is abandoned and trained again in the repaired round.
     """
 
     number: int  # the step being trained (1 for the first)
@@ -303,7 +308,7 @@ class ElasticTraining:
                 finally:
                     self._current = None
                 if step.failed is not None:
-                    if not self.recover(step.failed):
+                    if not self.recover(step.failed, step=step.number):
                         return
                     break
                 self._count(step)
@@ -373,7 +378,7 @@ class ElasticTraining:
         (:meth:`~elastic_events.rounds.engine.RoundEngine.peer_failure`)."""
         return self.engine.reader is not None and self.engine.peer_failure(exc)
 
-    def recover(self, exc: BaseException) -> bool:
+    def recover(self, exc: BaseException, *, step: int | None = None) -> bool:
         """Carry this rank through the failure of a peer, in process: call it where a step raised.
 
         Unless ``exc`` is another rank's failure (:meth:`peer_failure`), or there is no launcher to
@@ -386,7 +391,9 @@ class ElasticTraining:
         steps back). The commit check makes a failed step change nothing. Returns True to train on
         (rebuild the loader iterator, as after :meth:`reconfigure`), False when this node is not part
         of the repaired job (exit 0). Raises :class:`RecoveryError` (from ``exc``) when no repair came
-        within ``config.recover_timeout_s`` or it failed.
+        within ``config.recover_timeout_s`` or it failed. ``step`` is the step whose work raised, for the
+        messages (default: the one after :attr:`step`; it is :attr:`step` itself where the optimizer step
+        was taken before a later collective of the step failed).
         """
         e, s = self.engine, self.state
         if not self.peer_failure(exc):
@@ -397,10 +404,10 @@ class ElasticTraining:
                 "no in-memory snapshots (snapshot_every=0 or --snapshot-every 0): the failed rank's shards exist "
                 "nowhere else"
             ) from exc
-        rank, t0 = e.rank, time.monotonic()
+        rank, t0, failed_step = e.rank, time.monotonic(), s.step + 1 if step is None else step
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         print(
-            f"rank {rank}: a collective failed during step {s.step + 1} ({reason}); waiting for the repaired group",
+            f"rank {rank}: a collective failed during step {failed_step} ({reason}); waiting for the repaired group",
             file=sys.stderr,
             flush=True,
         )
@@ -408,7 +415,7 @@ class ElasticTraining:
         e.take_event()
         kept = self.joiner.keep_after_failure(exc)
         torn_down = time.monotonic() - t0
-        event = e.wait_for_repair(failed_step=s.step + 1)
+        event = e.wait_for_repair(failed_step=failed_step)
         if event.leaves:
             e.set_phase(RankPhase.LEAVING)
             return False

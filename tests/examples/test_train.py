@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from elastic_events.data.sampler import epoch_permutation
+from support.cluster import free_port, wait_until
 from support.launch import clean_env, hyperpodrun_cmd, run
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "llama_finetune"
@@ -110,6 +114,72 @@ def test_standalone_two_ranks_trains_and_loss_falls(tmp_path: Path) -> None:
     assert last < first - 1.0, f"loss did not fall: {first:.3f} -> {last:.3f}"
     assert "batch 6 = 2 x [2, 1]" in proc.stdout  # 3 samples per rank as micro-batches of at most 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000000012"]
+
+
+def test_a_step_whose_peer_dies_after_the_optimizer_step_is_logged_once(tmp_path: Path) -> None:
+    """kill -9 of rank 1 in a step's idle tail (``--min-step-time``: after the optimizer step, before the loss
+    all-reduce for the log): rank 0 has trained the step when its all-reduce fails, and the repaired round
+    goes on after it. The sample log has every step once, at the world that trained it, and each step's
+    full global batch."""
+    samples, events = tmp_path / "samples.jsonl", tmp_path / "events.jsonl"
+    cmd = hyperpodrun_cmd(
+        *("--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf", "tick=0.1"),
+        *("--event-log", str(events)),
+        str(TRAIN),
+        *SMALL,
+        "--steps",
+        "14",
+        "--log-every",
+        "1",
+        "--min-step-time",
+        "1",  # ~0.9 s of each step is its tail, idle: the kill lands 0.4 s into step 5
+        "--data-cache",
+        str(tmp_path / "data"),
+        "--run-dir",
+        str(tmp_path),
+        "--sample-log",
+        str(samples),
+    )
+    launcher = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(
+            lambda: samples.exists() and max((r["step"] for r in read_jsonl(samples)), default=0) >= 4,
+            timeout=180,
+            what="step 4",
+        )
+        wait_until(lambda: time.time() - samples.stat().st_mtime >= 0.4, timeout=30, what="the tail of step 5")
+        victim = rank_process(launcher.pid, rank=1)
+        victim.kill()
+        out, err = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err[-4000:]
+    log = read_jsonl(events)
+    assert [(e["rank"], e["repaired_in_place"]) for e in log if e["event"] == "worker_failed"] == [(1, True)]
+    # rank 0 had taken step 5's optimizer step: its all-reduce for the log failed, the repair went on after it
+    assert [(e["rank"], e["step"]) for e in log if e["event"] == "peer_failed"] == [(0, 5)]
+    records = read_jsonl(samples)
+    assert sorted((r["step"], r["rank"]) for r in records if r["rank"] == 0) == [(s, 0) for s in range(1, 15)]
+    per_step: dict[int, int] = {}
+    for r in records:
+        per_step[r["step"]] = per_step.get(r["step"], 0) + len(r["sample_ids"])
+    assert per_step == {**dict.fromkeys(range(1, 15), 6), 5: 3}  # rank 1 trained its half of step 5, unlogged
+    trained = [i for r in records for i in r["sample_ids"]]
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+    assert victim.pid not in {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def rank_process(launcher: int, *, rank: int) -> psutil.Process:
+    """The launcher's worker process started as ``rank``."""
+    for child in psutil.Process(launcher).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "train.py" in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no rank {rank} under launcher {launcher}")
 
 
 # ----------------------------------------------------------------------------- elastic
