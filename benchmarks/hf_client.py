@@ -24,6 +24,7 @@ from common import (
     hyperpodrun_cmd,
     median,
     pyplot,
+    result_tag,
     run_to_completion,
     torchrun_cmd,
 )
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace, work: Path, script: Path) -> BenchmarkResult:
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={
             "ranks": RANKS,
             "global_batch": GLOBAL_BATCH,

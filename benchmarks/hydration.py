@@ -26,7 +26,17 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from common import BenchmarkError, BenchmarkResult, bench_env, format_table, free_port, median, parse_args, pyplot
+from common import (
+    BenchmarkError,
+    BenchmarkResult,
+    bench_env,
+    format_table,
+    free_port,
+    median,
+    parse_args,
+    pyplot,
+    result_tag,
+)
 
 NAME = "hydration"
 STATE_MB = {"smoke": 4, "quick": 96, "full": 512}  # parameters + AdamW state (3x the parameters)
@@ -166,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     result = BenchmarkResult(
         name=NAME,
         mode=ns.mode,
+        tag=result_tag(ns),
         params={"ranks": ns.ranks, "bucket_mb": ns.bucket_mb, "state_mb": state_mb, "reps": reps, "backend": "gloo"},
         baseline="one dist.broadcast of a flat byte tensor of the same size, same group, interleaved",
         samples=data,

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from common import BenchmarkError, BenchmarkResult, TrainArgs, bench_env, median, ratio_ci, run_training
+from common import BenchmarkError, BenchmarkResult, TrainArgs, bench_env, median, ratio_ci, result_tag, run_training
 
 NAME = "step_overhead_snapshot"
 VARIANTS = {"snapshots": ("--snapshot-every", "1"), "no-snapshots": ("--snapshot-every", "0")}
@@ -66,6 +66,7 @@ def run(
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={"train": train.as_params(), "ranks": RANKS, "reps": reps, "warmup_steps": skip, "variants": VARIANTS},
         baseline="the same FSDP2 job under hyperpodrun with --snapshot-every 0, in interleaved pairs",
     )

@@ -57,6 +57,7 @@ from common import (
     parse_args,
     pyplot,
     ratio_ci,
+    result_tag,
     run_to_completion,
     run_training,
     summarize,
@@ -417,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={
             "ranks": RANKS,
             "check_calls": CHECK_CALLS[args.mode],

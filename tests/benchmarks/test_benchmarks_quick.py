@@ -116,6 +116,52 @@ def test_benchmark_result_validates_and_writes(bench: Any, tmp_path: Path) -> No
     assert data["params"] == {"p": 1} and data["summary"] == {"ratio": 0.5}
     assert data["versions"]["torch"] and data["machine"]["logical_cpus"] >= 1
     assert data["plot"] == "demo_bench_smoke.png"
+    assert data["tag"] is None
+
+
+def test_benchmark_result_writes_a_summary_without_samples(bench: Any, tmp_path: Path) -> None:
+    common = bench("common")
+    result = common.BenchmarkResult(name="demo_bench", mode="quick", tag="fsdp", params={"p": 1}, baseline="nothing")
+    result.samples["runs"] = [{"raw": list(range(1000))}]
+    result.summary["ratio"] = 0.5
+    result.notes.append("a note")
+    path = result.write(tmp_path)
+    assert path == tmp_path / "demo_bench_fsdp_quick.json"
+    full = json.loads(path.read_text())
+    summary = json.loads((tmp_path / "summary" / "demo_bench_fsdp_quick.json").read_text())
+    assert "samples" not in summary and "plot" not in summary and full["samples"]["runs"][0]["raw"][-1] == 999
+    assert summary["full_result"] == "demo_bench_fsdp_quick.json"
+    for key in ("schema", "benchmark", "tag", "mode", "started_at", "finished_at", "duration_s", "params"):
+        assert summary[key] == full[key], key
+    assert summary["summary"] == {"ratio": 0.5} and summary["baseline"] == "nothing"
+    assert summary["notes"][0] == "a note" and summary["versions"] == full["versions"]
+    assert set(summary["machine"]) == {
+        "cpu",
+        "logical_cpus",
+        "usable_cpus",
+        "memory_gib",
+        "gpus",
+        "loadavg_1m",
+        "loadavg_1m_end",
+    }
+    assert summary["machine"]["loadavg_1m_end"] == full["machine"]["loadavg_1m_end"]
+    assert "platform" in full["machine"] and "platform" not in summary["machine"]
+    assert isinstance(summary["versions"]["git_commit"], str) and isinstance(summary["versions"]["git_dirty"], list)
+    with pytest.raises(ValueError, match="tag"):
+        common.BenchmarkResult(name="x", mode="quick", tag="a b", params={}, baseline="b")
+
+
+def test_result_tag_names_a_sharded_run(bench: Any) -> None:
+    common = bench("common")
+    assert common.result_tag(common.parse_args("x", argv=[])) == ""
+    assert common.result_tag(common.parse_args("x", argv=["--tag", "big"])) == "big"
+
+    def with_train(argv: list[str]) -> Any:
+        return common.parse_args("x", add_arguments=common.add_train_arguments, argv=argv)
+
+    assert common.result_tag(with_train(["--train-args=--fsdp --dtype bf16"])) == "fsdp"
+    assert common.result_tag(with_train(["--train-args=--dtype bf16"])) == ""
+    assert common.result_tag(with_train(["--train-args=--fsdp", "--tag", "fsdp_bf16"])) == "fsdp_bf16"
 
 
 def test_train_args_validate_and_build_the_command_line(bench: Any, tmp_path: Path) -> None:
@@ -370,6 +416,8 @@ def run_smoke(name: str, out: Path) -> dict[str, Any]:
     assert data["machine"]["logical_cpus"] >= 1 and data["versions"]["torch"]
     assert data["summary"] and data["samples"] and data["params"]
     assert (out / data["plot"]).read_bytes()[:8] == PNG_MAGIC
+    summary = json.loads((out / "summary" / f"{name}_smoke.json").read_text())
+    assert summary["summary"] == data["summary"] and "samples" not in summary
     assert "wrote" in proc.stdout  # the table was printed before the path
     return data
 
