@@ -340,6 +340,10 @@ class BenchmarkResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     started_at: float = dataclasses.field(default_factory=time.time)
     machine: dict[str, Any] = dataclasses.field(default_factory=machine_info)
+    #: Taken when the run starts: the commit and local changes of the code that ran, not of a later checkout.
+    versions: dict[str, Any] = dataclasses.field(default_factory=version_info)
+    #: How the run was started: the script (relative to the repository) and its arguments.
+    command: str = dataclasses.field(default_factory=lambda: _command_line(sys.argv))
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").isalnum():
@@ -373,7 +377,8 @@ class BenchmarkResult:
             "finished_at": _iso(finished),
             "duration_s": round(finished - self.started_at, 3),
             "machine": {**self.machine, "loadavg_1m_end": load_end},
-            "versions": version_info(),
+            "versions": self.versions,
+            "command": self.command,
             "params": self.params,
             "baseline": self.baseline,
             "summary": self.summary,
@@ -424,6 +429,17 @@ def result_tag(args: argparse.Namespace) -> str:
     if args.tag:
         return str(args.tag)
     return "fsdp" if "--fsdp" in shlex.split(getattr(args, "train_args", "") or "") else ""
+
+
+def _command_line(argv: Sequence[str]) -> str:
+    """``python <script> <args>`` with the script relative to the repository when it lies inside it."""
+    import shlex
+
+    if not argv:
+        return ""
+    script = Path(argv[0]).resolve()
+    shown = str(script.relative_to(REPO_ROOT)) if script.is_relative_to(REPO_ROOT) else argv[0]
+    return shlex.join(["python", shown, *argv[1:]])
 
 
 def _iso(ts: float) -> str:

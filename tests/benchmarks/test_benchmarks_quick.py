@@ -135,6 +135,7 @@ def test_benchmark_result_writes_a_summary_without_samples(bench: Any, tmp_path:
         assert summary[key] == full[key], key
     assert summary["summary"] == {"ratio": 0.5} and summary["baseline"] == "nothing"
     assert summary["notes"][0] == "a note" and summary["versions"] == full["versions"]
+    assert summary["command"] == full["command"] and summary["command"].startswith("python ")
     assert set(summary["machine"]) == {
         "cpu",
         "logical_cpus",
@@ -162,6 +163,15 @@ def test_result_tag_names_a_sharded_run(bench: Any) -> None:
     assert common.result_tag(with_train(["--train-args=--fsdp --dtype bf16"])) == "fsdp"
     assert common.result_tag(with_train(["--train-args=--dtype bf16"])) == ""
     assert common.result_tag(with_train(["--train-args=--fsdp", "--tag", "fsdp_bf16"])) == "fsdp_bf16"
+
+
+def test_command_line_names_the_script_inside_the_repository(bench: Any) -> None:
+    common = bench("common")
+    script = str(BENCH_DIR / "failures.py")
+    assert common._command_line([script, "--quick", "--train-args=--fsdp --x"]) == (
+        "python benchmarks/failures.py --quick '--train-args=--fsdp --x'"
+    )
+    assert common._command_line(["/elsewhere/run.py", "--smoke"]) == "python /elsewhere/run.py --smoke"
 
 
 def test_train_args_validate_and_build_the_command_line(bench: Any, tmp_path: Path) -> None:
