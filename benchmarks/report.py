@@ -297,7 +297,7 @@ def render_failures(doc: Summary) -> list[str]:
         if p:
             keys = [
                 k
-                for k in ("scale_decided", "group_up", "snapshot_restored", "hydrated", "first_step")
+                for k in ("scale_decided", "group_torn_down", "group_up", "snapshot_restored", "hydrated", "first_step")
                 if p.get(k) is not None
             ]
             lines.append(
@@ -612,6 +612,22 @@ def _fallbacks(doc: Summary | None, kinds: Sequence[str]) -> str:
     return f" ({other} of {len(modes)} restarted)" if other else ""
 
 
+def _etcd(doc: Summary | None, path: str) -> str:
+    """What etcd restarts and pauses did to one soak path: new rounds and steps redone, over how many events."""
+    kinds = [dig(doc or {}, "summary", "paths", path, "by_kind", k) for k in ("etcd_restart", "etcd_pause")]
+    seen = [k for k in kinds if k]
+    if not seen:
+        return DASH
+    n = sum(k["n"] for k in seen)
+    survived = sum(k["survived"] for k in seen)
+    rounds = sum(k.get("new_rounds", 0) for k in seen)
+    redone = sum(k["steps_redone"] for k in seen)
+    stops = "training does not stop" if rounds == 0 else f"{rounds} new round(s)"
+    lost = steps_lost(redone)
+    text = f"{stops}, **{lost}**" if path == "in-process" else f"{stops}, {lost}"
+    return text + f" ({survived} of {n} events survived)"
+
+
 def _run(doc: Summary | None, what: str) -> str:
     """``what, 2026-11-23, commit `abc1234`, load 0.2 – 1.1 on 2 CPUs``."""
     if doc is None:
@@ -624,7 +640,7 @@ def _run(doc: Summary | None, what: str) -> str:
 def render_event_costs(docs: Mapping[str, Summary]) -> str:
     """The "What each event costs" block of README.md."""
     scale, fail, fsdp = docs.get("scale_events"), docs.get("failures"), docs.get("failures_fsdp")
-    frame = docs.get("framework_events")
+    frame, soak = docs.get("framework_events"), docs.get("soak")
     base_scale = baseline_of(scale) if scale else None
     base_fail = baseline_of(fail) if fail else None
     step = dig(scale or fail or {}, "params", "timers", "step_time_s")
@@ -638,6 +654,7 @@ def render_event_costs(docs: Mapping[str, Summary]) -> str:
             + (f" ({per_kind} of each failure)" if per_kind else ""),
         ),
         _run(fsdp, "with `--train-args=--fsdp` for the sharded row"),
+        _run(soak, f"`soak.py --{soak['mode'] if soak else 'smoke'}` for etcd"),
     ]
     first = scale or fail or {}
     cpus = dig(first, "machine", "usable_cpus")
@@ -676,6 +693,12 @@ def render_event_costs(docs: Mapping[str, Summary]) -> str:
             _pair(scale, yr, OURS) + _fallbacks(scale, yr),
             _pair(scale, yr, RESTART),
             "(no such operation)",
+        ],
+        [
+            "etcd restarted, or paused for seconds",
+            _etcd(soak, "in-process"),
+            _etcd(soak, "process"),
+            DASH,
         ],
         [
             "a rank crashes (kill -9)",

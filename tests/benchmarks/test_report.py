@@ -135,6 +135,11 @@ def test_event_costs_rows_come_from_the_summaries(report: ModuleType) -> None:
     assert rows["a rank crashes / a node is lost, **sharded (FSDP2) model**"].endswith(
         "1.08 s / 1.43 s, **1 step lost** | 7.38 s / 6.46 s, 4 / 7 steps lost | 5.00 s / 6.70 s, 4 / 7 steps lost |"
     )
+    assert rows["etcd restarted, or paused for seconds"] == (
+        "| etcd restarted, or paused for seconds | training does not stop, **0 steps lost** (1 of 1 events survived) "
+        "| – | – |"
+    )
+    assert "`soak.py --smoke` for etcd, 2026-11-20, commit `abc1234`" in intro
     assert lines[2].endswith("| torchrun (no shared store), same run |")
     assert (
         "a join cost 0.51 s against 8.15 s on the restart path in the same run, a leave 0.66 s against 7.70 s"
