@@ -274,8 +274,16 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-#: What a result's code is: the library, the benchmarks and the example they run (not docs or results).
-_CODE_PATHS = ("src", "benchmarks", "examples", ":(exclude)*.md", ":(exclude)benchmarks/results")
+#: What a result's code is: the library, the benchmarks and the example they run (not docs, results, or
+#: report.py, which renders results and measures nothing).
+_CODE_PATHS = (
+    "src",
+    "benchmarks",
+    "examples",
+    ":(exclude)*.md",
+    ":(exclude)benchmarks/results",
+    ":(exclude)benchmarks/report.py",
+)
 
 
 def _dirty_code() -> list[str] | None:

@@ -633,7 +633,8 @@ def _run(doc: Summary | None, what: str) -> str:
     if doc is None:
         return f"{what}: no summary file"
     commit = dig(doc, "versions", "git_commit") or "unknown commit"
-    dirty = " with local changes" if dig(doc, "versions", "git_dirty") else ""
+    changed = dig(doc, "versions", "git_dirty")
+    dirty = f" + local changes to {', '.join(changed)}" if changed else ""
     return f"{what}, {doc['started_at'][:10]}, commit `{commit}`{dirty}, {load_note(doc, short=True)}"
 
 

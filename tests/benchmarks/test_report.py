@@ -114,7 +114,10 @@ def test_event_costs_rows_come_from_the_summaries(report: ModuleType) -> None:
     assert "0.5 s steps, a checkpoint every 10 steps" in intro
     assert "`scale_events.py --quick`, 2026-11-23, commit `728e54e`, load 0.2 – 1.1 on 2 CPUs" in intro
     assert "`failures.py --quick` (4 of each failure), 2026-11-25, commit `99c3e80`" in intro
-    assert "2026-11-26, commit `3a9a256` with local changes, load 4.5 – 5.2 on 2 CPUs, busy" in intro
+    assert (
+        "2026-11-26, commit `3a9a256` + local changes to src/elastic_events/x.py, load 4.5 – 5.2 on 2 CPUs, busy"
+        in intro
+    )
     rows = {line.split(" | ")[0].removeprefix("| "): line for line in lines if line.startswith("| ")}
     assert rows["a node joins"] == (
         "| a node joins | downtime 0.59 s (the survivors paused 0.091 s), **0 steps lost** | 3.05 s, 0 steps lost "
