@@ -292,17 +292,14 @@ def render_failures(doc: Summary) -> list[str]:
             + ".",
         ]
     phases = dig(s, "phases_from_failure_median_s", OURS) or {}
-    for kind in FAILURE_KINDS:
-        p = phases.get(kind)
-        if p:
-            keys = [
-                k
-                for k in ("scale_decided", "group_torn_down", "group_up", "snapshot_restored", "hydrated", "first_step")
-                if p.get(k) is not None
-            ]
-            lines.append(
-                f"In place, {kind}, seconds from the failure: " + ", ".join(f"{k} {sec(p[k], '')}" for k in keys) + "."
-            )
+    records = ("scale_decided", "group_torn_down", "group_up", "snapshot_restored", "hydrated", "first_step")
+    by_kind = [
+        f"{kind} " + ", ".join(f"{k} {sec(phases[kind][k], '')}" for k in records if phases[kind].get(k) is not None)
+        for kind in FAILURE_KINDS
+        if phases.get(kind)
+    ]
+    if by_kind:
+        lines.append("In place, medians of seconds from the failure to each record: " + "; ".join(by_kind) + ".")
     deaths = {v: d for v, d in (s.get("job_deaths") or {}).items() if d}
     if deaths:
         lines.append("Job stopped early: " + ", ".join(deaths) + ".")
@@ -315,7 +312,7 @@ def render_failures(doc: Summary) -> list[str]:
 def ci_text(ci: Mapping[str, Any] | None, digits: int = 3) -> str:
     if not ci:
         return DASH
-    return f"{ci['ratio']:.{digits}f} (95 % CI {ci['ci_low']:.{digits}f} – {ci['ci_high']:.{digits}f}, {ci['n']} pairs)"
+    return f"{ci['ratio']:.{digits}f}, 95 % CI {ci['ci_low']:.{digits}f} – {ci['ci_high']:.{digits}f} ({ci['n']} pairs)"
 
 
 def render_framework_events(doc: Summary) -> list[str]:
@@ -372,58 +369,37 @@ def render_step_overhead(doc: Summary) -> list[str]:
 
 def render_step_overhead_hf(doc: Summary) -> list[str]:
     s = doc["summary"]
-    return table(
-        ["steps/s ratio, with callback / without", "runs", "hyperpodrun + `ElasticCallback`", "torchrun, no callback"],
-        [
-            [
-                num(s.get("throughput_ratio"), 3),
-                f"{num(s.get('throughput_ratio_paired_min'), 3)} – {num(s.get('throughput_ratio_paired_max'), 3)}",
-                f"{num(s.get('hyperpodrun_callback_steps_per_s'), 1)} steps/s",
-                f"{num(s.get('torchrun_steps_per_s'), 1)} steps/s",
-            ]
-        ],
-    )
+    return [
+        f"Optimizer steps/s with `ElasticCallback` under hyperpodrun / without it under torchrun: "
+        f"**{num(s.get('throughput_ratio'), 3)}** (paired runs {num(s.get('throughput_ratio_paired_min'), 3)} – "
+        f"{num(s.get('throughput_ratio_paired_max'), 3)}; target ≥ {s.get('throughput_target', 0.99)}): "
+        f"{num(s.get('hyperpodrun_callback_steps_per_s'), 1)} against {num(s.get('torchrun_steps_per_s'), 1)} steps/s."
+    ]
 
 
 def render_step_overhead_snapshot(doc: Summary) -> list[str]:
     s = doc["summary"]
     step, cpu = s.get("median_step_s") or {}, s.get("cpu_per_step_s") or {}
-    return table(
-        [
-            "throughput with / without snapshots",
-            "by pairs",
-            "CPU per step, by pairs",
-            "snapshot memory / local state",
-            "median step with / without",
-        ],
-        [
-            [
-                num(s.get("throughput_ratio"), 3),
-                ci_text(s.get("wall_step_ratio_ci")),
-                ci_text(s.get("cpu_step_ratio_ci")),
-                f"{num(s.get('memory_ratio'))}x ({(s.get('snapshot_bytes_per_rank') or 0) / 1e6:.1f} MB per rank)",
-                f"{sec(step.get('snapshots'))} / {sec(step.get('no-snapshots'))}",
-            ]
-        ],
-    ) + ([f"CPU per step with / without: {sec(cpu.get('snapshots'))} / {sec(cpu.get('no-snapshots'))}."] if cpu else [])
+    held = (s.get("snapshot_bytes_per_rank") or 0) / 1e6
+    memory = DASH if s.get("memory_ratio") is None else f"{s['memory_ratio']:.2f}x"
+    return [
+        f"Throughput with snapshots / without: **{num(s.get('throughput_ratio'), 3)}** (target ≥ "
+        f"{s.get('target_throughput_ratio', 0.97)}); by pairs {ci_text(s.get('wall_step_ratio_ci'))}; CPU per step "
+        f"{ci_text(s.get('cpu_step_ratio_ci'))}. Median step {sec(step.get('snapshots'))} against "
+        f"{sec(step.get('no-snapshots'))}, CPU per step {sec(cpu.get('snapshots'))} against "
+        f"{sec(cpu.get('no-snapshots'))}. Snapshot memory **{memory}** the local state ({held:.1f} MB per rank)."
+    ]
 
 
 def render_hydration(doc: Summary) -> list[str]:
     s = doc["summary"]
     ranks = dig(doc, "params", "ranks")
-    return table(
-        ["hydration / broadcast", "per rep", "hydration", "broadcast", "state", "ranks"],
-        [
-            [
-                num(s.get("ratio_to_broadcast"), 2),
-                f"{num(s.get('ratio_per_rep_min'))} – {num(s.get('ratio_per_rep_max'))}",
-                f"{num(s.get('hydration_mb_per_s'), 0)} MB/s",
-                f"{num(s.get('broadcast_mb_per_s'), 0)} MB/s",
-                f"{num(s.get('state_mb'), 0)} MB",
-                str(ranks) if ranks else DASH,
-            ]
-        ],
-    )
+    return [
+        f"Hydration / broadcast of the same bytes: **{num(s.get('ratio_to_broadcast'))}** (per repetition "
+        f"{num(s.get('ratio_per_rep_min'))} – {num(s.get('ratio_per_rep_max'))}; target ≥ 0.5): "
+        f"{num(s.get('hydration_mb_per_s'), 0)} against {num(s.get('broadcast_mb_per_s'), 0)} MB/s, "
+        f"{num(s.get('state_mb'), 0)} MB of state, {ranks} ranks."
+    ]
 
 
 def render_checkpoint(doc: Summary) -> list[str]:

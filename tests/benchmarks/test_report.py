@@ -33,18 +33,18 @@ def report() -> Iterator[ModuleType]:
 
 def test_load_prefers_the_most_thorough_mode_then_the_newest(report: ModuleType) -> None:
     docs = report.load_summaries(FIXTURES)
-    assert sorted(docs) == [
-        "failures",
-        "failures_fsdp",
-        "framework_events",
-        "new_thing",
-        "scale_events",
-        "soak",
-        "step_overhead",
-    ]
+    assert sorted(docs) == sorted([*report.EXPECTED, "new_thing"])
     # scale_events_smoke.json is newer, but the quick run is the more thorough one
     assert docs["scale_events"]["mode"] == "quick" and docs["scale_events"]["_file"] == "scale_events_quick.json"
     assert docs["failures_fsdp"]["tag"] == "fsdp"
+
+
+def test_a_missing_summary_keeps_its_section_and_says_how_to_produce_it(report: ModuleType, tmp_path: Path) -> None:
+    shutil.copy(FIXTURES / "hydration_quick.json", tmp_path)
+    lines = report.render_figures(report.load_summaries(tmp_path)).splitlines()
+    assert [line for line in lines if line.startswith("### ")] == [f"### Latest: {key}" for key in report.EXPECTED]
+    assert "No summary file: `python benchmarks/failures.py --quick` writes it." in lines
+    assert sum(line.startswith("No summary file") for line in lines) == len(report.EXPECTED) - 1
 
 
 def test_load_names_a_file_that_is_not_a_summary(report: ModuleType, tmp_path: Path) -> None:
@@ -59,7 +59,6 @@ def test_figures_show_ratios_first_then_each_variant(report: ModuleType) -> None
     sections = [line.removeprefix("### Latest: ") for line in lines if line.startswith("### ")]
     # every expected section, in order, then the summary of a benchmark the script does not know
     assert sections == [*report.EXPECTED, "new_thing"]
-    assert "No summary file: `python benchmarks/hydration.py --quick` writes it." in lines
     assert (
         "`python benchmarks/scale_events.py --quick` · quick · 2026-11-23 · commit `728e54e` · 5 min · "
         "load 0.2 at the start, 1.1 at the end on 2 CPUs · "
@@ -84,15 +83,15 @@ def test_figures_show_ratios_first_then_each_variant(report: ModuleType) -> None
     assert "| hang (4) | – | – | 7.03 s, 0 lost, 4/4 in place | 14.6 s, 2 lost | – | 5.05 s |" in lines
     assert "A new node joining after a node loss: in place (default) 0.59 s, 0 lost." in lines
     assert (
-        "In place, rank_crash, seconds from the failure: scale_decided 0.090, group_up 0.89, hydrated 0.93, "
-        "first_step 1.47."
+        "In place, medians of seconds from the failure to each record: rank_crash scale_decided 0.090, group_up 0.89, "
+        "hydrated 0.93, first_step 1.47."
     ) in lines
     # a busy run and local changes are said where the run is named
     fsdp = next(line for line in lines if line.startswith("`python benchmarks/failures.py --quick --train-args"))
     assert "commit `3a9a256` + local changes to src/elastic_events/x.py" in fsdp
     assert "load 4.5 at the start, 5.2 at the end on 2 CPUs: **busy, expect noisy timings**" in fsdp
     assert "| join (1 → 2) | 0.063 | 0.51 s, survivor kept its process | 8.15 s |" in lines
-    assert "| CPU time per step, torchrun / hyperpodrun | 1.005 (95 % CI 0.979 – 1.032, 10 pairs) |" in lines
+    assert "| CPU time per step, torchrun / hyperpodrun | 1.005, 95 % CI 0.979 – 1.032 (10 pairs) |" in lines
     assert (
         "| `elastic_event_detected()` under hyperpodrun, median | 0.26 µs (p99 0.31 µs; outside a launcher 0.06 µs; "
         "the timer 0.05 µs) |"
@@ -216,3 +215,31 @@ def test_links_into_the_benchmarks_readme_find_their_heading() -> None:
     assert links, "no document links into benchmarks/README.md"
     missing = [(name, a) for name, a in links if a not in anchors]
     assert not missing, f"links to headings benchmarks/README.md does not have: {missing}"
+
+
+def test_the_smaller_benchmarks_render_their_ratio_first(report: ModuleType) -> None:
+    lines = report.render_figures(report.load_summaries(FIXTURES)).splitlines()
+    assert (
+        "Optimizer steps/s with `ElasticCallback` under hyperpodrun / without it under torchrun: **1.005** "
+        "(paired runs 0.940 – 1.070; target ≥ 0.99): 94.6 against 94.1 steps/s."
+    ) in lines
+    assert (
+        "Throughput with snapshots / without: **0.981** (target ≥ 0.97); by pairs 0.973, 95 % CI 0.941 – 1.007 "
+        "(10 pairs); CPU per step 0.972, 95 % CI 0.950 – 0.990 (10 pairs). Median step 0.97 s against 0.96 s, CPU per "
+        "step 1.83 s against 1.78 s. Snapshot memory **3.00x** the local state (52.0 MB per rank)."
+    ) in lines
+    assert (
+        "Hydration / broadcast of the same bytes: **0.94** (per repetition 0.83 – 1.06; target ≥ 0.5): 1085 against "
+        "1156 MB/s, 72 MB of state, 2 ranks."
+    ) in lines
+    assert "| example-tiny | 0.22 | 0.20 | 35 MB | 0.17 / 0.78 GB/s | 0.21 / 1.04 GB/s |" in lines
+    assert (
+        "Resharded load (FSDP2, saved by 2 ranks, loaded by 1) / same-size load: 1.53 (0.26 s against 0.17 s; "
+        "save at 2 ranks 0.18 s)."
+    ) in lines
+    assert "| 8 | 0.20 s | 13.8 | 0.020 s | 13.8 |" in lines and "| 64 | 0.95 s | 13.2 | – | – |" in lines
+    assert (
+        "Growth against the smallest N: etcd: time ~ N^0.75, ops per node ~ N^-0.02; embedded: time ~ N^–, "
+        "ops per node ~ N^–, failed at N = [64]."
+    ) in lines
+    assert "| 1 | 1 | 1 | 2449 |" in lines and "| 4 (oversubscribed) | 0.44 | 1.76 | 4320 |" in lines
