@@ -3,11 +3,12 @@
 Every benchmark writes ``benchmarks/results/summary/<name>[_<tag>]_<mode>.json`` (kept in git).
 This script reads them and rewrites the text between two marker comments:
 
-* ``benchmarks/README.md``, ``<!-- latest-figures:begin -->`` … ``end``: one compact table per
-  benchmark, the ratios against the baseline measured in the same run first, with the run's
-  date, commit, mode, command and the machine's load;
-* ``README.md``, ``<!-- event-costs:begin -->`` … ``end``: the "What each event costs" table,
-  from the scale_events, failures (replicated and ``fsdp``) and framework_events summaries.
+* ``benchmarks/README.md``, ``<!-- latest-figures:begin -->`` … ``end``: a section per expected
+  summary (:data:`EXPECTED`, then any other), each naming its run (command, mode, date, commit,
+  duration, the machine's load) with a compact table or sentence, the ratios against the baseline
+  measured in the same run first;
+* ``README.md``, ``<!-- event-costs:begin -->`` … ``end``: the "What each event costs" table, from
+  the scale_events, failures (replicated and ``fsdp``), soak and framework_events summaries.
 
 Per benchmark and tag the most thorough mode present is shown (full, then quick, then smoke), the
 newest run of that mode if there are several::
@@ -118,7 +119,9 @@ def steps(x: float | None) -> str:
 
 def steps_lost(*values: float | None) -> str:
     """``0 steps lost``, ``1 step lost``, ``4 / 7 steps lost``: one figure when all are equal."""
-    shown = sorted({steps(v) for v in values}) if len({steps(v) for v in values}) == 1 else [steps(v) for v in values]
+    shown = [steps(v) for v in values]
+    if len(set(shown)) == 1:
+        shown = shown[:1]
     return " / ".join(shown) + (" step lost" if shown == ["1"] else " steps lost")
 
 
