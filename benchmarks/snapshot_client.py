@@ -28,6 +28,14 @@ def run(
 ) -> BenchmarkResult:
     base = TrainArgs.from_namespace(args, steps=steps)
     train = TrainArgs(**{**base.__dict__, "extra": (*base.extra, "--fsdp")})
+    # Made before the runs: its start time, load and versions are those of the run.
+    result = BenchmarkResult(
+        name=NAME,
+        mode=args.mode,
+        tag=result_tag(args),
+        params={"train": train.as_params(), "ranks": RANKS, "reps": reps, "warmup_steps": skip, "variants": VARIANTS},
+        baseline="the same FSDP2 job under hyperpodrun with --snapshot-every 0, in interleaved pairs",
+    )
     env = bench_env(OMP_NUM_THREADS="1")
     runs: list[dict[str, Any]] = []
     for rep in range(reps):
@@ -63,13 +71,6 @@ def run(
         raise BenchmarkError("the snapshot runs logged no snapshot bytes: were snapshots taken? (--fsdp, hyperpodrun)")
     wall = [a["median_step_s"] / b["median_step_s"] for a, b in zip(off, on)]
     cpu = [a["cpu_per_step_s"] / b["cpu_per_step_s"] for a, b in zip(off, on)]
-    result = BenchmarkResult(
-        name=NAME,
-        mode=args.mode,
-        tag=result_tag(args),
-        params={"train": train.as_params(), "ranks": RANKS, "reps": reps, "warmup_steps": skip, "variants": VARIANTS},
-        baseline="the same FSDP2 job under hyperpodrun with --snapshot-every 0, in interleaved pairs",
-    )
     result.samples["runs"] = runs
     result.summary = {
         "median_step_s": {

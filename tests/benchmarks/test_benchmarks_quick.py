@@ -428,6 +428,8 @@ def run_smoke(name: str, out: Path) -> dict[str, Any]:
     assert (out / data["plot"]).read_bytes()[:8] == PNG_MAGIC
     summary = json.loads((out / "summary" / f"{name}_smoke.json").read_text())
     assert summary["summary"] == data["summary"] and "samples" not in summary
+    # the result is made when the run starts, so its duration, load and versions are the run's
+    assert data["duration_s"] >= 1.0, f"{name}: the result was made at the end of the run ({data['duration_s']} s)"
     assert "wrote" in proc.stdout  # the table was printed before the path
     return data
 
