@@ -465,8 +465,8 @@ def render_throughput(doc: Summary) -> list[str]:
     rows = [
         [
             str(r["world"]) + (" (oversubscribed)" if r.get("oversubscribed") else ""),
-            num(r.get("efficiency")),
-            num(r.get("speedup")),
+            f"{r['efficiency']:.2f}",
+            f"{r['speedup']:.2f}",
             f"{r['tokens_per_s']:.0f}",
         ]
         for r in doc["summary"].get("by_world") or []

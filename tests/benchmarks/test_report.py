@@ -242,4 +242,4 @@ def test_the_smaller_benchmarks_render_their_ratio_first(report: ModuleType) -> 
         "Growth against the smallest N: etcd: time ~ N^0.75, ops per node ~ N^-0.02; embedded: time ~ N^–, "
         "ops per node ~ N^–, failed at N = [64]."
     ) in lines
-    assert "| 1 | 1 | 1 | 2449 |" in lines and "| 4 (oversubscribed) | 0.44 | 1.76 | 4320 |" in lines
+    assert "| 1 | 1.00 | 1.00 | 2449 |" in lines and "| 4 (oversubscribed) | 0.44 | 1.76 | 4320 |" in lines
