@@ -474,6 +474,12 @@ def render_throughput(doc: Summary) -> list[str]:
     return table(["ranks", "efficiency", "speedup", "tokens/s"], rows)
 
 
+def _final(diff: float | None) -> str:
+    if diff is None:
+        return DASH
+    return "0 (bit for bit)" if diff == 0 else f"{diff:.3g}"
+
+
 def render_soak(doc: Summary) -> list[str]:
     paths = doc["summary"].get("paths") or {}
     label = {"in-process": "in place", "process": "restart path"}
@@ -487,7 +493,7 @@ def render_soak(doc: Summary) -> list[str]:
                 str(p["job_deaths"]),
                 f"{p['final_samples_lost']} / {p['final_samples_repeated']}",
                 str(p["steps_redone"]),
-                DASH if p.get("final_max_abs_diff") is None else f"{p['final_max_abs_diff']:.3g}",
+                _final(p.get("final_max_abs_diff")),
             ]
         )
     lines = table(

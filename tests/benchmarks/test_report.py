@@ -97,7 +97,7 @@ def test_figures_show_ratios_first_then_each_variant(report: ModuleType) -> None
         "the timer 0.05 µs) |"
     ) in lines
     assert "| per step, hyperpodrun / torchrun | 0.48 s / 0.48 s wall, 0.95 s / 0.95 s CPU |" in lines
-    assert "| in place | 0.812 | 5 / 5 | 0 | 0 / 0 | 0 | 0 |" in lines
+    assert "| in place | 0.812 | 5 / 5 | 0 | 0 / 0 | 0 | 0 (bit for bit) |" in lines
     assert "| kill_rank | 0.86 s (1), 0 redone | 11.9 s (1), 4 redone |" in lines
     # a benchmark the script does not know: its scalar figures, nothing nested
     assert "| speedup | 1.235 |" in lines and "| label | x |" in lines
