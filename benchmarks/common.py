@@ -61,6 +61,7 @@ __all__ = [
     "add_train_arguments",
     "bench_env",
     "format_table",
+    "first_record_ts",
     "free_port",
     "hyperpodrun_cmd",
     "kill_tree",
@@ -619,6 +620,19 @@ class TrainArgs:
 
     def as_params(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "extra": list(self.extra), "tokens_per_step": self.tokens_per_step}
+
+
+def first_record_ts(log_dir: Path, event: str) -> float | None:
+    """When hyperpodrun's event log under ``log_dir`` (its ``--log-dir``) first recorded ``event``; None if never."""
+    for path in sorted(log_dir.glob("**/events.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line being written when the launcher was stopped
+            if record.get("event") == event:
+                return float(record["ts"])
+    return None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -16,7 +16,17 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from common import BenchmarkError, BenchmarkResult, TrainArgs, bench_env, median, ratio_ci, result_tag, run_training
+from common import (
+    BenchmarkError,
+    BenchmarkResult,
+    TrainArgs,
+    bench_env,
+    first_record_ts,
+    median,
+    ratio_ci,
+    result_tag,
+    run_training,
+)
 
 NAME = "step_overhead_snapshot"
 VARIANTS = {"snapshots": ("--snapshot-every", "1"), "no-snapshots": ("--snapshot-every", "0")}
@@ -53,7 +63,8 @@ def run(
                 sample_interval=0.2,
                 launcher_args=VARIANTS[variant],
             )
-            costs = steady_costs(done["metrics"], done["cpu_samples"], skip=skip)
+            spare_ready = first_record_ts(work / f"{variant}-{rep}" / "logs", "spare_ready")
+            costs = steady_costs(done["metrics"], done["cpu_samples"], skip=skip, after_ts=spare_ready)
             last = done["metrics"][-1]
             runs.append(
                 {

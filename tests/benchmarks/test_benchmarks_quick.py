@@ -103,6 +103,38 @@ def test_steady_costs_divides_cpu_by_the_steps_in_its_window(bench: Any) -> None
         so.steady_costs(records, samples, skip=19)
 
 
+def test_steady_costs_start_after_the_spare_is_ready(bench: Any) -> None:
+    so = bench("step_overhead")
+    records = [{"ts": 100.0 + 0.5 * s, "step": s} for s in range(1, 21)]
+    # 1.0 CPU s per wall second until the spare is ready at t = 105.2 (its import), 0.4 after
+    samples = [(t, 0.0, min(t, 105.2) - 99.0 + 0.4 * max(0.0, t - 105.2)) for t in (99.0 + 0.2 * i for i in range(60))]
+    before = so.steady_costs(records, samples, skip=4)
+    after = so.steady_costs(records, samples, skip=4, after_ts=105.2)
+    assert before["window_first_step"] == 5 and after["window_first_step"] == 11  # step 11 ends at 105.5
+    assert after["rank_cpu_per_step_s"] == pytest.approx(0.2)  # 0.4 CPU s per second, 0.5 s steps
+    assert before["rank_cpu_per_step_s"] > 0.3
+    # fewer than 3 steps after it: the window stays where the warm-up ends
+    assert so.steady_costs(records, samples, skip=4, after_ts=109.5)["window_first_step"] == 5
+
+
+def test_first_record_ts_reads_hyperpodruns_event_log(bench: Any, tmp_path: Path) -> None:
+    common = bench("common")
+    log = tmp_path / "logs" / "run-1" / "events.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text('{"ts": 1.5, "event": "agent_started"}\n{"ts": 4.25, "event": "spare_ready"}\n{"ts": 9.0, "ev')
+    assert common.first_record_ts(tmp_path / "logs", "spare_ready") == 4.25
+    assert common.first_record_ts(tmp_path / "logs", "first_step") is None
+    assert common.first_record_ts(tmp_path / "nothing", "spare_ready") is None
+
+
+def test_hf_steps_per_s_are_timed_after_the_spare_is_ready(bench: Any) -> None:
+    hf = bench("hf_client")
+    ends = [10.0 + 0.1 * i for i in range(20)] + [12.0 + 0.02 * i for i in range(1, 51)]  # 10/s, then 50/s
+    assert hf._steps_per_s(ends, 5, after_ts=12.0) == pytest.approx(50.0)
+    assert hf._steps_per_s(ends, 5) < 40.0
+    assert hf._steps_per_s(ends, 5, after_ts=99.0) == hf._steps_per_s(ends, 5)  # no step after it: all count
+
+
 def test_benchmark_result_validates_and_writes(bench: Any, tmp_path: Path) -> None:
     common = bench("common")
     with pytest.raises(ValueError, match="mode"):
