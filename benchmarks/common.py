@@ -276,14 +276,14 @@ def machine_info() -> dict[str, Any]:
 
 
 #: What a result's code is: the library, the benchmarks and the example they run (not docs, results, or
-#: report.py, which renders results and measures nothing).
+#: report*.py, which render results and measure nothing).
 _CODE_PATHS = (
     "src",
     "benchmarks",
     "examples",
     ":(exclude)*.md",
     ":(exclude)benchmarks/results",
-    ":(exclude)benchmarks/report.py",
+    ":(exclude,glob)benchmarks/report*.py",
 )
 
 
