@@ -13,6 +13,7 @@ from report_figures import (
     TORCHRUN_LABEL,
     Summary,
     baseline_of,
+    changed_code,
     dig,
     load_note,
     num,
@@ -72,7 +73,7 @@ def _run(doc: Summary | None, what: str) -> str:
     if doc is None:
         return f"{what}: no summary file"
     commit = dig(doc, "versions", "git_commit") or "unknown commit"
-    changed = dig(doc, "versions", "git_dirty")
+    changed = changed_code(doc)
     dirty = f" + local changes to {', '.join(changed)}" if changed else ""
     return f"{what}, {doc['started_at'][:10]}, commit `{commit}`{dirty}, {load_note(doc, short=True)}"
 

@@ -5,6 +5,7 @@ the ratios against the baseline measured in the same run first; ``report.py`` wr
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -106,11 +107,18 @@ def load_note(doc: Summary, *, short: bool = False) -> str:
     return f"load {start:.1f} at the start, {end:.1f} at the end{on}{busy}"
 
 
+def changed_code(doc: Summary) -> list[str]:
+    """The run's local changes to measured code: its ``git_dirty`` files, less the report scripts (which
+    render results and measure nothing; results of older runs may list them)."""
+    dirty = dig(doc, "versions", "git_dirty") or []
+    return [f for f in dirty if not re.fullmatch(r"benchmarks/report\w*\.py", f)]
+
+
 def provenance(doc: Summary) -> str:
     """One line: command, date, commit (with local changes if any), duration and load."""
     versions = doc.get("versions") or {}
     commit = versions.get("git_commit") or "unknown commit"
-    dirty = versions.get("git_dirty")
+    dirty = changed_code(doc)
     changes = f" + local changes to {', '.join(dirty)}" if dirty else ""
     minutes = (doc.get("duration_s") or 0) / 60
     command = doc.get("command") or f"{doc['benchmark']} --{doc['mode']}"
