@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -197,24 +196,6 @@ def test_committed_readmes_match_the_committed_summaries(report: ModuleType) -> 
     for path, text in rendered.items():
         assert path.read_text() == text, f"{path} is out of date: run python benchmarks/report.py"
     assert sorted(report.SUMMARY_DIR.glob("*.json")), "no committed summary files"
-
-
-def _anchor(heading: str) -> str:
-    """GitHub's anchor of a Markdown heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
-    text = heading.lstrip("#").strip().lower()
-    return "".join(c for c in text if c.isalnum() or c in "-_ ").replace(" ", "-")
-
-
-def test_links_into_the_benchmarks_readme_find_their_heading() -> None:
-    headings = [line for line in (BENCH_DIR / "README.md").read_text().splitlines() if line.startswith("#")]
-    anchors = {_anchor(h) for h in headings}
-    assert {"latest-figures", "soak", "failures", "definitions"} <= anchors
-    links = []
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        links += [(doc.name, m) for m in re.findall(r"benchmarks/README\.md#([\w-]+)", doc.read_text())]
-    assert links, "no document links into benchmarks/README.md"
-    missing = [(name, a) for name, a in links if a not in anchors]
-    assert not missing, f"links to headings benchmarks/README.md does not have: {missing}"
 
 
 def test_the_smaller_benchmarks_render_their_ratio_first(report: ModuleType) -> None:
