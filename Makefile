@@ -37,6 +37,9 @@ test: setup lint
 bench: $(STAMP)
 	for b in step_overhead checkpoint rendezvous_scale throughput scale_events failures hydration framework_events; do $(PY) benchmarks/$$b.py --quick || exit 1; done
 	for c in hf snapshot; do $(PY) benchmarks/step_overhead.py --quick --client $$c || exit 1; done
+	$(PY) benchmarks/failures.py --quick --train-args=--fsdp --kinds rank_crash,node_loss
+	$(PY) benchmarks/soak.py --smoke --paths in-process,process
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

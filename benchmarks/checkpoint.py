@@ -48,6 +48,7 @@ from common import (
     median,
     parse_args,
     pyplot,
+    result_tag,
     run_to_completion,
     torchrun_cmd,
 )
@@ -414,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         result = BenchmarkResult(
             name=NAME,
             mode=args.mode,
+            tag=result_tag(args),
             params={
                 "model": args.model,
                 "synthetic_mb": list(sizes),

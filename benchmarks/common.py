@@ -9,7 +9,10 @@ Every benchmark is a script with the same command line (:func:`parse_args`)::
 
 and writes one :class:`BenchmarkResult`: the machine and versions it ran on, its
 parameters, the raw samples, the summary (medians, p99, ratios to the baseline measured
-in the same run) and free-text notes about what limits the numbers.
+in the same run) and free-text notes about what limits the numbers. Beside the full
+result, ``<out>/summary/<name>_<mode>.json`` holds the same without the raw samples: the
+small file kept in git under ``benchmarks/results/summary/``, from which ``report.py``
+renders the figures of ``benchmarks/README.md``.
 
 Child processes (launchers, trainers, store servers) run as :class:`ManagedProcess`: in a
 session of their own, with every output line timestamped on arrival, a hard deadline, and
@@ -44,6 +47,7 @@ __all__ = [
     "MODES",
     "REPO_ROOT",
     "RESULTS_DIR",
+    "SUMMARY_SUBDIR",
     "TRAIN_SCRIPT",
     "BenchmarkError",
     "BenchmarkResult",
@@ -57,6 +61,7 @@ __all__ = [
     "add_train_arguments",
     "bench_env",
     "format_table",
+    "first_record_ts",
     "free_port",
     "hyperpodrun_cmd",
     "kill_tree",
@@ -68,6 +73,7 @@ __all__ = [
     "ratio_ci",
     "read_metrics",
     "require_train_script",
+    "result_tag",
     "run_to_completion",
     "run_training",
     "single_node_cmd",
@@ -80,6 +86,8 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+#: Under a result directory: the summaries without raw samples (kept in git for ``RESULTS_DIR``).
+SUMMARY_SUBDIR = "summary"
 TRAIN_SCRIPT = REPO_ROOT / "examples" / "llama_finetune" / "train.py"
 #: ``smoke``: seconds, for CI; ``quick``: about a minute or a few; ``full``: for publication.
 MODES = ("smoke", "quick", "full")
@@ -117,6 +125,12 @@ def parse_args(
     size.add_argument("--quick", action="store_true", help="a short run (about a minute or a few)")
     size.add_argument("--smoke", action="store_true", help="the smallest run that exercises every path (CI)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"result directory (default {RESULTS_DIR})")
+    parser.add_argument(
+        "--tag",
+        default="",
+        help="names this configuration in the result files, <name>_<tag>_<mode>.json (default: fsdp with "
+        "--train-args=--fsdp, else none)",
+    )
     if add_arguments is not None:
         add_arguments(parser)
     ns = parser.parse_args(argv)
@@ -261,6 +275,28 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+#: What a result's code is: the library, the benchmarks and the example they run (not docs, results, or
+#: report*.py, which render results and measure nothing).
+_CODE_PATHS = (
+    "src",
+    "benchmarks",
+    "examples",
+    ":(exclude)*.md",
+    ":(exclude)benchmarks/results",
+    ":(exclude,glob)benchmarks/report*.py",
+)
+
+
+def _dirty_code() -> list[str] | None:
+    """Tracked files of the measured code that differ from the commit, sorted; None when git cannot say."""
+    cmd = ["git", "status", "--porcelain", "--untracked-files=no", "--", *_CODE_PATHS]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=10.0, check=True, cwd=REPO_ROOT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sorted(line[3:] for line in done.stdout.splitlines() if len(line) > 3)
+
+
 def version_info() -> dict[str, Any]:
     versions: dict[str, Any] = {"python": platform.python_version()}
     for name in ("torch", "hyperpodrun", "numpy"):
@@ -277,6 +313,7 @@ def version_info() -> dict[str, Any]:
     except ImportError:
         pass
     versions["git_commit"] = _run_text(["git", "rev-parse", "--short", "HEAD"]) or None
+    versions["git_dirty"] = _dirty_code() if versions["git_commit"] else None
     etcd = shutil.which("etcd") or "/usr/bin/etcd"
     if os.access(etcd, os.X_OK):
         first = _run_text([etcd, "--version"]).splitlines()
@@ -287,35 +324,48 @@ def version_info() -> dict[str, Any]:
 # --------------------------------------------------------------------------- results
 
 
+#: The machine fields a summary file keeps: what a reader needs to judge its figures.
+_SUMMARY_MACHINE = ("cpu", "logical_cpus", "usable_cpus", "memory_gib", "gpus", "loadavg_1m", "loadavg_1m_end")
+
+
 @dataclasses.dataclass(kw_only=True)
 class BenchmarkResult:
-    """One run of one benchmark, written as ``<out>/<name>_<mode>.json`` (+ ``.png``).
+    """One run of one benchmark, written as ``<out>/<stem>.json`` (+ ``.png``) and ``<out>/summary/<stem>.json``.
 
-    ``samples`` holds raw measurements, ``summary`` what a reader compares (medians, p99,
-    ratios to the baseline), ``baseline`` says what was measured against, ``notes`` what
-    limits the figures on this machine.
+    The stem is ``<name>_<mode>``, or ``<name>_<tag>_<mode>`` for a tagged configuration (e.g.
+    ``failures_fsdp_quick``). ``samples`` holds raw measurements, ``summary`` what a reader
+    compares (medians, p99, ratios to the baseline), ``baseline`` says what was measured
+    against, ``notes`` what limits the figures on this machine. The summary file is the
+    result without ``samples`` and with the machine in short.
     """
 
     name: str
     mode: str
     params: dict[str, Any]
     baseline: str
+    tag: str = ""
     samples: dict[str, Any] = dataclasses.field(default_factory=dict)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     started_at: float = dataclasses.field(default_factory=time.time)
     machine: dict[str, Any] = dataclasses.field(default_factory=machine_info)
+    #: Taken when the run starts: the commit and local changes of the code that ran, not of a later checkout.
+    versions: dict[str, Any] = dataclasses.field(default_factory=version_info)
+    #: How the run was started: the script (relative to the repository) and its arguments.
+    command: str = dataclasses.field(default_factory=lambda: _command_line(sys.argv))
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").isalnum():
             raise ValueError(f"name must be a non-empty identifier, got {self.name!r}")
+        if self.tag and not self.tag.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"tag must be letters, digits, '-' and '_', got {self.tag!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not self.baseline:
             raise ValueError("baseline must say what the measurement is compared against")
 
     def stem(self) -> str:
-        return f"{self.name}_{self.mode}"
+        return f"{self.name}_{self.tag}_{self.mode}" if self.tag else f"{self.name}_{self.mode}"
 
     def to_json(self) -> dict[str, Any]:
         finished = time.time()
@@ -330,12 +380,14 @@ class BenchmarkResult:
         return {
             "schema": _SCHEMA,
             "benchmark": self.name,
+            "tag": self.tag or None,
             "mode": self.mode,
             "started_at": _iso(self.started_at),
             "finished_at": _iso(finished),
             "duration_s": round(finished - self.started_at, 3),
             "machine": {**self.machine, "loadavg_1m_end": load_end},
-            "versions": version_info(),
+            "versions": self.versions,
+            "command": self.command,
             "params": self.params,
             "baseline": self.baseline,
             "summary": self.summary,
@@ -345,17 +397,58 @@ class BenchmarkResult:
         }
 
     def write(self, out_dir: Path) -> Path:
-        """Write the JSON (atomically); returns its path."""
-        out_dir.mkdir(parents=True, exist_ok=True)
+        """Write the full JSON and its summary file (each atomically); returns the full JSON's path."""
+        full = self.to_json()
         path = out_dir / f"{self.stem()}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2, default=_json_default) + "\n")
-        os.replace(tmp, path)
+        _write_json(path, full)
+        _write_json(out_dir / SUMMARY_SUBDIR / path.name, summary_of(full, full_result=path.name))
         return path
 
     def plot_path(self, out_dir: Path) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         return out_dir / f"{self.stem()}.png"
+
+
+def summary_of(full: Mapping[str, Any], *, full_result: str) -> dict[str, Any]:
+    """The summary file of a full result: everything but the raw samples and the plot, the machine in short.
+
+    ``full_result`` names the full JSON beside it (not kept in git), where the samples are.
+    """
+    out: dict[str, Any] = {}
+    for key, value in full.items():
+        if key == "machine":
+            value = {k: value[k] for k in _SUMMARY_MACHINE if k in value}
+        if key not in ("samples", "plot"):
+            out[key] = value
+    out["full_result"] = full_result
+    return out
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def result_tag(args: argparse.Namespace) -> str:
+    """The result's tag: ``--tag`` when given, else ``fsdp`` when ``--train-args`` shards the example (``--fsdp``)."""
+    import shlex
+
+    if args.tag:
+        return str(args.tag)
+    return "fsdp" if "--fsdp" in shlex.split(getattr(args, "train_args", "") or "") else ""
+
+
+def _command_line(argv: Sequence[str]) -> str:
+    """``python <script> <args>`` with the script relative to the repository when it lies inside it."""
+    import shlex
+
+    if not argv:
+        return ""
+    script = Path(argv[0]).resolve()
+    shown = str(script.relative_to(REPO_ROOT)) if script.is_relative_to(REPO_ROOT) else argv[0]
+    return shlex.join(["python", shown, *argv[1:]])
 
 
 def _iso(ts: float) -> str:
@@ -527,6 +620,19 @@ class TrainArgs:
 
     def as_params(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "extra": list(self.extra), "tokens_per_step": self.tokens_per_step}
+
+
+def first_record_ts(log_dir: Path, event: str) -> float | None:
+    """When hyperpodrun's event log under ``log_dir`` (its ``--log-dir``) first recorded ``event``; None if never."""
+    for path in sorted(log_dir.glob("**/events.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line being written when the launcher was stopped
+            if record.get("event") == event:
+                return float(record["ts"])
+    return None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -63,6 +63,7 @@ from common import (
     parse_args,
     read_metrics,
     require_train_script,
+    result_tag,
 )
 from failure_analysis import (
     RESUMED_RECORDS,
@@ -399,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={
             "plan": [f"{k} at step {s}" for k, s in plan],
             "seed": args.seed,

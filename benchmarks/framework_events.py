@@ -51,6 +51,7 @@ from common import (
     median,
     parse_args,
     pyplot,
+    result_tag,
 )
 from scale_analysis import event_mode, hyperpodrun_phases, measure_event
 
@@ -250,6 +251,7 @@ def run(args: argparse.Namespace) -> BenchmarkResult:
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={
             "ranks_per_node": 1,
             "nodes": "1 -> 2 -> 1",

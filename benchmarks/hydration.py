@@ -26,7 +26,17 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from common import BenchmarkError, BenchmarkResult, bench_env, format_table, free_port, median, parse_args, pyplot
+from common import (
+    BenchmarkError,
+    BenchmarkResult,
+    bench_env,
+    format_table,
+    free_port,
+    median,
+    parse_args,
+    pyplot,
+    result_tag,
+)
 
 NAME = "hydration"
 STATE_MB = {"smoke": 4, "quick": 96, "full": 512}  # parameters + AdamW state (3x the parameters)
@@ -123,6 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # skip interpreter finalization: torch's gloo teardown can abort there (pytorch/pytorch#179291)
+    # Made before the workers start: its start time, load and versions are those of the run.
+    result = BenchmarkResult(
+        name=NAME,
+        mode=ns.mode,
+        tag=result_tag(ns),
+        params={"ranks": ns.ranks, "bucket_mb": ns.bucket_mb, "state_mb": state_mb, "reps": reps, "backend": "gloo"},
+        baseline="one dist.broadcast of a flat byte tensor of the same size, same group, interleaved",
+        notes=["Loopback gloo on CPU: both sides copy through memory; on NCCL the staging copies run on the GPU."],
+    )
     port = free_port()
     ns.out.mkdir(parents=True, exist_ok=True)
     raw = ns.out / f"{NAME}_{ns.mode}.raw.json"
@@ -163,15 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_per_rep_max": round(max(ratios), 3),
         "target": ">= 0.5",
     }
-    result = BenchmarkResult(
-        name=NAME,
-        mode=ns.mode,
-        params={"ranks": ns.ranks, "bucket_mb": ns.bucket_mb, "state_mb": state_mb, "reps": reps, "backend": "gloo"},
-        baseline="one dist.broadcast of a flat byte tensor of the same size, same group, interleaved",
-        samples=data,
-        summary=summary,
-        notes=["Loopback gloo on CPU: both sides copy through memory; on NCCL the staging copies run on the GPU."],
-    )
+    result.samples, result.summary = data, summary
     plot(data, result.plot_path(ns.out))
     path = result.write(ns.out)
     print(

@@ -41,6 +41,7 @@ from common import (
     parse_args,
     percentile,
     pyplot,
+    result_tag,
     start_etcd,
 )
 from hyperpodrun.errors import HyperpodrunError
@@ -548,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={
             "sizes": list(sizes),
             "backends": list(args.backends),

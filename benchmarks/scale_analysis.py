@@ -82,9 +82,8 @@ def lost_time(downtime_s: float, steps_lost: int, step_time_s: float) -> float:
     step was trained: the first after the event), plus every step trained again. The first term is
     :func:`gap_between`'s ``pause_s`` with the run's configured step time in place of the interval
     measured before the event, so that every launcher in a comparison is charged the same step.
-
-    Until 26 November 2026 this was ``downtime + steps_lost x step``, which counted the held step as lost
-    too: one step time more for every launcher, which flattered the slower one's ratio.
+    (``downtime + steps_lost x step`` would count the held step as lost too: one step time more for
+    every launcher, which flatters the slower one's ratio.)
     """
     return max(0.0, downtime_s - step_time_s) + steps_lost * step_time_s
 

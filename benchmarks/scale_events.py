@@ -72,6 +72,7 @@ from common import (
     parse_args,
     read_metrics,
     require_train_script,
+    result_tag,
     torchrun_cmd,
 )
 from hyperpodrun.device_plan import DevicePlan
@@ -487,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={
             "launchers": list(args.launchers),
             "scenario": [f"{k} {n}" for k, n in events],

@@ -16,7 +16,17 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from common import BenchmarkError, BenchmarkResult, TrainArgs, bench_env, median, ratio_ci, run_training
+from common import (
+    BenchmarkError,
+    BenchmarkResult,
+    TrainArgs,
+    bench_env,
+    first_record_ts,
+    median,
+    ratio_ci,
+    result_tag,
+    run_training,
+)
 
 NAME = "step_overhead_snapshot"
 VARIANTS = {"snapshots": ("--snapshot-every", "1"), "no-snapshots": ("--snapshot-every", "0")}
@@ -28,6 +38,14 @@ def run(
 ) -> BenchmarkResult:
     base = TrainArgs.from_namespace(args, steps=steps)
     train = TrainArgs(**{**base.__dict__, "extra": (*base.extra, "--fsdp")})
+    # Made before the runs: its start time, load and versions are those of the run.
+    result = BenchmarkResult(
+        name=NAME,
+        mode=args.mode,
+        tag=result_tag(args),
+        params={"train": train.as_params(), "ranks": RANKS, "reps": reps, "warmup_steps": skip, "variants": VARIANTS},
+        baseline="the same FSDP2 job under hyperpodrun with --snapshot-every 0, in interleaved pairs",
+    )
     env = bench_env(OMP_NUM_THREADS="1")
     runs: list[dict[str, Any]] = []
     for rep in range(reps):
@@ -45,7 +63,8 @@ def run(
                 sample_interval=0.2,
                 launcher_args=VARIANTS[variant],
             )
-            costs = steady_costs(done["metrics"], done["cpu_samples"], skip=skip)
+            spare_ready = first_record_ts(work / f"{variant}-{rep}" / "logs", "spare_ready")
+            costs = steady_costs(done["metrics"], done["cpu_samples"], skip=skip, after_ts=spare_ready)
             last = done["metrics"][-1]
             runs.append(
                 {
@@ -63,12 +82,6 @@ def run(
         raise BenchmarkError("the snapshot runs logged no snapshot bytes: were snapshots taken? (--fsdp, hyperpodrun)")
     wall = [a["median_step_s"] / b["median_step_s"] for a, b in zip(off, on)]
     cpu = [a["cpu_per_step_s"] / b["cpu_per_step_s"] for a, b in zip(off, on)]
-    result = BenchmarkResult(
-        name=NAME,
-        mode=args.mode,
-        params={"train": train.as_params(), "ranks": RANKS, "reps": reps, "warmup_steps": skip, "variants": VARIANTS},
-        baseline="the same FSDP2 job under hyperpodrun with --snapshot-every 0, in interleaved pairs",
-    )
     result.samples["runs"] = runs
     result.summary = {
         "median_step_s": {

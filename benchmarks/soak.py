@@ -51,6 +51,7 @@ from common import (
     parse_args,
     pyplot,
     require_train_script,
+    result_tag,
     run_to_completion,
     start_etcd,
 )
@@ -473,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={
             "seed": args.seed,
             "events": events,

@@ -50,6 +50,7 @@ from common import (
     TrainArgs,
     add_train_arguments,
     bench_env,
+    first_record_ts,
     format_table,
     free_port,
     hyperpodrun_cmd,
@@ -57,6 +58,7 @@ from common import (
     parse_args,
     pyplot,
     ratio_ci,
+    result_tag,
     run_to_completion,
     run_training,
     summarize,
@@ -66,7 +68,9 @@ from common import (
 NAME = "step_overhead"
 CHECK_CALLS = {"smoke": 20_000, "quick": 200_000, "full": 1_000_000}
 ALLREDUCE_CALLS = {"smoke": 300, "quick": 3_000, "full": 20_000}
-TRAIN_STEPS = {"smoke": 12, "quick": 24, "full": 40}
+#: Steps per run: the spare rank hyperpodrun starts once the ranks declared the in-process API is ready
+#: ~4 s (~10 steps) into a run here, and the steady window starts after it.
+TRAIN_STEPS = {"smoke": 12, "quick": 32, "full": 48}
 TRAIN_REPS = {"smoke": 2, "quick": 10, "full": 16}
 WARMUP_STEPS = {"smoke": 2, "quick": 4, "full": 5}
 CPU_SAMPLE_INTERVAL_S = 0.2
@@ -206,17 +210,27 @@ def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
 
 
 def steady_costs(
-    records: list[dict[str, Any]], cpu_samples: list[tuple[float, float, float]], *, skip: int
+    records: list[dict[str, Any]],
+    cpu_samples: list[tuple[float, float, float]],
+    *,
+    skip: int,
+    after_ts: float | None = None,
 ) -> dict[str, float]:
-    """Per-step costs of one run after its first ``skip`` steps.
+    """Per-step costs of one run after its first ``skip`` steps (and after ``after_ts``).
 
     ``records``: rank 0's step log (``ts`` = step end, ``step``); ``cpu_samples``:
     (ts, launcher CPU s, its descendants' CPU s) taken while it ran. Wall: the median
     step interval. CPU: between the first and the last CPU sample inside the steady
     window, the CPU spent divided by the steps done (step counts interpolated between
-    step end times), for the ranks and for the launcher's own process.
+    step end times), for the ranks and for the launcher's own process. ``after_ts``
+    (hyperpodrun: when its node's spare rank was ready) starts the window later, so the
+    spare's start (``import torch``, a one-time cost, counted among the launcher's
+    descendants) is not charged to the steps; ignored when fewer than 3 steps follow it.
     """
     steps = [r for r in records if r["step"] > skip]
+    later = [r for r in steps if after_ts is not None and r["ts"] >= after_ts]
+    if len(later) >= 3:
+        steps = later
     if len(steps) < 3:
         raise BenchmarkError(f"need at least 3 logged steps after step {skip}, got {len(steps)}")
     gaps = [b["ts"] - a["ts"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
@@ -236,6 +250,7 @@ def steady_costs(
         "launcher_cpu_per_step_s": (own1 - own0) / done,
         "cpu_per_step_s": (ranks1 - ranks0 + own1 - own0) / done,
         "cpu_window_steps": done,
+        "window_first_step": steps[0]["step"],
     }
 
 
@@ -259,7 +274,8 @@ def macro(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 env=env,
                 sample_interval=CPU_SAMPLE_INTERVAL_S,
             )
-            costs = steady_costs(run["metrics"], run["cpu_samples"], skip=skip)
+            spare_ready = first_record_ts(work / f"{launcher}-{rep}" / "logs", "spare_ready")
+            costs = steady_costs(run["metrics"], run["cpu_samples"], skip=skip, after_ts=spare_ready)
             tokens_per_s = wall_tokens_per_s(run["metrics"], train.tokens_per_step, skip=skip)
             runs.append(
                 {
@@ -417,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={
             "ranks": RANKS,
             "check_calls": CHECK_CALLS[args.mode],

@@ -33,6 +33,7 @@ from common import (
     median,
     parse_args,
     pyplot,
+    result_tag,
     run_training,
     wall_tokens_per_s,
 )
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={
             "worlds": list(worlds),
             "launcher": args.launcher,

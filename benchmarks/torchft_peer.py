@@ -49,6 +49,7 @@ from common import (
     parse_args,
     pyplot,
     read_metrics,
+    result_tag,
 )
 
 NAME = "torchft_peer"
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
+        tag=result_tag(args),
         params={"torchft": CYCLES[args.mode]},
         baseline="none: torchft is the peer; scale_events.py compares it with hyperpodrun",
     )

@@ -103,6 +103,38 @@ def test_steady_costs_divides_cpu_by_the_steps_in_its_window(bench: Any) -> None
         so.steady_costs(records, samples, skip=19)
 
 
+def test_steady_costs_start_after_the_spare_is_ready(bench: Any) -> None:
+    so = bench("step_overhead")
+    records = [{"ts": 100.0 + 0.5 * s, "step": s} for s in range(1, 21)]
+    # 1.0 CPU s per wall second until the spare is ready at t = 105.2 (its import), 0.4 after
+    samples = [(t, 0.0, min(t, 105.2) - 99.0 + 0.4 * max(0.0, t - 105.2)) for t in (99.0 + 0.2 * i for i in range(60))]
+    before = so.steady_costs(records, samples, skip=4)
+    after = so.steady_costs(records, samples, skip=4, after_ts=105.2)
+    assert before["window_first_step"] == 5 and after["window_first_step"] == 11  # step 11 ends at 105.5
+    assert after["rank_cpu_per_step_s"] == pytest.approx(0.2)  # 0.4 CPU s per second, 0.5 s steps
+    assert before["rank_cpu_per_step_s"] > 0.3
+    # fewer than 3 steps after it: the window stays where the warm-up ends
+    assert so.steady_costs(records, samples, skip=4, after_ts=109.5)["window_first_step"] == 5
+
+
+def test_first_record_ts_reads_hyperpodruns_event_log(bench: Any, tmp_path: Path) -> None:
+    common = bench("common")
+    log = tmp_path / "logs" / "run-1" / "events.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text('{"ts": 1.5, "event": "agent_started"}\n{"ts": 4.25, "event": "spare_ready"}\n{"ts": 9.0, "ev')
+    assert common.first_record_ts(tmp_path / "logs", "spare_ready") == 4.25
+    assert common.first_record_ts(tmp_path / "logs", "first_step") is None
+    assert common.first_record_ts(tmp_path / "nothing", "spare_ready") is None
+
+
+def test_hf_steps_per_s_are_timed_after_the_spare_is_ready(bench: Any) -> None:
+    hf = bench("hf_client")
+    ends = [10.0 + 0.1 * i for i in range(20)] + [12.0 + 0.02 * i for i in range(1, 51)]  # 10/s, then 50/s
+    assert hf._steps_per_s(ends, 5, after_ts=12.0) == pytest.approx(50.0)
+    assert hf._steps_per_s(ends, 5) < 40.0
+    assert hf._steps_per_s(ends, 5, after_ts=99.0) == hf._steps_per_s(ends, 5)  # no step after it: all count
+
+
 def test_benchmark_result_validates_and_writes(bench: Any, tmp_path: Path) -> None:
     common = bench("common")
     with pytest.raises(ValueError, match="mode"):
@@ -116,6 +148,62 @@ def test_benchmark_result_validates_and_writes(bench: Any, tmp_path: Path) -> No
     assert data["params"] == {"p": 1} and data["summary"] == {"ratio": 0.5}
     assert data["versions"]["torch"] and data["machine"]["logical_cpus"] >= 1
     assert data["plot"] == "demo_bench_smoke.png"
+    assert data["tag"] is None
+
+
+def test_benchmark_result_writes_a_summary_without_samples(bench: Any, tmp_path: Path) -> None:
+    common = bench("common")
+    result = common.BenchmarkResult(name="demo_bench", mode="quick", tag="fsdp", params={"p": 1}, baseline="nothing")
+    result.samples["runs"] = [{"raw": list(range(1000))}]
+    result.summary["ratio"] = 0.5
+    result.notes.append("a note")
+    path = result.write(tmp_path)
+    assert path == tmp_path / "demo_bench_fsdp_quick.json"
+    full = json.loads(path.read_text())
+    summary = json.loads((tmp_path / "summary" / "demo_bench_fsdp_quick.json").read_text())
+    assert "samples" not in summary and "plot" not in summary and full["samples"]["runs"][0]["raw"][-1] == 999
+    assert summary["full_result"] == "demo_bench_fsdp_quick.json"
+    for key in ("schema", "benchmark", "tag", "mode", "started_at", "finished_at", "duration_s", "params"):
+        assert summary[key] == full[key], key
+    assert summary["summary"] == {"ratio": 0.5} and summary["baseline"] == "nothing"
+    assert summary["notes"][0] == "a note" and summary["versions"] == full["versions"]
+    assert summary["command"] == full["command"] and summary["command"].startswith("python ")
+    assert set(summary["machine"]) == {
+        "cpu",
+        "logical_cpus",
+        "usable_cpus",
+        "memory_gib",
+        "gpus",
+        "loadavg_1m",
+        "loadavg_1m_end",
+    }
+    assert summary["machine"]["loadavg_1m_end"] == full["machine"]["loadavg_1m_end"]
+    assert "platform" in full["machine"] and "platform" not in summary["machine"]
+    assert isinstance(summary["versions"]["git_commit"], str) and isinstance(summary["versions"]["git_dirty"], list)
+    with pytest.raises(ValueError, match="tag"):
+        common.BenchmarkResult(name="x", mode="quick", tag="a b", params={}, baseline="b")
+
+
+def test_result_tag_names_a_sharded_run(bench: Any) -> None:
+    common = bench("common")
+    assert common.result_tag(common.parse_args("x", argv=[])) == ""
+    assert common.result_tag(common.parse_args("x", argv=["--tag", "big"])) == "big"
+
+    def with_train(argv: list[str]) -> Any:
+        return common.parse_args("x", add_arguments=common.add_train_arguments, argv=argv)
+
+    assert common.result_tag(with_train(["--train-args=--fsdp --dtype bf16"])) == "fsdp"
+    assert common.result_tag(with_train(["--train-args=--dtype bf16"])) == ""
+    assert common.result_tag(with_train(["--train-args=--fsdp", "--tag", "fsdp_bf16"])) == "fsdp_bf16"
+
+
+def test_command_line_names_the_script_inside_the_repository(bench: Any) -> None:
+    common = bench("common")
+    script = str(BENCH_DIR / "failures.py")
+    assert common._command_line([script, "--quick", "--train-args=--fsdp --x"]) == (
+        "python benchmarks/failures.py --quick '--train-args=--fsdp --x'"
+    )
+    assert common._command_line(["/elsewhere/run.py", "--smoke"]) == "python /elsewhere/run.py --smoke"
 
 
 def test_train_args_validate_and_build_the_command_line(bench: Any, tmp_path: Path) -> None:
@@ -370,6 +458,10 @@ def run_smoke(name: str, out: Path) -> dict[str, Any]:
     assert data["machine"]["logical_cpus"] >= 1 and data["versions"]["torch"]
     assert data["summary"] and data["samples"] and data["params"]
     assert (out / data["plot"]).read_bytes()[:8] == PNG_MAGIC
+    summary = json.loads((out / "summary" / f"{name}_smoke.json").read_text())
+    assert summary["summary"] == data["summary"] and "samples" not in summary
+    # the result is made when the run starts, so its duration, load and versions are the run's
+    assert data["duration_s"] >= 1.0, f"{name}: the result was made at the end of the run ({data['duration_s']} s)"
     assert "wrote" in proc.stdout  # the table was printed before the path
     return data
 
