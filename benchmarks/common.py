@@ -624,6 +624,13 @@ class TrainArgs:
 
 def first_record_ts(log_dir: Path, event: str) -> float | None:
     """When hyperpodrun's event log under ``log_dir`` (its ``--log-dir``) first recorded ``event``; None if never."""
+    found = records(log_dir, event)
+    return float(found[0]["ts"]) if found else None
+
+
+def records(log_dir: Path, event: str) -> list[dict[str, Any]]:
+    """Every ``event`` record of hyperpodrun's event logs under ``log_dir`` (its ``--log-dir``), in file order."""
+    found = []
     for path in sorted(log_dir.glob("**/events.jsonl")):
         for line in path.read_text().splitlines():
             try:
@@ -631,8 +638,8 @@ def first_record_ts(log_dir: Path, event: str) -> float | None:
             except ValueError:
                 continue  # a line being written when the launcher was stopped
             if record.get("event") == event:
-                return float(record["ts"])
-    return None
+                found.append(record)
+    return found
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -350,7 +350,18 @@ def render_step_overhead_snapshot(doc: Summary) -> list[str]:
         f"{ci_text(s.get('cpu_step_ratio_ci'))}. Median step {sec(step.get('snapshots'))} against "
         f"{sec(step.get('no-snapshots'))}, CPU per step {sec(cpu.get('snapshots'))} against "
         f"{sec(cpu.get('no-snapshots'))}. Snapshot memory **{memory}** the local state ({held:.1f} MB per rank)."
+        + _chosen_intervals(s)
     ]
+
+
+def _chosen_intervals(s: dict[str, Any]) -> str:
+    """The intervals ``--snapshot-every auto`` chose, where the run used it."""
+    if s.get("snapshot_every", "1") != "auto":
+        return " Snapshots every step (`--snapshot-every 1`)."
+    chosen = ", ".join(str(every) for every in s.get("chosen_intervals") or []) or DASH
+    overheads = s.get("chosen_overheads") or []
+    worst = f"{max(overheads):.2%}" if overheads else DASH
+    return f" `--snapshot-every auto` chose every {chosen} step(s) (expected overhead at most {worst})."
 
 
 def render_hydration(doc: Summary) -> list[str]:

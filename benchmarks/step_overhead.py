@@ -368,6 +368,14 @@ def main(argv: list[str] | None = None) -> int:
             help="loop: the hand-written example loop (default); hf: a Hugging Face Trainer job; "
             "snapshot: the example with --fsdp, in-memory snapshots on and off",
         )
+        parser.add_argument(
+            "--snapshots",
+            dest="variant",
+            choices=tuple(snapshot_client.INTERVALS),
+            default="auto",
+            help="--client snapshot: the interval of the snapshot runs (auto, the default; every-step: "
+            "--snapshot-every 1, kept under the tag every_step)",
+        )
         add_train_arguments(parser)
         hf_client.add_worker_arguments(parser)
         # internal: the measuring worker

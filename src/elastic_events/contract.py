@@ -20,6 +20,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal
 
 from elastic_events.errors import ElasticTrainingError
 
@@ -33,8 +34,28 @@ PARKED_ENV = "HYPERPODRUN_PARKED"  # "1": a pre-warmed joiner, no rank until adm
 SNAPSHOT_EVERY_ENV = "HYPERPODRUN_SNAPSHOT_EVERY"  # --snapshot-every: a sharded model's in-memory snapshots
 ENV_PREFIX = "HYPERPODRUN_"
 
-#: The snapshot interval when neither the script nor the launcher sets one.
-DEFAULT_SNAPSHOT_EVERY = 1
+#: ``--snapshot-every auto``: the interval is chosen per round by what a snapshot costs.
+AUTO: Literal["auto"] = "auto"
+SnapshotEvery = int | Literal["auto"]  # steps between a sharded model's snapshots (0: none), or AUTO
+
+
+def parse_snapshot_every(text: str) -> SnapshotEvery:
+    """``"auto"`` or an integer >= 0; ``ValueError`` naming the accepted forms otherwise."""
+    value = text.strip().lower()
+    if value == AUTO:
+        return AUTO
+    try:
+        every = int(value)
+    except ValueError:
+        every = -1
+    if every < 0:
+        raise ValueError(f"expected 'auto' or an integer >= 0 (0: no snapshots), got {text!r}")
+    return every
+
+
+#: The snapshot interval when neither the script nor the launcher sets one: chosen by its cost
+#: (elastic_events.rounds.snapshot_interval).
+DEFAULT_SNAPSHOT_EVERY: SnapshotEvery = AUTO
 
 #: torchrun's variables that change with the round; a parked rank has none of them until admitted.
 ROUND_VARIABLES = (
@@ -97,6 +118,7 @@ class Record(str, Enum):
     HYDRATED = "hydrated"
     PEER_FAILED = "peer_failed"  # a collective failed: the rank waits for its group to be repaired
     STEP_ABANDONED = "step_abandoned"  # a step's collectives did not complete: nothing of it was applied
+    SNAPSHOT_INTERVAL = "snapshot_interval"  # the interval --snapshot-every auto chose for a round, and why
     SNAPSHOT_RESTORED = "snapshot_restored"  # a sharded model put back together from snapshots after a failure
     SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"  # no step at which every shard survived: the checkpoint instead
     IN_PLACE_UNAVAILABLE = "in_place_unavailable"  # a framework rank does not offer in-place events (reason)
@@ -141,6 +163,13 @@ def rank_environment(assignment: GroupAssignment, local_rank: int, *, round: int
     }
 
 
+def _snapshot_every(raw: str) -> SnapshotEvery:
+    try:
+        return parse_snapshot_every(raw)
+    except ValueError as exc:
+        raise ContractError(f"{SNAPSHOT_EVERY_ENV}={raw!r}: {exc}") from None
+
+
 def _int(env: Mapping[str, str], name: str, default: int | None = None, *, minimum: int = 0) -> int:
     raw = env.get(name)
     if raw is None:
@@ -180,7 +209,7 @@ class RankContext:
     node_id: str = ""
     run_id: str = ""
     restart_reason: RestartReason = RestartReason.START
-    snapshot_every: int | None = None  # the launcher's --snapshot-every (None: not given)
+    snapshot_every: SnapshotEvery | None = None  # the launcher's --snapshot-every (None: not given)
 
     def __post_init__(self) -> None:
         if not 0 <= self.local_rank < self.local_world_size:
@@ -225,7 +254,7 @@ class RankContext:
             node_id=env.get(NODE_ID_ENV, ""),
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
             restart_reason=restart_reason,
-            snapshot_every=None if every is None else _int(env, SNAPSHOT_EVERY_ENV),
+            snapshot_every=None if every is None else _snapshot_every(every),
         )
 
     @property

@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 from typer.exceptions import TyperException
 
+from elastic_events.contract import SnapshotEvery, parse_snapshot_every
 from hyperpodrun import __version__
 from hyperpodrun.cli_abbrev import AbbreviatingCommand
 from hyperpodrun.config import (
@@ -49,6 +50,13 @@ def _version(value: bool) -> None:
     if value:
         typer.echo(f"hyperpodrun {__version__}")
         raise typer.Exit()
+
+
+def _snapshot_every(text: str) -> SnapshotEvery:
+    try:
+        return parse_snapshot_every(text)
+    except ValueError as exc:
+        raise ConfigError(f"--snapshot-every: {exc}") from None
 
 
 def _opt(*names: str, env: str | None = None, help: str, group: str, **kw):
@@ -375,13 +383,13 @@ def run(
         ),
     ] = 1,
     snapshot_every: Annotated[
-        int,
+        str,
         _opt(
             "--snapshot-every",
             group=_POLICY,
-            help="A sharded (FSDP2) model under ElasticTraining copies its shards to a peer on another node every N steps, in the background, so a failure rolls back at most N steps and reads no storage (0: off; replicated models need none).",
+            help="A sharded (FSDP2) model under ElasticTraining copies its shards to a peer on another node every N steps, in the background, so a failure rolls back at most N steps and reads no storage. auto: each round times a few snapshots and picks the smallest N whose snapshots cost at most 2% of the step time (0: off; replicated models need none).",
         ),
-    ] = 1,
+    ] = "auto",
     metrics_port: Annotated[
         int,
         _opt(
@@ -483,7 +491,7 @@ def run(
         max_world_size=max_world_size,
         restart_mode=restart_mode,
         spare_ranks=spare_ranks,
-        snapshot_every=snapshot_every,
+        snapshot_every=_snapshot_every(snapshot_every),
         hang_timeout=hang_timeout,
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum, IntFlag
 from pathlib import Path
 
+from elastic_events.contract import AUTO, SnapshotEvery
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.security import run_id_problem
@@ -280,9 +281,9 @@ class LaunchConfig:
     restart_mode: RestartMode = RestartMode.AUTO
     hang_timeout: float | None = None  # seconds without progress; None: 10x the slowest step, at least 60; 0: off
     spare_ranks: int = 1  # pre-started replacements per node for a job repaired in place (0 or 1)
-    snapshot_every: int = (
-        1  # a sharded model's in-memory snapshots, every N steps (0: off); elastic_events.rounds.snapshot
-    )
+    # a sharded model's in-memory snapshots, every N steps (0: off) or chosen by their cost ("auto");
+    # elastic_events.rounds.snapshot_interval
+    snapshot_every: SnapshotEvery = AUTO
     metrics_port: int = 0  # Prometheus endpoint of this agent; 0: off
     metrics_addr: str = "127.0.0.1"
     log_line_prefix_template: str | None = (
@@ -338,9 +339,10 @@ class LaunchConfig:
             raise ConfigError(
                 f"--spare-ranks: must be 0 or 1 (one spare replaces the first failed rank), got {self.spare_ranks}"
             )
-        if self.snapshot_every < 0:
+        every = self.snapshot_every
+        if every != AUTO and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
             raise ConfigError(
-                f"--snapshot-every: must be >= 0 steps (0: no in-memory snapshots), got {self.snapshot_every}"
+                f"--snapshot-every: must be 'auto' or >= 0 steps (0: no in-memory snapshots), got {every!r}"
             )
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port: must be in 0..65535 (0: off), got {self.metrics_port}")

@@ -207,7 +207,8 @@ def test_the_smaller_benchmarks_render_their_ratio_first(report: ModuleType) -> 
     assert (
         "Throughput with snapshots / without: **0.981** (target ≥ 0.97); by pairs 0.973, 95 % CI 0.941 – 1.007 "
         "(10 pairs); CPU per step 0.972, 95 % CI 0.950 – 0.990 (10 pairs). Median step 0.97 s against 0.96 s, CPU per "
-        "step 1.83 s against 1.78 s. Snapshot memory **3.00x** the local state (52.0 MB per rank)."
+        "step 1.83 s against 1.78 s. Snapshot memory **3.00x** the local state (52.0 MB per rank). Snapshots every "
+        "step (`--snapshot-every 1`)."
     ) in lines
     assert (
         "Hydration / broadcast of the same bytes: **0.94** (per repetition 0.83 – 1.06; target ≥ 0.5): 1085 against "
@@ -224,3 +225,10 @@ def test_the_smaller_benchmarks_render_their_ratio_first(report: ModuleType) -> 
         "ops per node ~ N^–, failed at N = [64]."
     ) in lines
     assert "| 1 | 1.00 | 1.00 | 2449 |" in lines and "| 4 (oversubscribed) | 0.44 | 1.76 | 4320 |" in lines
+
+
+def test_the_snapshot_figure_names_the_intervals_auto_chose(report: ModuleType) -> None:
+    figures = importlib.import_module("report_figures")
+    summary = {"snapshot_every": "auto", "chosen_intervals": [4, 6], "chosen_overheads": [0.015, 0.019]}
+    (line,) = figures.render_step_overhead_snapshot({"summary": summary})
+    assert line.endswith("`--snapshot-every auto` chose every 4, 6 step(s) (expected overhead at most 1.90%).")

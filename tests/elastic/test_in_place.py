@@ -134,13 +134,15 @@ def hit_rank_1(job, sig: int) -> tuple[int, int]:
 
 def committed_steps(job) -> list[int]:
     """Rank 0's steps, each once, in order; a step is trained again only after a sharded model rolled back to
-    its newest snapshot (``snapshot_restored``, at most one step with a snapshot every step), never otherwise.
+    its newest snapshot (``snapshot_restored``, at most the snapshot interval: 1 with a snapshot every step, or
+    the interval ``--snapshot-every auto`` chose), never otherwise.
 
     Rank 0 logs no step only where a repair gave it a peer's newer state: a rank killed mid all-reduce can
     leave one survivor a step ahead (it had every peer's share), and the repair resumes all from it; rank 0's
     ``recovered`` record is then at the step it did not log."""
     rollbacks = [e for e in job.events("snapshot_restored") if e["redone"]]
-    assert all(e["redone"] <= 1 for e in job.events("snapshot_restored")), job.events("snapshot_restored")
+    interval = max([e["every"] for e in job.events("snapshot_interval")], default=1)
+    assert all(e["redone"] <= interval for e in job.events("snapshot_restored")), job.events("snapshot_restored")
     adopted = {r["step"] for r in worlds(job) if r["rank"] == 0 and r["how"] == "recovered"}
     steps: list[int] = []
     for step in (p["step"] for p in job.progress()):
@@ -246,6 +248,9 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
     )  # every node, repaired
     assert_trained_like_one_process(job)
     assert {p["world"] for p in job.progress()} == {max(2, len(nodes))}
+    if model == "fsdp":  # --snapshot-every auto: each round timed its first snapshots and chose within 2 %
+        chosen = job.events("snapshot_interval")
+        assert chosen and all(e["every"] >= 1 and e["overhead"] <= e["target"] for e in chosen), chosen
     # sharded: the world is the broken round's, so each shard went back to its own rank, none was gathered
     assert [e["resharded"] for e in job.events("snapshot_restored")] == ([False] if model == "fsdp" else []), (
         job.events("snapshot_restored")
@@ -475,7 +480,7 @@ def test_a_rank_that_dies_while_sending_its_snapshot_is_restored_from_the_one_be
         script=INPLACE,
         script_args=(str(tmp_path), "fsdp", "die-sending-at=40"),
         nnodes="2",
-        flags=("--max-restarts", "3"),
+        flags=("--max-restarts", "3", "--snapshot-every", "1"),
     )
     job.start_node("a")
     job.start_node("b")

@@ -25,6 +25,10 @@ from support.launch import clean_env
         ("bucket_mb", "64"),
         ("backend", "mpi"),
         ("snapshot_every", -1),
+        ("snapshot_every", "often"),
+        ("snapshot_overhead", 0),
+        ("snapshot_overhead", 1.5),
+        ("mtbf_s", 0),
         ("freeze_gc", 1),
     ],
 )

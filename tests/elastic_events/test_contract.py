@@ -85,7 +85,8 @@ def test_a_parked_rank_has_no_round_until_admitted() -> None:
         ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0': expected an integer >= 1"),
         ({PARKED_ENV: "1"}, "HYPERPODRUN_PARKED=1 needs the control channel"),
         ({RESTART_REASON_ENV: "reboot"}, "HYPERPODRUN_RESTART_REASON='reboot': expected one of start, scale, failure"),
-        ({SNAPSHOT_EVERY_ENV: "-1"}, "HYPERPODRUN_SNAPSHOT_EVERY='-1': expected an integer >= 0"),
+        ({SNAPSHOT_EVERY_ENV: "-1"}, "HYPERPODRUN_SNAPSHOT_EVERY='-1': expected 'auto' or an integer >= 0"),
+        ({SNAPSHOT_EVERY_ENV: "often"}, "HYPERPODRUN_SNAPSHOT_EVERY='often': expected 'auto' or an integer >= 0"),
     ],
 )
 def test_an_environment_no_launcher_would_give_is_refused_with_its_variable(env: dict, message: str) -> None:

@@ -6,12 +6,20 @@ every ``snapshot_every`` steps and kept by a peer, so that a failed rank's shard
 else. The round's first state is snapshotted at once (a failure in its first step is covered too);
 no optimizer step is taken before the last snapshot's copies exist (:meth:`Snapshots.wait`, a
 pre-step hook), and the optimizer's state is captured again when it appears (its first step).
+
+With ``snapshot_every="auto"`` the next :data:`~elastic_events.rounds.snapshot_interval.CALIBRATION_STEPS`
+steps of each round are snapshotted and timed (the time :meth:`Snapshots.take` and the optimizer
+step's wait cost, and the steps without that wait); the ranks then agree on the slowest figures and
+:func:`~elastic_events.rounds.snapshot_interval.choose_interval` sets the round's interval.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
+from elastic_events import eventlog
+from elastic_events.contract import AUTO, Record
 from elastic_events.rounds.engine import RoundEngine
 from elastic_events.rounds.snapshot import (
     Captured,
@@ -21,6 +29,7 @@ from elastic_events.rounds.snapshot import (
     capture,
     optimizer_state_count,
 )
+from elastic_events.rounds.snapshot_interval import Calibration, IntervalChoice, choose_interval
 from elastic_events.training_state import TrainState
 
 __all__ = ["Snapshots"]
@@ -31,9 +40,16 @@ class Snapshots:
 
     def __init__(self, engine: RoundEngine, state: TrainState) -> None:
         self.engine, self.state = engine, state
-        self.every = engine.config.snapshot_interval
+        setting = engine.config.snapshot_interval
+        self.auto = setting == AUTO
+        self.every = 1 if setting == AUTO else int(setting)  # steps between snapshots; auto: this round's
+        self.choice: IntervalChoice | None = None  # auto: this round's choice, once made
         self.replicator: Replicator | None = None  # this round's, while snapshots are taken
         self.captured: Captured | None = None  # the local state's live tensors
+        self._calibration: Calibration | None = None  # auto: this round's timings until the choice
+        self._last_take: float | None = None  # when take() last returned (monotonic)
+        self._waited_s = 0.0  # the optimizer steps' waits for a snapshot since then
+        self._start_s: float | None = None  # what starting the newest snapshot cost, until its wait is timed
 
     def start(self) -> None:
         """Start this round's snapshots if they apply (collective: every rank decides the same way)."""
@@ -57,14 +73,51 @@ class Snapshots:
             bucket_bytes=e.config.bucket_bytes,
             timeout_s=e.config.timeout_s,
         )
+        if self.auto:
+            self.every, self.choice, self._calibration = 1, None, Calibration.empty()
         self.take(every=1)
+        self._last_take, self._start_s = None, None  # the round's first step and snapshot are not timed
 
     def take(self, every: int | None = None) -> None:
         """After step :attr:`TrainState.step`: snapshot it in the background, if it is one to keep."""
         replicator, s = self.replicator, self.state
-        if replicator is None or replicator.failed is not None or s.step % (every or self.every):
+        if replicator is None:
             return
-        replicator.snapshot(self.piece(s.step))
+        now = time.monotonic()
+        if self._calibration is not None and self._last_take is not None:
+            self._calibration.steps.append(now - self._last_take - self._waited_s)
+            if self._calibration.done:
+                self._choose(self._calibration)
+        if replicator.failed is None and not s.step % (every or self.every):
+            replicator.snapshot(self.piece(s.step))
+            self._start_s = time.monotonic() - now
+        self._last_take, self._waited_s = time.monotonic(), 0.0
+
+    def _choose(self, calibration: Calibration) -> None:
+        """``auto``: the round's interval from every rank's timings (collective: all ranks are here at the
+        same step, having timed the same snapshots)."""
+        e = self.engine
+        reports = e.agree(calibration.report(), error=SnapshotError)
+        choice = choose_interval(
+            held_s=max(held for held, _ in reports),
+            step_s=min(step for _, step in reports),
+            target=e.config.snapshot_overhead,
+            mtbf_s=e.config.mtbf_s,
+        )
+        self.every, self.choice, self._calibration = choice.every, choice, None
+        if e.rank == 0:
+            print(f"round {e.round}: {choice.describe()}", file=sys.stderr, flush=True)
+        eventlog.emit(
+            Record.SNAPSHOT_INTERVAL,
+            step=self.state.step,
+            every=choice.every,
+            held_s=round(choice.held_s, 6),
+            step_s=round(choice.step_s, 6),
+            overhead=round(choice.overhead, 6),
+            target=choice.target,
+            mtbf_s=choice.mtbf_s,
+            rule=choice.rule,
+        )
 
     def piece(self, step: int) -> Piece:
         """This rank's live state at ``step``, as a snapshot piece."""
@@ -94,7 +147,13 @@ class Snapshots:
         """The optimizer's pre-step hook: no step is committed before every copy of the last snapshot exists
         (and the live tensors being sent must not change yet). A peer's failure raises ``PeerFailureError``."""
         if self.replicator is not None:
+            t0 = time.monotonic()
             self.replicator.wait(broken=self.engine.broken)
+            waited = time.monotonic() - t0
+            self._waited_s += waited
+            if self._calibration is not None and self._start_s is not None:
+                self._calibration.held.append(self._start_s + waited)
+            self._start_s = None
 
     def stop(self, *, broken: bool) -> Replicator | None:
         """End this round's replication (``broken``: at once, keeping what is held) and return it."""
