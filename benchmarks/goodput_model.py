@@ -363,7 +363,7 @@ def project(
                 {
                     "gpus": n,
                     "strategy": strategy,
-                    "goodput": round(goodput(job, cost), 4),
+                    "goodput": round(goodput(job, cost), 6),
                     "failures_per_day": float(f"{rate * DAY_S:.4g}"),
                     "mtbf_min": round(1.0 / rate / 60.0, 1) if rate > 0 else None,
                     "downtime_s": round(cost.downtime_s, 2),
