@@ -239,9 +239,9 @@ def snapshot_every(job: Job, cluster: Cluster) -> int:
     The smallest interval whose snapshots cost at most the budget of the step time, or Young's interval
     for the job's MTBF where that is longer (the job is assumed to give ``ElasticConfig.mtbf_s``).
     """
-    held_s = job.state_bytes_per_gpu / GB / cluster.snapshot_gb_s
+    cost_s = job.state_bytes_per_gpu / GB / cluster.snapshot_gb_s
     mtbf_s = 1.0 / job.failures_per_s if job.failures_per_s > 0 else None
-    return choose_interval(held_s=held_s, step_s=job.step_time_s, target=cluster.snapshot_budget, mtbf_s=mtbf_s).every
+    return choose_interval(cost_s=cost_s, step_s=job.step_time_s, target=cluster.snapshot_budget, mtbf_s=mtbf_s).every
 
 
 def in_place_cost(job: Job, cluster: Cluster) -> StrategyCost:

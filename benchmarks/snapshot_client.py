@@ -80,7 +80,7 @@ def run(
                     "state_bytes": last.get("snapshot_state_bytes"),
                     "held_bytes": last.get("snapshot_held_bytes"),
                     "intervals": [
-                        {k: r.get(k) for k in ("every", "held_s", "step_s", "overhead", "rule")}
+                        {k: r.get(k) for k in ("every", "cost_s", "step_s", "overhead", "rule")}
                         for r in records(work / f"{variant}-{rep}" / "logs", "snapshot_interval")
                     ],
                     "wall_s": done["wall_s"],

@@ -17,7 +17,7 @@ from elastic_events.rounds.snapshots import Snapshots
 
 
 @pytest.mark.parametrize(
-    ("held_s", "step_s", "target", "every"),
+    ("cost_s", "step_s", "target", "every"),
     [
         (0.0, 0.5, 0.02, 1),  # free: every step
         (0.01, 0.5, 0.02, 1),  # exactly the budget of one step
@@ -26,24 +26,24 @@ from elastic_events.rounds.snapshots import Snapshots
         (0.3, 0.1, 0.05, 60),
     ],
 )
-def test_the_interval_is_the_smallest_within_the_target(held_s, step_s, target, every) -> None:
-    choice = choose_interval(held_s=held_s, step_s=step_s, target=target)
+def test_the_interval_is_the_smallest_within_the_target(cost_s, step_s, target, every) -> None:
+    choice = choose_interval(cost_s=cost_s, step_s=step_s, target=target)
     assert (choice.every, choice.rule) == (every, "cost")
     assert choice.overhead <= target + 1e-12
     if every > 1:  # one step fewer would cost more than the target
-        assert held_s / ((every - 1) * step_s) > target
+        assert cost_s / ((every - 1) * step_s) > target
 
 
 def test_a_known_failure_rate_lengthens_the_interval_to_youngs() -> None:
-    held, step, mtbf = 0.01, 0.5, 3600.0
-    choice = choose_interval(held_s=held, step_s=step, target=0.02, mtbf_s=mtbf)
-    assert choice.rule == "young" and choice.every == round(math.sqrt(2 * held * mtbf) / step) == 17
+    cost, step, mtbf = 0.01, 0.5, 3600.0
+    choice = choose_interval(cost_s=cost, step_s=step, target=0.02, mtbf_s=mtbf)
+    assert choice.rule == "young" and choice.every == round(math.sqrt(2 * cost * mtbf) / step) == 17
     # where the cost rule asks for more steps than Young's, it wins
-    assert choose_interval(held_s=1.0, step_s=0.5, target=0.02, mtbf_s=600.0).every == 100  # Young: 69
+    assert choose_interval(cost_s=1.0, step_s=0.5, target=0.02, mtbf_s=600.0).every == 100  # Young: 69
 
 
 def test_the_choice_says_what_a_failure_costs() -> None:
-    text = choose_interval(held_s=0.03, step_s=0.5, target=0.02).describe()
+    text = choose_interval(cost_s=0.03, step_s=0.5, target=0.02).describe()
     assert text.startswith("snapshot every 3 step(s): 30.0 ms per snapshot, step 500.0 ms, overhead 2.00%")
     assert text.endswith("a failure redoes at most 3 step(s)")
 
@@ -71,18 +71,24 @@ def test_auto_is_the_default_and_the_launchers_setting_is_read() -> None:
 
 @dataclass
 class FakeReplicator:
-    """Takes snapshots instantly; :meth:`wait` reports a held time the test sets."""
+    """Takes snapshots at once; a step under way while one streams is ``slowdown`` longer, and its optimizer
+    step waits ``wait`` for it (what the test sets)."""
 
     clock: list[float]
-    held_next: float = 0.0
+    slowdown: float = 0.0
+    wait_s: float = 0.0
     taken: list[int] = field(default_factory=list)
+    pending: bool = False
     failed: BaseException | None = None
 
     def snapshot(self, piece: int) -> None:
         self.taken.append(piece)
+        self.pending = True
 
     def wait(self, *, broken: Any) -> None:
-        self.clock[0] += self.held_next
+        if self.pending:
+            self.clock[0] += self.wait_s
+        self.pending = False
 
 
 @dataclass
@@ -101,10 +107,12 @@ class FakeEngine:
         return None
 
 
-def run_steps(snapshots: Snapshots, clock: list[float], state: SimpleNamespace, steps: int, step_s: float) -> None:
-    """``steps`` steps of ``step_s`` seconds each: the optimizer step's wait, then the step's end."""
+def run_steps(snapshots: Snapshots, replicator: FakeReplicator, state: SimpleNamespace, steps: int, step_s: float):
+    """``steps`` steps of ``step_s`` seconds each (more beside a streaming snapshot): the optimizer step's wait,
+    then the step's end."""
+    clock = replicator.clock
     for _ in range(steps):
-        clock[0] += step_s
+        clock[0] += step_s + (replicator.slowdown if replicator.pending else 0.0)
         snapshots.wait()
         state.step += 1
         snapshots.take()
@@ -123,49 +131,53 @@ def faked(monkeypatch: pytest.MonkeyPatch):
     # what start() does once its replicator exists: calibrate this round, snapshot the round's first state
     snapshots.every, snapshots.choice, snapshots._calibration = 1, None, Calibration.empty()
     snapshots.take(every=1)
-    snapshots._last_take, snapshots._start_s = None, None
-    return snapshots, replicator, engine, state, clock
+    snapshots._last_take = None
+    return snapshots, replicator, engine, state
 
 
-def test_auto_times_the_rounds_first_steps_then_agrees_on_the_slowest(faked) -> None:
-    snapshots, replicator, engine, state, clock = faked
-    replicator.held_next = 0.006  # each optimizer step waits 6 ms for the last snapshot
-    run_steps(snapshots, clock, state, CALIBRATION_STEPS, step_s=0.1)
-    assert snapshots.choice is None and replicator.taken == [10, 11, 12]  # every step while timing
-    run_steps(snapshots, clock, state, 1, step_s=0.1)
-    # this rank: held 6 ms, step 100 ms; a peer: held 4 ms, step 120 ms -> 6 ms against 100 ms
-    assert engine.agreed == [pytest.approx((0.006, 0.1))]
-    assert snapshots.choice is not None and snapshots.choice.held_s == pytest.approx(0.006)
+def test_auto_times_steps_with_and_without_a_snapshot_then_agrees_on_the_largest_cost(faked) -> None:
+    snapshots, replicator, engine, state = faked
+    replicator.slowdown, replicator.wait_s = 0.008, 0.002  # a snapshot: 8 ms taken from the step, 2 ms waited
+    run_steps(snapshots, replicator, state, 1 + 2 * CALIBRATION_STEPS - 1, step_s=0.1)
+    assert snapshots.choice is None and replicator.taken == [10, 11, 13]  # every other step while timing
+    run_steps(snapshots, replicator, state, 1, step_s=0.1)
+    # this rank: 10 ms per snapshot, 100 ms a step; a peer: 4 ms, 120 ms -> 10 ms against 100 ms
+    assert engine.agreed == [pytest.approx((0.01, 0.1))]
+    assert snapshots.choice is not None and snapshots.choice.cost_s == pytest.approx(0.01)
     assert snapshots.choice.step_s == pytest.approx(0.1)
-    assert snapshots.every == 3 == snapshots.choice.every  # ceil(0.006 / (0.02 * 0.1))
-    replicator.held_next = 0.0
-    run_steps(snapshots, clock, state, 8, step_s=0.1)  # steps 14-21 (the choice was made after step 13)
-    assert replicator.taken == [10, 11, 12, 15, 18, 21]  # every 3rd step from the choice on
+    assert snapshots.every == 5 == snapshots.choice.every  # ceil(0.010 / (0.02 * 0.1))
+    assert replicator.taken == [10, 11, 13, 15]  # step 15, the choice's step, is a multiple of 5
+    run_steps(snapshots, replicator, state, 10, step_s=0.1)
+    assert replicator.taken == [10, 11, 13, 15, 20, 25]  # every 5th step from the choice on
     assert len(engine.agreed) == 1  # one agreement per round
 
 
+def test_a_snapshot_the_step_hides_is_taken_every_step(faked) -> None:
+    snapshots, replicator, engine, state = faked
+    engine.peers = []
+    run_steps(snapshots, replicator, state, 2 * CALIBRATION_STEPS + 1, step_s=0.1)
+    assert engine.agreed == [(0.0, pytest.approx(0.1))] and snapshots.every == 1
+
+
 def test_a_fixed_interval_never_times_or_agrees(faked) -> None:
-    snapshots, replicator, engine, state, clock = faked
+    snapshots, replicator, engine, state = faked
     engine.config = ElasticConfig(snapshot_every=2)
     fixed = Snapshots(engine, state)  # type: ignore[arg-type]
     fixed.replicator, fixed.piece = replicator, lambda step: step  # type: ignore[assignment,method-assign]
     replicator.taken.clear()
-    run_steps(fixed, clock, state, 5, step_s=0.1)
+    run_steps(fixed, replicator, state, 5, step_s=0.1)
     assert not fixed.auto and fixed.choice is None and engine.agreed == []
     assert replicator.taken == [12, 14]
 
 
-def test_the_rounds_first_snapshot_and_step_are_not_timed(faked) -> None:
-    """The round's first snapshot may lack the optimizer's state, and its first step builds a loader
-    iterator: neither is part of the measurement."""
-    snapshots, replicator, engine, state, clock = faked
-    replicator.held_next = 0.5  # the round's first snapshot: slow
-    clock[0] += 3.0  # a slow first step
-    snapshots.wait()
-    state.step += 1
-    snapshots.take()
-    replicator.held_next = 0.002
-    run_steps(snapshots, clock, state, CALIBRATION_STEPS, step_s=0.1)
+def test_the_rounds_first_step_is_not_timed(faked) -> None:
+    """The round's first step builds a loader iterator and waits for the round's first snapshot, which may
+    lack the optimizer's state: it is not part of the measurement."""
+    snapshots, replicator, engine, state = faked
+    replicator.slowdown, replicator.wait_s = 3.0, 0.5  # a slow first step
+    run_steps(snapshots, replicator, state, 1, step_s=0.1)
+    replicator.slowdown, replicator.wait_s = 0.002, 0.0
+    run_steps(snapshots, replicator, state, 2 * CALIBRATION_STEPS, step_s=0.1)
     assert engine.agreed == [pytest.approx((0.002, 0.1))]
-    assert snapshots.choice is not None and snapshots.choice.held_s == 0.004  # the peer's slower snapshot
+    assert snapshots.choice is not None and snapshots.choice.cost_s == 0.004  # the peer's costlier snapshot
     assert snapshots.every == 2  # 4 ms over 2 % of 100 ms

@@ -7,9 +7,9 @@ else. The round's first state is snapshotted at once (a failure in its first ste
 no optimizer step is taken before the last snapshot's copies exist (:meth:`Snapshots.wait`, a
 pre-step hook), and the optimizer's state is captured again when it appears (its first step).
 
-With ``snapshot_every="auto"`` the next :data:`~elastic_events.rounds.snapshot_interval.CALIBRATION_STEPS`
-steps of each round are snapshotted and timed (the time :meth:`Snapshots.take` and the optimizer
-step's wait cost, and the steps without that wait); the ranks then agree on the slowest figures and
+With ``snapshot_every="auto"`` each round snapshots every other step after its first until it has
+timed :data:`~elastic_events.rounds.snapshot_interval.CALIBRATION_STEPS` steps with a snapshot beside
+them and as many without; the ranks then agree on the largest cost and
 :func:`~elastic_events.rounds.snapshot_interval.choose_interval` sets the round's interval.
 """
 
@@ -47,9 +47,8 @@ class Snapshots:
         self.replicator: Replicator | None = None  # this round's, while snapshots are taken
         self.captured: Captured | None = None  # the local state's live tensors
         self._calibration: Calibration | None = None  # auto: this round's timings until the choice
-        self._last_take: float | None = None  # when take() last returned (monotonic)
-        self._waited_s = 0.0  # the optimizer steps' waits for a snapshot since then
-        self._start_s: float | None = None  # what starting the newest snapshot cost, until its wait is timed
+        self._last_take: float | None = None  # auto: when take() last returned (monotonic)
+        self._carrying = False  # the step under way has the last snapshot streaming beside it
 
     def start(self) -> None:
         """Start this round's snapshots if they apply (collective: every rank decides the same way)."""
@@ -75,23 +74,31 @@ class Snapshots:
         )
         if self.auto:
             self.every, self.choice, self._calibration = 1, None, Calibration.empty()
+        self._last_take = None
         self.take(every=1)
-        self._last_take, self._start_s = None, None  # the round's first step and snapshot are not timed
+        self._last_take = None  # the round's first step (a new loader iterator, the first snapshot) is not timed
 
     def take(self, every: int | None = None) -> None:
         """After step :attr:`TrainState.step`: snapshot it in the background, if it is one to keep."""
         replicator, s = self.replicator, self.state
         if replicator is None:
             return
-        now = time.monotonic()
-        if self._calibration is not None and self._last_take is not None:
-            self._calibration.steps.append(now - self._last_take - self._waited_s)
-            if self._calibration.done:
-                self._choose(self._calibration)
-        if replicator.failed is None and not s.step % (every or self.every):
+        calibration = self._calibration
+        if calibration is None:
+            due = not s.step % (every or self.every)
+        elif self._last_take is None:  # not timed: the round's start or its first step
+            due = True
+        else:
+            calibration.add(time.monotonic() - self._last_take, carried=self._carrying)
+            if calibration.done:
+                self._choose(calibration)
+                due = not s.step % self.every
+            else:
+                due = not self._carrying  # while timing, every other step carries a snapshot
+        if replicator.failed is None and due:
             replicator.snapshot(self.piece(s.step))
-            self._start_s = time.monotonic() - now
-        self._last_take, self._waited_s = time.monotonic(), 0.0
+        self._carrying = due
+        self._last_take = time.monotonic()
 
     def _choose(self, calibration: Calibration) -> None:
         """``auto``: the round's interval from every rank's timings (collective: all ranks are here at the
@@ -99,7 +106,7 @@ class Snapshots:
         e = self.engine
         reports = e.agree(calibration.report(), error=SnapshotError)
         choice = choose_interval(
-            held_s=max(held for held, _ in reports),
+            cost_s=max(cost for cost, _ in reports),
             step_s=min(step for _, step in reports),
             target=e.config.snapshot_overhead,
             mtbf_s=e.config.mtbf_s,
@@ -111,7 +118,7 @@ class Snapshots:
             Record.SNAPSHOT_INTERVAL,
             step=self.state.step,
             every=choice.every,
-            held_s=round(choice.held_s, 6),
+            cost_s=round(choice.cost_s, 6),
             step_s=round(choice.step_s, 6),
             overhead=round(choice.overhead, 6),
             target=choice.target,
@@ -147,13 +154,7 @@ class Snapshots:
         """The optimizer's pre-step hook: no step is committed before every copy of the last snapshot exists
         (and the live tensors being sent must not change yet). A peer's failure raises ``PeerFailureError``."""
         if self.replicator is not None:
-            t0 = time.monotonic()
             self.replicator.wait(broken=self.engine.broken)
-            waited = time.monotonic() - t0
-            self._waited_s += waited
-            if self._calibration is not None and self._start_s is not None:
-                self._calibration.held.append(self._start_s + waited)
-            self._start_s = None
 
     def stop(self, *, broken: bool) -> Replicator | None:
         """End this round's replication (``broken``: at once, keeping what is held) and return it."""
