@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"throughput with snapshots / without: {s['throughput_ratio']:.3f} (pairs {', '.join(f'{r:.3f}' for r in s['wall_step_ratios'])}"
             + (f"; mean {ci['ratio']:.3f}, 95 % CI {ci['ci_low']:.3f}-{ci['ci_high']:.3f}" if ci else "")
-            + "), target >= 0.97"
+            + f"), target >= {s['target_throughput_ratio']}; --snapshot-every {s['snapshot_every']}, intervals chosen "
+            + (", ".join(str(every) for every in s["chosen_intervals"]) or "-")
         )
         print(
             f"memory: {s['snapshot_bytes_per_rank']} bytes of snapshots per rank / {s['state_bytes_per_rank']} bytes of "
