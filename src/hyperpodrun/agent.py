@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from enum import Enum
@@ -40,7 +39,7 @@ from hyperpodrun.rank_start import RankStarter
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
 from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
-from hyperpodrun.signals import SignalLatch
+from hyperpodrun.signals import SignalLatch, Wakeup
 from hyperpodrun.sigterm import InterruptibleWaits, LeaveRequested, requested_by_ranks
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import (
@@ -93,7 +92,7 @@ class Agent:
         self._group: WorkerGroup | None = None
         self._reaper: Reaper | None = None
         self._signal: int | None = None
-        self._wake = threading.Event()
+        self._wake = Wakeup()  # set by the signal handler: no lock (signals.py)
         # in an elastic job a SIGTERM is a graceful leave: it ends only the rendezvous' waits (LeaveRequested)
         self._signals = SignalLatch(self._handle, interrupts=lambda signum: not self._leaves_on(signum))
         self._outage = StoreOutage(limit=config.rdzv_settings.outage_timeout)
@@ -134,6 +133,7 @@ class Agent:
                 if group is not None and group.state == WorkerState.HEALTHY:
                     group.stop(grace=self.config.shutdown_timeout)
             self._signals.restore()
+            self._wake.close()
             if self._reaper is not None:
                 self._reaper.close()
             self._control.close()

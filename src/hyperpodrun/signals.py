@@ -8,12 +8,20 @@ runs the handler), so Ctrl-C ends a launcher waiting for other nodes within a mo
 the wait's timeout. Inside the block the handler raises a ``BaseException`` (as Python's own
 ``KeyboardInterrupt`` is), so code that absorbs errors on its way (``logging`` does, while it
 writes a line) cannot swallow the signal; the block turns it into :class:`SignalReceived`.
+
+A handler runs in the main thread between two of its bytecodes, wherever that thread is: it must
+take no lock the interrupted code may hold. ``threading.Event.set()`` takes the event's own lock,
+which the main thread holds for a moment in every ``wait()`` and ``clear()``: a signal landing
+there deadlocked the agent for good (its loop waited on that event ten times a second). The loop's
+wake-up is a :class:`Wakeup` instead, a pipe a handler writes one byte to.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import select
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -21,7 +29,7 @@ from types import FrameType
 
 from hyperpodrun.errors import SignalReceived
 
-__all__ = ["SignalLatch"]
+__all__ = ["SignalLatch", "Wakeup"]
 
 log = logging.getLogger(__name__)
 
@@ -77,3 +85,32 @@ class SignalLatch:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
+
+
+class Wakeup:
+    """A wait that :meth:`set` cuts short, safe to set from a signal handler: a non-blocking pipe, so
+    setting it takes no lock (``threading.Event.set`` does). For the thread that waits and its handlers."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def set(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: it is set already
+            os.write(self._write, b"\0")
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._read, 4096):
+                pass
+
+    def wait(self, timeout: float) -> bool:
+        """Block until set or ``timeout`` seconds passed; whether it is set (it stays set until cleared)."""
+        ready, _, _ = select.select([self._read], [], [], max(0.0, timeout))
+        return bool(ready)
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
