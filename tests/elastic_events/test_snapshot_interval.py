@@ -181,3 +181,17 @@ def test_the_rounds_first_step_is_not_timed(faked) -> None:
     assert engine.agreed == [pytest.approx((0.002, 0.1))]
     assert snapshots.choice is not None and snapshots.choice.cost_s == 0.004  # the peer's costlier snapshot
     assert snapshots.every == 2  # 4 ms over 2 % of 100 ms
+
+
+def test_a_failed_agreement_keeps_snapshots_every_step_and_raises_nothing(faked) -> None:
+    """The agreement runs after a step, outside its ``with step:`` block: a peer that died there must not end the
+    loop with an error; the round is broken and its next step's collective takes the repair path."""
+    snapshots, replicator, engine, state = faked
+
+    def agree(report, *, error):
+        raise error("peer gone")
+
+    engine.agree = agree  # type: ignore[method-assign]
+    run_steps(snapshots, replicator, state, 2 * CALIBRATION_STEPS + 3, step_s=0.1)
+    assert snapshots.choice is None and snapshots.every == 1
+    assert replicator.taken[-3:] == [state.step - 2, state.step - 1, state.step]

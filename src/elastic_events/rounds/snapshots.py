@@ -104,7 +104,12 @@ class Snapshots:
         """``auto``: the round's interval from every rank's timings (collective: all ranks are here at the
         same step, having timed the same snapshots)."""
         e = self.engine
-        reports = e.agree(calibration.report(), error=SnapshotError)
+        try:
+            reports = e.agree(calibration.report(), error=SnapshotError)
+        except SnapshotError as exc:  # a peer failed: the round is broken, its next step's collective says so
+            self.every, self._calibration = 1, None
+            print(f"rank {e.rank}: no snapshot interval chosen in round {e.round} ({exc}): every step", file=sys.stderr)
+            return
         choice = choose_interval(
             cost_s=max(cost for cost, _ in reports),
             step_s=min(step for _, step in reports),
