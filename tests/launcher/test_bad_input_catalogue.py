@@ -227,6 +227,12 @@ CATALOGUE: dict[str, Case] = {
     "no-script": Case(H, (), "Missing argument"),
     "option-prefix-ambiguous": Case(H, ("--r", "3", "{script}"), "ambiguous option: --r could match"),
     "monitor-interval-nan": Case(H, ("--monitor-interval", "nan", "{script}"), "--monitor-interval: must be > 0"),
+    "snapshot-every-word": Case(
+        H, ("--snapshot-every", "often", "{script}"), "--snapshot-every: expected 'auto' or an integer >= 0"
+    ),
+    "snapshot-every-negative": Case(
+        H, ("--snapshot-every", "-1", "{script}"), "--snapshot-every: expected 'auto' or an integer >= 0"
+    ),
     "shutdown-timeout-inf": Case(H, ("--shutdown-timeout", "inf", "{script}"), "--shutdown-timeout: must be >= 0"),
     "rdzv-conf-infinite": Case(
         H, (*ELASTIC, "--rdzv-conf", "lease_ttl=inf", "{script}"), "lease_ttl: must be a finite number of seconds"
