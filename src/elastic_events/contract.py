@@ -39,6 +39,11 @@ AUTO: Literal["auto"] = "auto"
 SnapshotEvery = int | Literal["auto"]  # steps between a sharded model's snapshots (0: none), or AUTO
 
 
+def is_snapshot_every(value: object) -> bool:
+    """Whether ``value`` is a :data:`SnapshotEvery`: ``"auto"`` or an integer >= 0 (not a bool)."""
+    return value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+
+
 def parse_snapshot_every(text: str) -> SnapshotEvery:
     """``"auto"`` or an integer >= 0; ``ValueError`` naming the accepted forms otherwise."""
     value = text.strip().lower()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum, IntFlag
 from pathlib import Path
 
-from elastic_events.contract import AUTO, SnapshotEvery
+from elastic_events.contract import AUTO, SnapshotEvery, is_snapshot_every
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.security import run_id_problem
@@ -340,7 +340,7 @@ class LaunchConfig:
                 f"--spare-ranks: must be 0 or 1 (one spare replaces the first failed rank), got {self.spare_ranks}"
             )
         every = self.snapshot_every
-        if every != AUTO and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        if not is_snapshot_every(every):
             raise ConfigError(
                 f"--snapshot-every: must be 'auto' or >= 0 steps (0: no in-memory snapshots), got {every!r}"
             )

@@ -31,7 +31,7 @@ from types import TracebackType
 
 import psutil
 
-from support.cluster import wait_until
+from support.cluster import free_port, wait_until
 
 __all__ = ["GRACE_TIME", "KILL_WAIT", "NODES", "SlurmCluster", "SlurmError", "ensure_slurm_installed"]
 
@@ -65,13 +65,6 @@ def ensure_slurm_installed(timeout: float = 900.0) -> None:
     missing = [b for b in _BINARIES if not _which(b)]
     if missing:
         raise SlurmError(f"slurm-wlm and munge are installed but {missing} are not found")
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlurmCluster:

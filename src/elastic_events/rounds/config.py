@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from elastic_events.contract import AUTO, DEFAULT_SNAPSHOT_EVERY, SnapshotEvery, rank_context
+from elastic_events.contract import DEFAULT_SNAPSHOT_EVERY, SnapshotEvery, is_snapshot_every, rank_context
 from elastic_events.errors import ElasticTrainingError
 
 __all__ = ["ElasticConfig", "ElasticConfigError", "default_wrap"]
@@ -81,7 +81,7 @@ class ElasticConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ElasticConfigError(f"ElasticConfig.{name} must be True or False, got {getattr(self, name)!r}")
         every = self.snapshot_every
-        if every is not None and every != AUTO and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        if every is not None and not is_snapshot_every(every):
             raise ElasticConfigError(
                 f"ElasticConfig.snapshot_every must be 'auto' or an integer >= 0 (0: no snapshots), got {every!r}"
             )
