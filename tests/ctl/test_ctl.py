@@ -48,8 +48,9 @@ from hyperpodrun.rendezvous.records import (
 )
 from hyperpodrun.store import EmbeddedStoreServer, Store, create_store
 from hyperpodrun.store.auth import new_secret
-from support.etcd import EtcdServer, free_port
+from support.etcd import EtcdServer
 from support.launch import clean_env
+from support.ports import free_port
 
 BACKENDS = ["etcd", "embedded"]
 CAP_KEY = Keys.CAP

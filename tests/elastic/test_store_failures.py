@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
-from support.cluster import COUNTER, free_port
+from support.cluster import COUNTER
 from support.launch import hyperpodrun_cmd, run
+from support.ports import free_port
 
 
 def test_unreachable_etcd_is_one_line_naming_the_endpoint(tmp_path) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from elastic_events.errors import GroupError
 from elastic_events.rounds.group import _listen_socket
-from support.cluster import free_port
+from support.ports import free_port
 
 
 def test_the_round_store_never_falls_back_to_all_interfaces() -> None:

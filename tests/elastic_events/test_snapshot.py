@@ -13,8 +13,8 @@ import torch
 
 from elastic_events.rounds.snapshot import Entry, Layout, Piece, holder_of, owner_held_by
 from elastic_events.rounds.snapshot_restore import SnapshotReport, assemble, plan_restore
-from support.cluster import free_port
 from support.launch import clean_env
+from support.ports import free_port
 
 WORKER = Path(__file__).resolve().parent / "workers" / "snapshot_check.py"
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -34,8 +34,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from elastic_events.data.sampler import epoch_permutation
-from support.cluster import free_port, wait_until
+from support.cluster import wait_until
 from support.launch import clean_env, hyperpodrun_cmd, run
+from support.ports import free_port
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "llama_finetune"
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -28,9 +28,9 @@ from hyperpodrun.policy import ElasticPolicy
 from hyperpodrun.rendezvous.decider import DeciderContext
 from hyperpodrun.rendezvous.elastic import ElasticRendezvous
 from hyperpodrun.store import create_store
-from support.etcd import free_port
 from support.impostor import Impostor
 from support.launch import SCRIPTS
+from support.ports import free_port
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "llama_finetune"
 SCRIPT = str(SCRIPTS / "allreduce.py")

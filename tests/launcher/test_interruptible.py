@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from support.cluster import free_port
 from support.launch import SCRIPTS, clean_env, hyperpodrun_cmd
+from support.ports import free_port
 
 
 def _line(proc: subprocess.Popen, *, timeout: float) -> str:

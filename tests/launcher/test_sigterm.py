@@ -19,9 +19,9 @@ import pytest
 
 from hyperpodrun.reaper import Reaper
 from support.cluster import wait_until
-from support.etcd import free_port
 from support.jsonl import read_jsonl
 from support.launch import clean_env, hyperpodrun_cmd
+from support.ports import free_port
 
 LOADER = Path(__file__).resolve().parents[1] / "elastic_events" / "workers" / "sigterm_loader.py"
 

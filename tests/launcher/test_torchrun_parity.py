@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from support.cluster import free_port
 from support.launch import clean_env, hyperpodrun_cmd, torchrun_cmd
+from support.ports import free_port
 
 PARITY = Path(__file__).resolve().parent / "parity"
 SCRIPT, BASH = PARITY / "touch_rank.py", PARITY / "touch_rank.sh"

@@ -6,8 +6,9 @@ import socket
 
 import pytest
 
-from support.cluster import free_port, wait_until
+from support.cluster import wait_until
 from support.launch import SCRIPTS, hyperpodrun_cmd, run
+from support.ports import free_port
 from support.prom import scrape, value
 
 pytestmark = pytest.mark.slow

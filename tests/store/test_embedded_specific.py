@@ -26,7 +26,8 @@ from hyperpodrun.store import (
     create_store,
 )
 from hyperpodrun.store.embedded import KeyValueState
-from support.etcd import EtcdServer, free_port
+from support.etcd import EtcdServer
+from support.ports import free_port
 
 WAIT = 30.0
 

@@ -21,7 +21,8 @@ from hyperpodrun.store import (
     create_store,
     job_prefix,
 )
-from support.etcd import EtcdServer, EtcdTls, free_port, make_tls_files
+from support.etcd import EtcdServer, EtcdTls, make_tls_files
+from support.ports import free_port
 
 SLACK = 4.0  # scheduling slack on a shared 2-core machine
 

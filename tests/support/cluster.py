@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,10 @@ import psutil
 from hyperpodrun.device_plan import DevicePlan
 from support.jsonl import read_jsonl
 from support.launch import clean_env, hyperpodrun_cmd
+from support.ports import free_port
 
 COUNTER = Path(__file__).resolve().parent.parent / "elastic" / "scripts" / "counter.py"
 MAX_NODES = 8  # launchers a test starts, at most
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank_scripts(script: Path, world: int, *args: str, timeout: float = 120) -> list[dict]:

@@ -18,7 +18,6 @@ import dataclasses
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,17 +27,12 @@ from typing import TYPE_CHECKING
 
 import requests
 
+from support.ports import free_port
+
 if TYPE_CHECKING:
     from support.netns import Host
 
-__all__ = ["EtcdServer", "EtcdTls", "free_port", "make_tls_files"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (nothing listens on it after this returns)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["EtcdServer", "EtcdTls", "make_tls_files"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

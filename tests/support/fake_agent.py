@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_events.control import ControlWriter, EventKind, RankPhase, RankProgress
-from support.cluster import free_port, wait_until
+from support.cluster import wait_until
 from support.launch import clean_env
+from support.ports import free_port
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

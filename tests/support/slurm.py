@@ -31,7 +31,8 @@ from types import TracebackType
 
 import psutil
 
-from support.cluster import free_port, wait_until
+from support.cluster import wait_until
+from support.ports import free_port
 
 __all__ = ["GRACE_TIME", "KILL_WAIT", "NODES", "SlurmCluster", "SlurmError", "ensure_slurm_installed"]
 
