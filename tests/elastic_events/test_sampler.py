@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -334,6 +335,49 @@ def test_loader_resume_across_world_sizes_is_exactly_once(route: str) -> None:
         assert (s.epoch, s.consumed) == (1, 0)
     perm = epoch_permutation(n, seed=seed, epoch=0).tolist()
     assert sorted(seen) == sorted(perm[: n - n % g])
+
+
+class PidDataset(torch.utils.data.Dataset):
+    """Sample i is the row (i, pid of the process that loaded it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, os.getpid()])
+
+
+def test_a_resize_in_place_keeps_the_loader_workers_and_drops_their_read_ahead() -> None:
+    """An in-place resize re-splits the sampler under a persistent-worker loader: the next steps come from
+    the same worker processes, and none of the batches they had read ahead for the old split is trained."""
+    n, g, m, seed = 60, 6, 1, 5
+    s = make(n, 2, 0, g=g, m=m, seed=seed)
+    loader = StatefulDataLoader(PidDataset(n), batch_sampler=s, persistent_workers=True, **LOADER_KW)
+    steps = s.steps(loader)
+    before: list[torch.Tensor] = []
+    for k in range(2):
+        step = next(steps)
+        assert s.drawn > (0, (k + 1) * g)  # the workers have read ahead of the trained step
+        before += step.micro_batches
+        s.mark_step()
+    steps.close()
+    s.set_world(rank=1, world_size=3)  # what ElasticTraining does in a round; steps() then iterates again
+    after = []
+    for k, step in enumerate(s.steps(loader)):
+        after += step.micro_batches
+        s.mark_step()
+        if k == 2:
+            break
+    perm = epoch_permutation(n, seed=seed, epoch=0).tolist()
+    assert [int(mb[0, 0]) for mb in before] == [perm[start + i] for start in (0, g) for i in (0, 1, 2)]  # rank 0 of 2
+    # rank 1 of 3 from the trained position: samples 2..3 of each global batch, micro-batches of one
+    assert [int(mb[0, 0]) for mb in after] == [perm[start + i] for start in (2 * g, 3 * g, 4 * g) for i in (2, 3)]
+    workers = {int(mb[0, 1]) for mb in before}
+    assert os.getpid() not in workers and len(workers) >= 1
+    assert {int(mb[0, 1]) for mb in after} <= workers, "the loader started new worker processes after the resize"
 
 
 def test_loader_state_saved_mid_step_is_refused() -> None:
