@@ -23,6 +23,7 @@ from support.inplace import (
     hit_rank_1,
     pid_of_rank,
     rank_0_rescued,
+    ranks_of_node,
     reference_params,
     rescued_ranks,
     script_args,
@@ -225,29 +226,42 @@ def test_a_new_node_joins_in_place_after_another_left(make_job) -> None:
             assert got == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.parametrize("per_node", [1, 2], ids=["1rank", "2ranks"])
 @pytest.mark.parametrize("model", ["ddp", "fsdp"])
-def test_a_lost_node_is_repaired_in_place(make_job, model, tmp_path) -> None:
-    """kill -9 of a whole node (launcher and ranks): the survivor re-forms the group without it, in place,
-    without waiting for its lease, from its own state (sharded: and the copies of the lost node's shards it holds)."""
-    job = make_job(script=INPLACE, script_args=script_args(model, tmp_path), flags=("--max-restarts", "3"))
+def test_a_lost_node_is_repaired_in_place(make_job, model, per_node, tmp_path) -> None:
+    """kill -9 of a whole node (launcher and ranks): the survivors re-form the group without it, in place,
+    without waiting for its lease, from their own state (sharded: and the copies of the lost node's shards
+    they hold). A node of two ranks takes two ranks and their shards with it at once (4 shards -> 2)."""
+    job = make_job(
+        script=INPLACE,
+        script_args=script_args(model, tmp_path),
+        flags=("--nproc-per-node", str(per_node), "--max-restarts", "3"),
+    )
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
-    at_two = job.wait_for_world(2)
-    survivor = pid_of_rank(job, 0)
+    at_full = job.wait_for_world(2 * per_node)
+    job.wait_steps(3)
+    survivors = set(ranks_of_node(job, "a").values())
+    assert len(survivors) == per_node, survivors
     job.kill_node_hard("b")
-    job.wait_for_world(1, after_step=at_two, timeout=60)
+    job.wait_for_world(per_node, after_step=at_full, timeout=60)
     job.wait_steps(5)
     codes = job.finish()
     assert codes["a"] == 0, job.stderr("a")
 
     records = worlds(job)
-    if not rank_0_rescued(job, survivor):
-        assert [r["how"] for r in records if r["pid"] == survivor][-1] == "recovered", records
+    repaired = [r for r in records if r["how"] in ("recovered", "handoff") and r["world"] == per_node]
+    assert sorted(r["rank"] for r in repaired) == list(range(per_node)), records
+    handed = [r for r in repaired if r["how"] == "handoff"]  # a survivor that never returned from the broken group
+    assert len(handed) == len(rescued_ranks(job)) <= 1, (records, job.events("ranks_replaced"))
+    recovered = {r["pid"] for r in repaired if r["how"] == "recovered"}
+    assert recovered <= survivors and len(recovered) == per_node - len(handed), (
+        records
+    )  # a's ranks kept their processes
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")][-1] == ("node_lost", "reconfigure")
-    assert [e["resharded"] for e in job.events("snapshot_restored")] == (
-        [True] if model == "fsdp" else []
-    )  # 2 shards -> 1
+    restored = job.events("snapshot_restored")
+    assert [e["resharded"] for e in restored] == ([True] if model == "fsdp" else []), restored  # shards: 2 -> 1, 4 -> 2
     assert_trained_like_one_process(job)
 
 

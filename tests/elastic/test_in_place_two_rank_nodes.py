@@ -1,9 +1,9 @@
-"""In-place events on nodes of two ranks each: a whole node joins and leaves, one rank of a node is killed
-while its sibling goes on, and a whole node is lost. Real launchers, real gloo ranks, the in-process API.
+"""In-place events on nodes of two ranks each: a whole node joins and leaves, and one rank of a node is
+killed while its sibling goes on. Real launchers, real gloo ranks, the in-process API. (The loss of a whole
+two-rank node is a case of ``test_in_place.py``'s ``test_a_lost_node_is_repaired_in_place``.)
 
-What a node of several ranks adds to the one-rank cases of ``test_in_place.py``: the node's ranks move
-together (a joiner's two ranks are both hydrated, a leaver's both leave), a replaced rank is hydrated from
-its own node's survivor, and a lost node takes two ranks and their shards with it at once.
+What a node of several ranks adds to the one-rank cases: the node's ranks move together (a joiner's two
+ranks are both hydrated, a leaver's both leave), and a replaced rank is hydrated from its own node's survivor.
 """
 
 from __future__ import annotations
@@ -20,22 +20,13 @@ from support.inplace import (
     INPLACE,
     assert_trained_like_one_process,
     pid_of_rank,
+    ranks_of_node,
     reference_params,
     rescued_ranks,
-    script_args,
     worlds,
 )
 
 TWO_RANKS = ("--nproc-per-node", "2")
-
-
-def ranks_of_node(job, name: str) -> dict[int, int]:
-    """Node ``name``'s ranks now, global rank -> pid (from the ranks' own records)."""
-    children = {p.pid for p in psutil.Process(job.nodes[name].pid).children(recursive=True)}
-    latest: dict[int, int] = {}
-    for r in worlds(job):
-        latest[r["rank"]] = r["pid"]
-    return {rank: pid for rank, pid in latest.items() if pid in children}
 
 
 def test_a_two_rank_node_joins_and_leaves_in_place(make_job) -> None:
@@ -114,36 +105,6 @@ def test_a_killed_rank_of_a_two_rank_node_is_replaced_while_its_sibling_goes_on(
     if not rescued:  # the source of a replica is the failed rank's own node when a survivor is there
         assert [e["from_rank"] for e in job.events("hydrated")] == [sibling], job.events("hydrated")
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
-    assert_trained_like_one_process(job)
-
-
-@pytest.mark.parametrize("model", ["ddp", "fsdp"])
-def test_a_lost_two_rank_node_is_repaired_in_place(make_job, model, tmp_path) -> None:
-    """2x2, kill -9 of node b's launcher and both its ranks: node a's two ranks re-form the group at world
-    size 2 in place, from their own state (sharded: with the copies of b's two shards they hold)."""
-    job = make_job(script=INPLACE, script_args=script_args(model, tmp_path), flags=(*TWO_RANKS, "--max-restarts", "3"))
-    job.start_node("a")
-    job.start_node("b")
-    at_four = job.wait_for_world(4, timeout=90)
-    job.wait_steps(3)
-    survivors = ranks_of_node(job, "a")
-    assert len(survivors) == 2, survivors
-    job.kill_node_hard("b")
-    job.wait_for_world(2, after_step=at_four, timeout=60)
-    job.wait_steps(3)
-    codes = job.finish()
-    assert codes["a"] == 0, job.stderr("a")
-
-    rescued = rescued_ranks(job)
-    kept = {pid for rank, pid in survivors.items() if rank not in rescued}
-    records = worlds(job)
-    assert kept and all([r["how"] for r in records if r["pid"] == pid][-1] == "recovered" for pid in kept), (
-        records
-    )  # a's ranks, repaired in place
-    assert sorted(r["rank"] for r in records if r["how"] == "recovered" and r["world"] == 2) == [0, 1], records
-    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")][-1] == ("node_lost", "reconfigure")
-    restored = job.events("snapshot_restored")
-    assert [e["resharded"] for e in restored] == ([True] if model == "fsdp" else []), restored  # 4 shards -> 2
     assert_trained_like_one_process(job)
 
 

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -118,3 +119,12 @@ def assert_trained_like_one_process(job) -> list[int]:
         for got, want in zip(f["params"], reference):
             assert got == pytest.approx(want, abs=1e-5)
     return steps
+
+
+def ranks_of_node(job, name: str) -> dict[int, int]:
+    """Node ``name``'s ranks now, global rank -> pid (from the ranks' own records)."""
+    children = {p.pid for p in psutil.Process(job.nodes[name].pid).children(recursive=True)}
+    latest: dict[int, int] = {}
+    for r in worlds(job):
+        latest[r["rank"]] = r["pid"]
+    return {rank: pid for rank, pid in latest.items() if pid in children}
