@@ -212,29 +212,7 @@ class Agent:
                     f"round {rnd.round}: {len(rnd.members)} node(s), world size {rnd.assignment.world_size}, "
                     f"this node is group rank {rnd.assignment.group_rank} ({rnd.reason.value})"
                 )
-            if rnd.admission is not None:  # admitted in place: the (pre-warmed) ranks join the running job
-                group = self._admit(rnd, rnd.admission)
-            else:
-                self._drop_parked()
-                group = self._start_group(rnd, rnd.reason)
-            self.state = AgentState.RUNNING
-            while True:
-                directive, in_place = self._monitor(group)
-                if not in_place:
-                    break
-                if rnd.admission is None or directive.event_id != rnd.admission.event_id:
-                    rnd = rdzv.entered_in_place(directive)  # a member's ranks moved rounds in place
-                group.assignment = rnd.assignment
-                self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
-                self.events.emit(
-                    EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value, in_place=True
-                )
-                _say(
-                    f"round {rnd.round}: ranks reconfigured in place, world size {rnd.assignment.world_size}, "
-                    f"this node is group rank {rnd.assignment.group_rank}"
-                )
-                if directive.hold:
-                    _say(held_line(rnd.round, self.config.min_nodes))
+            directive = self._run_round(rnd)
             if directive.kind == DirectiveKind.EXIT:
                 if not rdzv.elastic:  # an elastic job's outcome is logged once, by its decider
                     self.events.emit(
@@ -243,6 +221,33 @@ class Agent:
                     )
                 self._finish_closed(directive.reason, succeeded=directive.exit_code == 0)
                 return
+
+    def _run_round(self, rnd: RoundInfo) -> Directive:
+        """Run this node's ranks in ``rnd`` and in every round they move into in place; the directive that
+        ended the last one for this node."""
+        if rnd.admission is not None:  # admitted in place: the (pre-warmed) ranks join the running job
+            group = self._admit(rnd, rnd.admission)
+        else:
+            self._drop_parked()
+            group = self._start_group(rnd, rnd.reason)
+        self.state = AgentState.RUNNING
+        while True:
+            directive, in_place = self._monitor(group)
+            if not in_place:
+                return directive
+            if rnd.admission is None or directive.event_id != rnd.admission.event_id:
+                rnd = self.rdzv.entered_in_place(directive)  # a member's ranks moved rounds in place
+            group.assignment = rnd.assignment
+            self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
+            self.events.emit(
+                EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value, in_place=True
+            )
+            _say(
+                f"round {rnd.round}: ranks reconfigured in place, world size {rnd.assignment.world_size}, "
+                f"this node is group rank {rnd.assignment.group_rank}"
+            )
+            if directive.hold:
+                _say(held_line(rnd.round, self.config.min_nodes))
 
     def _monitor(self, group: WorkerGroup) -> tuple[Directive, bool]:
         """Watch the ranks and the rendezvous until the round ends for this node or its ranks move rounds.
