@@ -512,3 +512,30 @@ def test_a_rank_that_fails_to_move_rounds_falls_back_to_a_restart(tmp_path: Path
 
     h.run(script)
     assert h.agent.state is AgentState.SUCCEEDED
+
+
+def test_a_rank_past_the_target_that_never_acts_turns_the_event_into_a_stop(tmp_path: Path) -> None:
+    """A rank that had passed the target step when the event was written acts one step late; one that has not
+    acted when its grace is over waits in a collective for ranks that acted in time: the event stops."""
+    restart = round_info(2, ("node-a", "node-b"), reason=RestartReason.SCALE)
+    rdzv = ScriptedRendezvous([round_info(1, ("node-a",)), restart])
+    h = Harness(tmp_path, rdzv)
+    join = reconfigure(7, next_round=2, group_world_size=2)
+
+    def script(h: Harness) -> Script:
+        h.step_ranks(to=6)  # both ranks outran the target step 4 before it was written
+        rdzv.answer(join)
+        yield
+        late = h.agent.in_flight.late
+        assert late is not None and late.ranks == (0, 1)
+        assert h.records("workers_signalled")[-1]["late_ranks"] == [0, 1]
+        assert h.ranks.ranks[0].check()  # rank 0 acts one step late; rank 1 never does
+        while not rdzv.stopped:  # the grace: a few of the ranks' step times, at least a second
+            yield
+        assert rdzv.stopped == [(7, False, False)] and h.ranks.started[0][2].stopped
+        assert "local rank(s) [1] had passed step 4" in h.records("workers_signalled")[-1]["reason"]
+        rdzv.answer(EXIT)
+        yield
+
+    h.run(script)
+    assert [(rnd, reason) for rnd, reason, _ in h.ranks.started] == [(1, RestartReason.START), (2, RestartReason.SCALE)]
