@@ -23,22 +23,23 @@ import time
 from collections.abc import Callable
 from enum import Enum
 
-from elastic_events.control import CAP_HOLD, ControlWriter, RankPhase
+from elastic_events.control import ControlWriter, RankPhase, RankProgress
 from hyperpodrun.agent_dir import AgentDir
-from hyperpodrun.config import LaunchConfig, RestartMode
+from hyperpodrun.config import LaunchConfig
 from hyperpodrun.errors import RendezvousClosedError, RendezvousError, SignalReceived, WorkerFailedError
 from hyperpodrun.events import EventLog, EventType
-from hyperpodrun.hang import HangPolicy, dump_stacks, hung_ranks, progress_clock
+from hyperpodrun.hang import HangPolicy, HangReport, dump_stacks, hung_ranks
 from hyperpodrun.held import held_line
 from hyperpodrun.logs import LogDirectory
+from hyperpodrun.monitor import Answer, EventEnd, InFlight, answer, event_end, local_status
 from hyperpodrun.netif import choose_gloo_interface
-from hyperpodrun.outage import StoreOutage, final_directive
+from hyperpodrun.outage import StoreOutage, poll_riding_out_outages
 from hyperpodrun.progress import LateRanks, StepRates
 from hyperpodrun.publishing import publish, write_event
 from hyperpodrun.rank_start import RankStarter
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler, RestartReason, RoundInfo
-from hyperpodrun.repair import InPlaceRepair, poll_interval, spares_for, stuck_in_broken_group
+from hyperpodrun.repair import InPlaceRepair, poll_interval, stuck_in_broken_group
 from hyperpodrun.signals import SignalLatch, Wakeup
 from hyperpodrun.sigterm import InterruptibleWaits, LeaveRequested, requested_by_ranks
 from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
@@ -76,42 +77,56 @@ class Agent:
         events: EventLog,
         logs: LogDirectory,
         rdzv_timeout: float,
+        control: ControlWriter,
+        ranks: RankStarter,
+        repair: InPlaceRepair,
+        workdir: AgentDir | None = None,
+        same_job: tuple[int, ...] = (),
+        clock: Callable[[], float] = time.monotonic,
+        wakeup: Wakeup | None = None,
     ) -> None:
+        """Built by :func:`hyperpodrun.launch.create_agent` from a config; unit tests pass fakes.
+
+        ``control``: the node's control channel; ``ranks``: starts the ranks (and the reaper that stops
+        them if the agent dies is given to it by :meth:`run`); ``repair``: replaces failed ranks in place;
+        ``workdir``: the node-local folder of ``control`` (closed with the agent); ``same_job``: pids of
+        other launchers of this job on this host; ``clock``: the host's monotonic clock, the one ranks
+        stamp their progress with; ``wakeup``: the monitor's wait between ticks, which signals cut short.
+        """
         self.config = config
         self.rdzv = rendezvous
         self.run_id = run_id
         self.events = events
         self.rdzv_timeout = rdzv_timeout
         self.state = AgentState.INIT
-        self.restart_count = 0
         self._logs = logs
-        # Node-local, private to this agent, memory-backed where /dev/shm exists; stale ones are swept first.
-        self._dir, swept = AgentDir.create(job=run_id if config.rdzv_id != "none" else None)
-        self._same_job = swept.same_job  # other live agents of this job on this host
-        self._control = ControlWriter(self._dir.path / "control.bin", config.nproc_per_node, spares=spares_for(config))
+        self._dir = workdir
+        self._same_job = same_job
+        self._control = control
+        self._ranks = ranks
+        self._repair = repair
+        self._clock = clock
         self._group: WorkerGroup | None = None
         self._reaper: Reaper | None = None
         self._signal: int | None = None
-        self._wake = Wakeup()  # set by the signal handler: no lock (signals.py)
+        self._wake = wakeup if wakeup is not None else Wakeup()  # set by the signal handler: no lock (signals.py)
         # in an elastic job a SIGTERM is a graceful leave: it ends only the rendezvous' waits (LeaveRequested)
-        self._signals = SignalLatch(self._handle, interrupts=lambda signum: not self._leaves_on(signum))
-        self._outage = StoreOutage(limit=config.rdzv_settings.outage_timeout)
+        self._signals = SignalLatch(self.handle_signal, interrupts=lambda signum: not self._leaves_on(signum))
+        self._outage = StoreOutage(limit=config.rdzv_settings.outage_timeout, clock=clock)
         self._parked: WorkerGroup | None = None  # a standby's pre-warmed ranks
-        self._hang: str | None = None  # why the running group was declared hung
-        self._ranks = RankStarter(
-            config, run_id=run_id, logs=logs, control=self._control, node_id=rendezvous.node_id, event_log=events.path
-        )
-        self._repair = InPlaceRepair(
-            config,
-            control=self._control,
-            events=events,
-            new_attempt=self._ranks.new_attempt,
-            rank_setup=lambda directory, local_rank: self._ranks.rank_setup(
-                directory, local_rank, None, RestartReason.FAILURE, restart_count=self.restart_count
-            ),
-        )
+        self._flight = InFlight.idle()  # the running group's event in flight (hyperpodrun.monitor)
         self._hang_policy = HangPolicy(timeout=config.hang_timeout)
         self._waits: InterruptibleWaits | None = None  # the rendezvous store, its waits ended by SIGTERM
+
+    @property
+    def restart_count(self) -> int:
+        """Failure restarts the job used so far (TORCHELASTIC_RESTART_COUNT of the ranks it starts)."""
+        return self._ranks.restart_count
+
+    @property
+    def in_flight(self) -> InFlight:
+        """What the monitor has in flight for the running group (:mod:`hyperpodrun.monitor`)."""
+        return self._flight
 
     # -- public ------------------------------------------------------------------------
 
@@ -127,25 +142,39 @@ class Agent:
                 f"{', '.join(map(str, self._same_job))}): the ranks of both get LOCAL_RANK 0 upward (the same devices)"
             )
         try:
-            self._loop()
+            self.run_rounds()
         finally:
-            for group in (self._group, self._parked):
-                if group is not None and group.state == WorkerState.HEALTHY:
-                    group.stop(grace=self.config.shutdown_timeout)
+            self.stop_ranks()
             self._signals.restore()
             self._wake.close()
             if self._reaper is not None:
                 self._reaper.close()
             self._control.close()
-            self._dir.close()
+            if self._dir is not None:
+                self._dir.close()
             restore_subreaper(was_subreaper)
             self.rdzv.shutdown(succeeded=self.state == AgentState.SUCCEEDED)
             self.events.emit(EventType.AGENT_STOPPED, state=self.state.value)
 
+    def stop_ranks(self) -> None:
+        """Stop the ranks still running (the round's and a standby's parked ones)."""
+        for group in (self._group, self._parked):
+            if group is not None and group.state == WorkerState.HEALTHY:
+                group.stop(grace=self.config.shutdown_timeout)
+
+    def handle_signal(self, signum: int) -> None:
+        """Note a termination signal (the handler :meth:`run` installs): the monitor acts on it at its next tick;
+        in an elastic job a SIGTERM received while waiting in a rendezvous makes the node leave at once."""
+        self._signal = signum
+        self._wake.set()
+        if self._waits is not None and self._waits.waiting and self._leave_pending():
+            raise LeaveRequested  # out of a rendezvous wait (it changes nothing): the node leaves now
+
     # -- main loop ---------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        """Rounds of the job: rendezvous, run the ranks, follow the round's directive."""
+    def run_rounds(self) -> None:
+        """Rounds of the job: rendezvous, run the ranks, follow the round's directive. :meth:`run` without its
+        process-wide setup (subreaper, reaper, signal handlers) and teardown: what unit tests drive."""
         rdzv = self.rdzv
         if rdzv.elastic and hasattr(rdzv, "store"):  # a SIGTERM ends a rendezvous wait at once (sigterm.py)
             self._waits = rdzv.store = InterruptibleWaits(rdzv.store, pending=self._leave_pending)
@@ -175,7 +204,7 @@ class Agent:
             except RendezvousClosedError as e:
                 self._finish_closed(str(e), succeeded=e.status != "failed", left=e.status == "left")
                 return
-            self.restart_count = rnd.restarts
+            self._ranks.restart_count = rnd.restarts
             self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
             self.events.emit(EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value)
             if rdzv.elastic:
@@ -183,30 +212,7 @@ class Agent:
                     f"round {rnd.round}: {len(rnd.members)} node(s), world size {rnd.assignment.world_size}, "
                     f"this node is group rank {rnd.assignment.group_rank} ({rnd.reason.value})"
                 )
-            if rnd.admission is not None:  # admitted in place: the (pre-warmed) ranks join the running job
-                group, pending = self._admit(rnd, rnd.admission), rnd.admission
-            else:
-                self._drop_parked()
-                group, pending = self._start_group(rnd, rnd.reason), None
-            self.state = AgentState.RUNNING
-            while True:
-                directive, in_place = self._monitor(group, pending)
-                if not in_place:
-                    break
-                pending = None
-                if rnd.admission is None or directive.event_id != rnd.admission.event_id:
-                    rnd = rdzv.entered_in_place(directive)  # a member's ranks moved rounds in place
-                group.assignment = rnd.assignment
-                self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
-                self.events.emit(
-                    EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value, in_place=True
-                )
-                _say(
-                    f"round {rnd.round}: ranks reconfigured in place, world size {rnd.assignment.world_size}, "
-                    f"this node is group rank {rnd.assignment.group_rank}"
-                )
-                if directive.hold:
-                    _say(held_line(rnd.round, self.config.min_nodes))
+            directive = self._run_round(rnd)
             if directive.kind == DirectiveKind.EXIT:
                 if not rdzv.elastic:  # an elastic job's outcome is logged once, by its decider
                     self.events.emit(
@@ -216,138 +222,181 @@ class Agent:
                 self._finish_closed(directive.reason, succeeded=directive.exit_code == 0)
                 return
 
-    def _monitor(self, group: WorkerGroup, pending: Directive | None) -> tuple[Directive, bool]:
-        """Watch the ranks and the rendezvous until the round ends for this node.
+    def _run_round(self, rnd: RoundInfo) -> Directive:
+        """Run this node's ranks in ``rnd`` and in every round they move into in place; the directive that
+        ended the last one for this node."""
+        if rnd.admission is not None:  # admitted in place: the (pre-warmed) ranks join the running job
+            group = self._admit(rnd, rnd.admission)
+        else:
+            self._drop_parked()
+            group = self._start_group(rnd, rnd.reason)
+        self.state = AgentState.RUNNING
+        while True:
+            directive, in_place = self._monitor(group)
+            if not in_place:
+                return directive
+            if rnd.admission is None or directive.event_id != rnd.admission.event_id:
+                rnd = self.rdzv.entered_in_place(directive)  # a member's ranks moved rounds in place
+            group.assignment = rnd.assignment
+            self.events.round, self.events.world_size = rnd.round, rnd.assignment.world_size
+            self.events.emit(
+                EventType.RENDEZVOUS_DONE, members=list(rnd.members), reason=rnd.reason.value, in_place=True
+            )
+            _say(
+                f"round {rnd.round}: ranks reconfigured in place, world size {rnd.assignment.world_size}, "
+                f"this node is group rank {rnd.assignment.group_rank}"
+            )
+            if directive.hold:
+                _say(held_line(rnd.round, self.config.min_nodes))
 
-        Returns the directive that ended it and whether the ranks moved to the next round in
-        place (RECONFIGURE: every local rank reports READY in it). ``pending``: an admission
-        already published to parked ranks.
+    def _monitor(self, group: WorkerGroup) -> tuple[Directive, bool]:
+        """Watch the ranks and the rendezvous until the round ends for this node or its ranks move rounds.
+
+        Returns the directive that ended it and whether the ranks moved to the next round in place
+        (RECONFIGURE: every local rank reports READY in it). The state is ``self._flight``, whose
+        transitions :mod:`hyperpodrun.monitor` documents and decides; this loop carries them out.
         """
         rdzv = self.rdzv
-        deadline = time.monotonic() + rdzv.graceful_timeout
         next_poll = 0.0
-        failure_logged = False
         rates = StepRates(self.config.nproc_per_node)
-        late: LateRanks | None = None  # ranks that were past the published target: they must act one step late
-        published = 0.0  # when the pending event was put on the control channel
         while True:
             self._note_finished(group)
             state = group.poll()
-            rescued = (
-                pending is not None and pending.repair and self._repair.hung_killed is not None
-            )  # we killed a stuck rank
-            # A scale event in place that a local rank's failure met on its way: its replacement, parked, is
-            # admitted by that event, as the survivors (their collective failed) take its group at once.
-            scaling = pending is not None and pending.kind == DirectiveKind.RECONFIGURE and not pending.repair
-            if state == WorkerState.FAILED and (pending is None or rescued or scaling) and not failure_logged:
-                if self._repairs_in_place():
-                    state, self._hang = self._repair.replace_failed(group, hang=self._hang), None
-                else:
-                    failure_logged = True
-                    self._log_failure(group)  # its siblings stop now: they must not hang in a collective
-            if self._signal is None and not rdzv.leaving and requested_by_ranks(self._control):
-                self._signal = signal.SIGTERM  # a local rank received SIGTERM: the same request as the agent's own
-            if self._signal is not None:
-                if self._signal == signal.SIGTERM and rdzv.elastic:
-                    self._signal = None
-                    self._wake.clear()
-                    _say("SIGTERM: leaving the job at the next agreed step")
-                    self._guard_store(rdzv.request_leave, group)
-                else:
-                    self._on_signal(group, self._signal)
+            if state == WorkerState.FAILED and self._flight.acts_on_failure:
+                state = self._on_failed_rank(group)
+            self._take_signals(group)
             if rdzv.lease_lost:
                 self._rejoin(group)
-            now = time.monotonic()
+            now = self._clock()
             if now >= next_poll or state != WorkerState.HEALTHY:
                 progress = self._control.progress()
                 steps, step_times = rates.update(progress)
                 if self.on_progress is not None:  # metrics
                     self.on_progress(steps, step_times)
                 failures = group.failures() if state == WorkerState.FAILED else []
-                status = LocalStatus(
-                    group_state=WorkerState.FAILED if self._hang else state,
+                status = local_status(
+                    self._flight,
+                    state=state,
+                    progress=progress,
                     steps=steps,
-                    step_times=step_times,  # a rank replaced to be repaired in place declares again once it runs
-                    reconfigurable=all(p.reconfigurable for p in progress) or self._repair.repairing is not None,
-                    can_hold=all(p.capabilities & CAP_HOLD for p in progress),
-                    failure=self._repair.repairing or self._hang or (failures[0].summary() if failures else None),
-                    repairing=self._repair.repairing is not None,
-                    peer_failed=any(p.phase == RankPhase.RECOVERING for p in progress),
+                    step_times=step_times,
+                    failure=failures[0].summary() if failures else None,
                     finished=bool(group.finished),
                 )
+                in_flight = self._flight.event is not None
                 next_poll = now + poll_interval(
-                    repairing=status.repairing,
-                    peer_failed=status.peer_failed,
-                    pending=pending is not None,
-                    tick=rdzv.tick,
+                    repairing=status.repairing, peer_failed=status.peer_failed, pending=in_flight, tick=rdzv.tick
                 )
-                directive = self._poll_riding_out_outages(status, group, pending=pending is not None)
-                if directive is not None and (
-                    directive.kind in (DirectiveKind.EXIT, DirectiveKind.STOP) or pending is None
-                ):
-                    if directive.kind in (DirectiveKind.SAVE_AND_EXIT, DirectiveKind.RECONFIGURE):
-                        late = LateRanks.after_publish(
-                            directive.event_id,
-                            publish(self._control, self.events, directive),
-                            now=now,
-                            slowest_step_s=rates.slowest,
-                        )
-                        pending, published, deadline = directive, now, now + rdzv.graceful_timeout
-                        continue
+                directive = self._poll(status, group, pending=in_flight)
+                what = answer(self._flight, directive) if directive is not None else Answer.IGNORE
+                if directive is not None and what is Answer.STOP_NOW:
                     return self._stop_now(group, directive), False
-                if pending is not None and late is not None and (stuck := late.stuck(progress, now)) is not None:
-                    late = None
-                    if stuck:  # some rank acted at the target in time: the late one waits in a collective for it
-                        self._control.clear()
-                        reason = f"{pending.reason}; local rank(s) {stuck} had passed step {pending.target_step} when it was published"
-                        return self._stop_now(
-                            group, dataclasses.replace(pending, kind=DirectiveKind.STOP, reason=reason)
-                        ), False
-                if (
-                    pending is not None
-                    and pending.repair
-                    and state == WorkerState.HEALTHY
-                    and self._repair.hung_killed is None
-                ):
-                    stuck = stuck_in_broken_group(
-                        progress, next_round=pending.next_round, waited=now - published, slowest_step_s=rates.slowest
+                if directive is not None and what is Answer.PUBLISH:
+                    late = LateRanks.after_publish(
+                        directive.event_id,
+                        publish(self._control, self.events, directive),
+                        now=now,
+                        slowest_step_s=rates.slowest,
                     )
-                    if stuck:
-                        why = f"local rank(s) {stuck} still blocked in the broken group {now - published:.1f}s after the repair was published"
-                        _say(
-                            f"{why}; their Python stacks go to their logs, then they are killed and replaced in the same repair"
-                        )
-                        dump_stacks([group.pids[r] for r in stuck], wait=self._wake.wait)
-                        self._repair.kill_culprits(group, stuck, why)
-            if (
-                pending is None
-                and state == WorkerState.HEALTHY
-                and self._hang is None
-                and self._repair.hung_killed is None
-            ):
+                    self._flight = self._flight.publish(directive, now=now, graceful=rdzv.graceful_timeout, late=late)
+                    continue
+                if (stopped := self._check_late(group, progress, now)) is not None:
+                    return stopped, False
+                if self._flight.watches_broken_group(state):
+                    self._release_broken_group(group, progress, now, slowest_step_s=rates.slowest)
+            if self._flight.watches_hang(state):
                 self._check_hang(group, rates)
-                self._repair.keep_spare(group, in_process=self._repairs_in_place)
-            if pending is not None and state == WorkerState.HEALTHY and self._moved_in_place(pending):
-                self._control.clear()
-                self._repair.repairing = None
-                self.events.emit(
-                    EventType.WORKERS_RECONFIGURED,
-                    event_id=pending.event_id,
-                    round=pending.next_round,
-                    world_size=pending.world_size,
+                self._repair.keep_spare(
+                    group, repairing=self._flight.replaced is not None, in_place=self._repairs_in_place
                 )
-                self._guard_store(
-                    lambda event_id=pending.event_id: rdzv.report_stopped(event_id, ok=True, reconfigured=True), group
-                )
-                return pending, True
-            if pending is not None and pending.kind == DirectiveKind.RECONFIGURE and self._failed_in_place():
-                _say(
-                    f"event {pending.event_id}: a local rank could not move to round {pending.next_round} in place; falling back to a restart"
-                )
-                return self._ranks_left(group, pending, WorkerState.FAILED, timed_out=False), False
-            if pending is not None and (state != WorkerState.HEALTHY or now > deadline):
-                return self._ranks_left(group, pending, state, timed_out=state == WorkerState.HEALTHY), False
-            self._wake.wait(min(self.config.monitor_interval, max(0.0, next_poll - time.monotonic())))
+            event = self._flight.event
+            if event is not None:
+                end = event_end(self._flight, now=now, state=state, progress=self._control.progress())
+                if end is not None:
+                    return self._end_event(group, event, end, state)
+            self._wake.wait(min(self.config.monitor_interval, max(0.0, next_poll - self._clock())))
+
+    def _on_failed_rank(self, group: WorkerGroup) -> WorkerState:
+        """A local rank failed: replaced in place, or its siblings stopped (they must not hang in a collective)."""
+        if self._repairs_in_place():
+            state, what = self._repair.replace_failed(group, cause=self._flight.killed or self._flight.hung)
+            self._flight = self._flight.replace_failed(what)
+            return state
+        self._flight = self._flight.stop_failed()
+        self._log_failure(group)
+        return WorkerState.FAILED
+
+    def _take_signals(self, group: WorkerGroup) -> None:
+        """Act on a termination signal: in an elastic job a SIGTERM (the agent's or a local rank's) asks to leave
+        the job at the next agreed step; any other signal stops the ranks and ends the agent."""
+        rdzv = self.rdzv
+        if self._signal is None and not rdzv.leaving and requested_by_ranks(self._control):
+            self._signal = signal.SIGTERM  # a local rank received SIGTERM: the same request as the agent's own
+        if self._signal is None:
+            return
+        if self._signal == signal.SIGTERM and rdzv.elastic:
+            self._signal = None
+            self._wake.clear()
+            _say("SIGTERM: leaving the job at the next agreed step")
+            self._guard_store(rdzv.request_leave, group)
+        else:
+            self._on_signal(group, self._signal)
+
+    def _check_late(self, group: WorkerGroup, progress: list[RankProgress], now: float) -> Directive | None:
+        """Once the late ranks of the published event acted or their grace is over: a STOP when some never
+        acted (a rank acted at the target in time, so the late one waits in a collective for it)."""
+        late, event = self._flight.late, self._flight.event
+        if late is None or event is None or (stuck := late.stuck(progress, now)) is None:
+            return None
+        self._flight = self._flight.late_settled()
+        if not stuck:
+            return None
+        self._control.clear()
+        reason = f"{event.reason}; local rank(s) {stuck} had passed step {event.target_step} when it was published"
+        return self._stop_now(group, dataclasses.replace(event, kind=DirectiveKind.STOP, reason=reason))
+
+    def _release_broken_group(
+        self, group: WorkerGroup, progress: list[RankProgress], now: float, *, slowest_step_s: float
+    ) -> None:
+        """Kill the local ranks still blocked in the broken group a while after its repair was published:
+        they are replaced in the same repair."""
+        event = self._flight.event
+        if event is None:
+            return
+        waited = now - self._flight.published
+        stuck = stuck_in_broken_group(
+            progress, next_round=event.next_round, waited=waited, slowest_step_s=slowest_step_s
+        )
+        if not stuck:
+            return
+        why = f"local rank(s) {stuck} still blocked in the broken group {waited:.1f}s after the repair was published"
+        _say(f"{why}; their Python stacks go to their logs, then they are killed and replaced in the same repair")
+        dump_stacks([group.pids[r] for r in stuck], wait=self._wake.wait)
+        self._repair.kill_culprits(group, stuck)
+        self._flight = self._flight.culprits_killed(why)
+
+    def _end_event(
+        self, group: WorkerGroup, event: Directive, end: EventEnd, state: WorkerState
+    ) -> tuple[Directive, bool]:
+        """The event in flight ended for this node (:func:`~hyperpodrun.monitor.event_end`)."""
+        if end is EventEnd.MOVED:
+            self._control.clear()
+            self._flight = self._flight.moved()
+            self.events.emit(
+                EventType.WORKERS_RECONFIGURED,
+                event_id=event.event_id,
+                round=event.next_round,
+                world_size=event.world_size,
+            )
+            self._guard_store(lambda: self.rdzv.report_stopped(event.event_id, ok=True, reconfigured=True), group)
+            return event, True
+        if end is EventEnd.FELL_BACK:
+            _say(
+                f"event {event.event_id}: a local rank could not move to round {event.next_round} in place; "
+                "falling back to a restart"
+            )
+            return self._ranks_left(group, event, WorkerState.FAILED, timed_out=False), False
+        return self._ranks_left(group, event, state, timed_out=end is EventEnd.TIMED_OUT), False
 
     def _rejoin(self, group: WorkerGroup) -> None:
         """The membership lease expired (the store was unreachable for a lease ttl): register again as the
@@ -360,31 +409,19 @@ class Agent:
             return  # still unreachable: try again at the next tick
         _say("this node's membership lease had expired while the store was unreachable; joined again as the same node")
 
-    def _poll_riding_out_outages(self, status: LocalStatus, group: WorkerGroup, *, pending: bool) -> Directive | None:
-        """``poll()``; while the store is unreachable the ranks keep training (they do not need it)
-        for up to ``outage_timeout``; then the job ends for this node (:mod:`hyperpodrun.outage`)."""
+    def _poll(self, status: LocalStatus, group: WorkerGroup, *, pending: bool) -> Directive | None:
+        """``poll()``, riding out an unreachable store for a while (:mod:`hyperpodrun.outage`)."""
         try:
-            directive = self.rdzv.poll(status)
+            return poll_riding_out_outages(
+                self.rdzv,
+                status,
+                self._outage,
+                pending=pending,
+                events=self.events,
+                acked_events=lambda: [p.acked_event for p in self._control.progress()],
+            )
         except EmbeddedStoreGoneError:
             return self._guard_store(lambda: self.rdzv.poll(status), group)  # the job's store is gone for good
-        except StoreError as e:
-            if self._outage.failed():
-                _say(
-                    f"the rendezvous store is unreachable ({e}); the ranks keep training meanwhile, "
-                    f"for up to {self._outage.limit:g}s"
-                )
-                self.events.emit(EventType.STORE_UNREACHABLE, message=str(e))
-            if not self._outage.conclude():
-                return None
-            acked = [p.acked_event for p in self._control.progress()]
-            final = final_directive(status, pending=pending, acked_events=acked, limit=self._outage.limit, error=str(e))
-            _say(final.reason)
-            self.events.emit(EventType.STORE_LOST, message=final.reason)
-            return final
-        if (outage := self._outage.recovered()) is not None:
-            _say(f"the rendezvous store is back after {outage:.1f}s")
-            self.events.emit(EventType.STORE_RECOVERED, outage_s=round(outage, 3))
-        return directive
 
     def _check_hang(self, group: WorkerGroup, rates: StepRates) -> None:
         """A rank without progress for the hang limit: dump every local rank's stacks, then fail the group."""
@@ -392,7 +429,7 @@ class Agent:
         if limit is None:  # hang detection is off
             return
         progress = self._control.progress()
-        now = progress_clock()
+        now = self._clock()
         hung = hung_ranks(progress, now=now, limit=limit)
         pids = group.pids
         if hung and self._repairs_in_place():  # the culprits only: the ranks waiting for them hold the state
@@ -400,27 +437,17 @@ class Agent:
         if not hung:
             return
         r = hung[0]
-        idle = now - progress[r].time
-        rank = group.assignment.global_rank(r)
-        why = (
-            f"rank {rank} (local rank {r}, pid {pids.get(r)}) made no progress for {idle:.0f}s at step {progress[r].step} "
-            f"(hang timeout {limit:g}s); Python stacks of every local rank in their logs: {group.log_file(r)}"
-        )
-        self.events.emit(
-            EventType.RANK_HUNG,
-            rank=rank,
-            local_ranks=list(hung),
-            step=progress[r].step,
-            idle_s=round(idle, 3),
-            hang_timeout=limit,
-            log_file=str(group.log_file(r)),
-        )
+        rank, log_file = group.assignment.global_rank(r), str(group.log_file(r))
+        report = HangReport.of(progress, hung, now=now, limit=limit, rank=rank, pid=pids.get(r), log_file=log_file)
+        self.events.emit(EventType.RANK_HUNG, **report.record)
+        why = report.line
         _say(why)
         dump_stacks(list(pids.values()), wait=self._wake.wait)
         if self._repairs_in_place():  # the kill shows as a failed rank: repaired like a crash
-            self._repair.kill_culprits(group, hung, why)
+            self._repair.kill_culprits(group, hung)
+            self._flight = self._flight.culprits_killed(why)
             return
-        self._hang = why
+        self._flight = self._flight.declared_hung(why)
         group.stop(grace=self.config.shutdown_timeout)
 
     def _note_finished(self, group: WorkerGroup) -> None:
@@ -433,21 +460,9 @@ class Agent:
             _say(f"warning: {f.summary()} after its training finished; counted as success")
 
     def _repairs_in_place(self) -> bool:
-        """Whether a failed rank is replaced in place (the round runs in-process) rather than the job restarted."""
-        return self.rdzv.in_process and self.config.restart_mode is RestartMode.AUTO
-
-    def _failed_in_place(self) -> bool:
-        """A local rank reported FAILED while moving rounds (its new group did not form, hydration failed)."""
-        return any(p.phase == RankPhase.FAILED for p in self._control.progress())
-
-    def _moved_in_place(self, pending: Directive) -> bool:
-        """Every local rank runs in the RECONFIGURE event's round (a leaving node's ranks never do)."""
-        if pending.kind != DirectiveKind.RECONFIGURE or pending.group_rank < 0:
-            return False
-        return all(
-            p.round == pending.next_round and p.phase in (RankPhase.READY, RankPhase.RUNNING, RankPhase.HOLDING)
-            for p in self._control.progress()
-        )
+        """Whether a failed rank is replaced in place rather than the job restarted: the decider's rule, which
+        the rendezvous applies to this node's round."""
+        return self.rdzv.repairs_in_place
 
     def _prewarm(self) -> bool:
         """A standby of an in-process job: start the ranks parked (imported, model built, waiting for
@@ -468,6 +483,7 @@ class Agent:
         self._parked = None
         group.assignment = rnd.assignment
         write_event(self._control, admission)
+        self._flight = InFlight.admitting(admission, now=self._clock(), graceful=self.rdzv.graceful_timeout)
         self.events.emit(
             EventType.WORKERS_SIGNALLED, event_id=admission.event_id, kind="admit", target_step=admission.target_step
         )
@@ -516,15 +532,7 @@ class Agent:
         failures = failures or group.failures()
         if not failures:
             return
-        root = failures[0]
-        self.events.emit(
-            EventType.WORKER_FAILED,
-            rank=root.global_rank,
-            exitcode=root.exitcode,
-            signal=root.signal_name,
-            message=root.message,
-            log_file=str(root.log_file),
-        )
+        self.events.emit(EventType.WORKER_FAILED, **failures[0].record())
 
     def _guard_store(self, fn, group: WorkerGroup | None = None):
         """Run a store operation; a lost store stops the ranks and ends the agent with its message."""
@@ -546,9 +554,9 @@ class Agent:
 
     def _start_group(self, rnd: RoundInfo | None, reason: RestartReason) -> WorkerGroup:
         """Start the local ranks for ``rnd``; ``None``: parked (no rank, world or master until admitted)."""
-        group, attempt_dir = self._ranks.start(rnd, reason, restart_count=self.restart_count)
+        group, attempt_dir = self._ranks.start(rnd, reason)
         if rnd is not None:
-            self._group, self._hang = group, None
+            self._group, self._flight = group, InFlight.idle()
         self.events.emit(
             EventType.WORKERS_STARTED,
             reason=reason.value,
@@ -570,12 +578,6 @@ class Agent:
         )
         group.stop(grace=self.config.shutdown_timeout, sig=signum)
         raise SignalReceived(signum)
-
-    def _handle(self, signum: int) -> None:
-        self._signal = signum
-        self._wake.set()
-        if self._waits is not None and self._waits.waiting and self._leave_pending():
-            raise LeaveRequested  # out of a rendezvous wait (it changes nothing): the node leaves now
 
     def _leaves_on(self, signum: int) -> bool:
         """Whether ``signum`` asks this node to leave the job gracefully (SIGTERM in an elastic job)."""

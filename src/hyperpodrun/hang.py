@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from elastic_events.control import RankPhase, RankProgress
 
-__all__ = ["HangPolicy", "culprits", "hung_ranks", "progress_clock"]
+__all__ = ["HangPolicy", "HangReport", "culprits", "hung_ranks", "progress_clock"]
 
 
 def progress_clock() -> float:
@@ -67,6 +67,43 @@ def hung_ranks(progress: Sequence[RankProgress], *, now: float, limit: float | N
     return tuple(
         r for r, p in enumerate(progress) if p.step > 0 and p.time > 0 and p.phase in STEPPING and now - p.time > limit
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangReport:
+    """What the agent says of hung local ranks: one line for the user and the ``rank_hung`` record's fields."""
+
+    line: str
+    record: dict[str, object]
+
+    @classmethod
+    def of(
+        cls,
+        progress: Sequence[RankProgress],
+        hung: Sequence[int],
+        *,
+        now: float,
+        limit: float,
+        rank: int,
+        pid: int | None,
+        log_file: str,
+    ) -> HangReport:
+        """The report on ``hung`` (local ranks; the first one is named: global ``rank``, ``pid``, ``log_file``)."""
+        r = hung[0]
+        idle = now - progress[r].time
+        line = (
+            f"rank {rank} (local rank {r}, pid {pid}) made no progress for {idle:.0f}s at step {progress[r].step} "
+            f"(hang timeout {limit:g}s); Python stacks of every local rank in their logs: {log_file}"
+        )
+        record: dict[str, object] = dict(
+            rank=rank,
+            local_ranks=list(hung),
+            step=progress[r].step,
+            idle_s=round(idle, 3),
+            hang_timeout=limit,
+            log_file=log_file,
+        )
+        return cls(line=line, record=record)
 
 
 def culprits(hung: Sequence[int], *, idle: dict[int, float], states: dict[int, str], limit: float) -> tuple[int, ...]:

@@ -21,14 +21,17 @@ Documented bound: the launcher exits at most ``outage_timeout`` + the graceful s
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import monotonic
 
-from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus
+from hyperpodrun.events import EventLog, EventType
+from hyperpodrun.rendezvous import Directive, DirectiveKind, LocalStatus, RendezvousHandler
+from hyperpodrun.store import EmbeddedStoreGoneError, StoreError
 from hyperpodrun.supervisor import WorkerState
 
-__all__ = ["StoreOutage", "final_directive"]
+__all__ = ["StoreOutage", "final_directive", "poll_riding_out_outages"]
 
 #: How far ahead of the furthest rank the local save is placed (steps): the ranks learn it within one.
 SAVE_MARGIN_STEPS = 2
@@ -84,3 +87,42 @@ def final_directive(
         target_step=max(status.steps) + SAVE_MARGIN_STEPS,
         reason=f"{why}; the ranks save and exit",
     )
+
+
+def poll_riding_out_outages(
+    rdzv: RendezvousHandler,
+    status: LocalStatus,
+    outage: StoreOutage,
+    *,
+    pending: bool,
+    events: EventLog,
+    acked_events: Callable[[], Sequence[int]],
+) -> Directive | None:
+    """``rdzv.poll(status)``; while the store is unreachable the ranks keep training (they do not need it)
+    for up to ``outage.limit``; then the job ends for this node (:func:`final_directive`). ``acked_events``:
+    the events the local ranks acted on. An embedded store gone for good raises ``EmbeddedStoreGoneError``."""
+    try:
+        directive = rdzv.poll(status)
+    except EmbeddedStoreGoneError:
+        raise
+    except StoreError as e:
+        if outage.failed():
+            _say(
+                f"the rendezvous store is unreachable ({e}); the ranks keep training meanwhile, "
+                f"for up to {outage.limit:g}s"
+            )
+            events.emit(EventType.STORE_UNREACHABLE, message=str(e))
+        if not outage.conclude():
+            return None
+        final = final_directive(status, pending=pending, acked_events=acked_events(), limit=outage.limit, error=str(e))
+        _say(final.reason)
+        events.emit(EventType.STORE_LOST, message=final.reason)
+        return final
+    if (length := outage.recovered()) is not None:
+        _say(f"the rendezvous store is back after {length:.1f}s")
+        events.emit(EventType.STORE_RECOVERED, outage_s=round(length, 3))
+    return directive
+
+
+def _say(message: str) -> None:
+    print(f"hyperpodrun: {message}", file=sys.stderr, flush=True)

@@ -40,6 +40,7 @@ class RankStarter:
         self._node_id, self._event_log = node_id, event_log
         self._attempt = 0
         self.net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
+        self.restart_count = 0  # failure restarts the job used so far (the round's; TORCHELASTIC_RESTART_COUNT)
         self.reaper: Reaper | None = None
 
     def new_attempt(self) -> Path:
@@ -49,7 +50,7 @@ class RankStarter:
         return path
 
     def rank_setup(
-        self, attempt_dir: Path, local_rank: int, rnd: RoundInfo | None, reason: RestartReason, *, restart_count: int
+        self, attempt_dir: Path, local_rank: int, rnd: RoundInfo | None, reason: RestartReason
     ) -> tuple[RankLogs, dict[str, str]]:
         """A local rank's log files and environment for ``rnd`` (None: parked until admitted)."""
         cfg = self.config
@@ -65,7 +66,7 @@ class RankStarter:
             rnd or parked_round(cfg.nproc_per_node),
             local_rank,
             run_id=self.run_id,
-            restart_count=restart_count,
+            restart_count=self.restart_count,
             reason=reason,
             error_file=logs.error_file,
             control_file=self._control.path,
@@ -74,16 +75,14 @@ class RankStarter:
         )
         return logs, env if rnd is not None else parked_env(env)
 
-    def start(self, rnd: RoundInfo | None, reason: RestartReason, *, restart_count: int) -> tuple[WorkerGroup, Path]:
+    def start(self, rnd: RoundInfo | None, reason: RestartReason) -> tuple[WorkerGroup, Path]:
         """Start the local ranks for ``rnd`` (None: parked: no rank, world or master until admitted);
         the group and its attempt folder."""
         attempt_dir = self.new_attempt()
         cfg = self.config
         logs, envs = {}, {}
         for local_rank in range(cfg.nproc_per_node):
-            logs[local_rank], envs[local_rank] = self.rank_setup(
-                attempt_dir, local_rank, rnd, reason, restart_count=restart_count
-            )
+            logs[local_rank], envs[local_rank] = self.rank_setup(attempt_dir, local_rank, rnd, reason)
         self._control.reset_ranks()
         group = WorkerGroup(
             command=cfg.worker_command(),

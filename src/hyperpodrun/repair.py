@@ -104,30 +104,25 @@ class InPlaceRepair:
         events: EventLog,
         new_attempt: Callable[[], Path],
         rank_setup: RankSetup,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self._clock = clock
         self._control, self._events = control, events
         self._new_attempt, self._rank_setup = new_attempt, rank_setup
         self._spares = spares_for(config)
         self._spare_checked = 0.0
         self._spare_announced: int | None = None  # pid of the spare whose readiness was logged
-        self.repairing: str | None = None  # the failure whose ranks were replaced, until the repair is done
-        self.hung_killed: str | None = None  # why hung ranks were killed, until they are replaced
 
-    def replace_failed(self, group: WorkerGroup, *, hang: str | None) -> WorkerState:
-        """Replace the failed local ranks, parked (the spare first); their siblings keep their state."""
+    def replace_failed(self, group: WorkerGroup, *, cause: str | None) -> tuple[WorkerState, str]:
+        """Replace the failed local ranks, parked (the spare first); their siblings keep their state.
+
+        ``cause``: why they failed when the agent knows better than their exit (it killed them as hung).
+        Returns the group's state after it and the failure being repaired."""
         failures = group.failures()
         root = failures[0]
-        what = self.hung_killed or hang or root.summary()
-        self._events.emit(
-            EventType.WORKER_FAILED,
-            rank=root.global_rank,
-            exitcode=root.exitcode,
-            signal=root.signal_name,
-            message=root.message,
-            log_file=str(root.log_file),
-            repaired_in_place=True,
-        )
+        what = cause or root.summary()
+        self._events.emit(EventType.WORKER_FAILED, **root.record(), repaired_in_place=True)
         attempt_dir = self._new_attempt()
         pids = {}
         for failure in failures:
@@ -151,16 +146,14 @@ class InPlaceRepair:
             f"{what}; repairing in place: rank(s) {sorted(pids)} replaced, parked (pid {list(pids.values())}); "
             "the other ranks keep their state"
         )
-        self.repairing, self.hung_killed = what, None
-        return group.poll()
+        return group.poll(), what
 
-    def kill_culprits(self, group: WorkerGroup, hung: Sequence[int], why: str) -> None:
+    def kill_culprits(self, group: WorkerGroup, hung: Sequence[int]) -> None:
         """Kill only the hung ranks: their peers' collectives fail and they wait for the repair."""
         pids = group.pids
         for local_rank in hung:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pids[local_rank], signal.SIGKILL)
-        self.hung_killed = why
 
     def culprits(
         self, group: WorkerGroup, hung: Sequence[int], progress: Sequence[RankProgress], *, now: float, limit: float
@@ -173,9 +166,10 @@ class InPlaceRepair:
             limit=limit,
         )
 
-    def keep_spare(self, group: WorkerGroup, *, in_process: Callable[[], bool]) -> None:
-        """Keep a spare beside the ranks of a job repaired in place (checked at most every second)."""
-        now = time.monotonic()
+    def keep_spare(self, group: WorkerGroup, *, repairing: bool, in_place: Callable[[], bool]) -> None:
+        """Keep a spare beside the ranks of a job repaired in place (checked at most every second);
+        ``repairing``: a failure's ranks are being replaced (its spare was used)."""
+        now = self._clock()
         if group.spare_running and self._spare_announced is None and self._control.spare_phase(0) == RankPhase.PARKED:
             self._spare_announced = group.spare_pid
             self._events.emit(EventType.SPARE_READY, pid=group.spare_pid)
@@ -185,15 +179,10 @@ class InPlaceRepair:
                 f"the spare rank (pid {group.spare_pid}) exited before it was ready; no spares for this job: see {group.spare_log}"
             )
             group.drop_spare()
-        if (
-            not self._spares
-            or self.repairing is not None
-            or group.spare_running
-            or now - self._spare_checked < SPARE_CHECK_S
-        ):
+        if not self._spares or repairing or group.spare_running or now - self._spare_checked < SPARE_CHECK_S:
             return
         self._spare_checked = now
-        if not all(p.reconfigurable for p in self._control.progress()) or not in_process():
+        if not all(p.reconfigurable for p in self._control.progress()) or not in_place():
             return
         cfg = self.config
         spare_dir = self._new_attempt() / "spare"

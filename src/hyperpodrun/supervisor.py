@@ -118,6 +118,16 @@ class WorkerFailure:
             text += f": {self.message}"
         return f"{text}; log: {self.log_file}"
 
+    def record(self) -> dict[str, object]:
+        """The fields of the ``worker_failed`` event record."""
+        return dict(
+            rank=self.global_rank,
+            exitcode=self.exitcode,
+            signal=self.signal_name,
+            message=self.message,
+            log_file=str(self.log_file),
+        )
+
 
 def read_error_file(path: Path) -> str | None:
     """The exception recorded by ``torch.distributed.elastic.multiprocessing.errors.record``."""

@@ -136,6 +136,12 @@ class RendezvousHandler(ABC):
         return False
 
     @property
+    def repairs_in_place(self) -> bool:
+        """Whether a failed rank of this node's current round is replaced in place rather than the job
+        restarted: the decider's own rule (:func:`hyperpodrun.rendezvous.plans.repairs_in_place`)."""
+        return False
+
+    @property
     def graceful_timeout(self) -> float:
         """Seconds ranks get to reach the target step and leave the round."""
         return 120.0

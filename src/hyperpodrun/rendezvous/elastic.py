@@ -41,6 +41,7 @@ from hyperpodrun.rendezvous.api import (
 )
 from hyperpodrun.rendezvous.decider import DeciderContext
 from hyperpodrun.rendezvous.decider_seat import DeciderSeat
+from hyperpodrun.rendezvous.plans import repairs_in_place
 from hyperpodrun.rendezvous.records import (
     REPAIR_KINDS,
     AckRecord,
@@ -135,14 +136,24 @@ class ElasticRendezvous(RendezvousHandler):
 
     @property
     def in_process(self) -> bool:
-        """Read from the store when not known yet: the decider marks a running round in-process."""
+        rnd = self._round_now()
+        return rnd is not None and rnd.inprocess
+
+    @property
+    def repairs_in_place(self) -> bool:
+        rnd = self._round_now()
+        return rnd is not None and repairs_in_place(rnd, self.ctx)
+
+    def _round_now(self) -> RoundRecord | None:
+        """This node's round; read from the store when not known to run in-process yet (the decider marks a
+        running round in-process); this node's own record when the store is unreachable or moved on."""
         if self._round is None or self._round.inprocess:
-            return self._round is not None
+            return self._round
         try:
             rnd = decode(RoundRecord, Keys.ROUND, _value(self.store.get(Keys.ROUND)))
         except StoreError:
-            return False
-        return rnd is not None and rnd.round == self._round.round and rnd.inprocess
+            return self._round
+        return rnd if rnd is not None and rnd.round == self._round.round else self._round
 
     @property
     def leaving(self) -> bool:
