@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from elastic_events.errors import ElasticTrainingError, HydrationError, StateMismatchError
 
 if TYPE_CHECKING:
+    from elastic_events.rounds.replica_plan import Holding
     from elastic_events.rounds.snapshot_restore import SnapshotReport
 
 __all__ = [
@@ -67,6 +68,7 @@ class RankReport:
     )  # a newcomer: the step of its predecessor's hand-off for this round (elastic_events.rounds.handoff)
     snapshot: SnapshotReport | None = None  # a sharded survivor of a failure: what it holds of the broken round
     failed: bool = False  # a peer failed in its previous round (it came through ElasticTraining.recover)
+    holding: Holding | None = None  # an HSDP survivor: the shard it kept (elastic_events.rounds.replica_plan)
 
 
 @dataclass(frozen=True, kw_only=True)

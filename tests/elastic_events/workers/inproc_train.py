@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_events import ElasticConfig, ElasticTraining, elastic_event_detected
+from elastic_events import ElasticConfig, ElasticTraining, HSDPConfig, elastic_event_detected
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer
 from elastic_events.data.sampler import ElasticSampler
 
@@ -29,11 +29,12 @@ def build() -> torch.nn.Module:
     )
 
 
-def fsdp_wrap(module: torch.nn.Module) -> torch.nn.Module:
+def fsdp_wrap(module: torch.nn.Module, mesh=None) -> torch.nn.Module:
+    """FSDP2 over the world, or HSDP on the round's mesh (``--hsdp``: ElasticTraining hands it over)."""
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(module[0])
-    return fully_shard(module)
+    fully_shard(module[0], mesh=mesh)
+    return fully_shard(module, mesh=mesh)
 
 
 def full_optimizer_state(elastic: ElasticTraining) -> dict:
@@ -86,6 +87,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--hsdp", action="store_true", help="HSDP: shard over a node's ranks, replicate over nodes")
     p.add_argument("--ckpt-dir", type=Path, help="a Checkpointer: loaded at start, saved at a restart event")
     p.add_argument("--timeout", type=float, default=60.0, help="ElasticConfig.timeout_s")
     p.add_argument("--ckpt-every", type=int, default=0, help="save through the checkpointer every N steps")
@@ -97,12 +99,14 @@ def main() -> int:
     sampler = ElasticSampler(SAMPLES, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH, rank=0, world_size=1)
     elastic = ElasticTraining(
         model_fn=build,
-        wrap=fsdp_wrap if args.fsdp else None,
+        wrap=fsdp_wrap if args.fsdp or args.hsdp else None,
         optimizer_fn=lambda model: torch.optim.AdamW(model.parameters(), lr=0.05),
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.95),
         sampler=sampler,
         checkpointer=Checkpointer(CheckpointConfig(dir=args.ckpt_dir, timeout_s=60)) if args.ckpt_dir else None,
-        config=ElasticConfig(timeout_s=args.timeout, bucket_mb=0.0001, device="cpu"),  # gloo; 104-byte buckets
+        config=ElasticConfig(  # gloo; 104-byte buckets
+            timeout_s=args.timeout, bucket_mb=0.0001, device="cpu", hsdp=HSDPConfig() if args.hsdp else None
+        ),
     ).start()
     parked = os.environ.get("HYPERPODRUN_PARKED") == "1"
     dump(args, elastic, "after" if parked else "start")
@@ -125,7 +129,7 @@ def main() -> int:
             if event and elastic.rank == args.skew_step_of_rank:
                 elastic.step += 1
             if event:
-                if elastic.distributed and args.fsdp:
+                if elastic.distributed and (args.fsdp or args.hsdp):
                     dump(args, elastic, "before")
                 if not elastic.reconfigure():
                     print(f"left at step {elastic.step}", flush=True)
