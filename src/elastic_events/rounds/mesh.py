@@ -13,6 +13,7 @@ replicas; :func:`build_mesh` makes the round's :class:`~torch.distributed.device
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,11 +104,27 @@ def plan_layout(config: HSDPConfig, *, world_size: int, local_world_size: int) -
     return MeshLayout(world_size=world_size, shard_size=shard)
 
 
+#: Meshes this process built: each round's gets its own number (see :func:`build_mesh`).
+_MESHES = itertools.count(1)
+
+
 def build_mesh(layout: MeshLayout, device: torch.device) -> DeviceMesh:
-    """The round's 2-D mesh over its default group (collective: every rank of the round calls it)."""
+    """The round's 2-D mesh over its default group (collective: every rank of the round calls it).
+
+    A ``DeviceMesh`` compares equal to any other of the same ranks, shape and names (``__eq__`` and
+    ``__hash__`` leave its process groups out), and DTensor caches shardings by mesh: a round whose mesh
+    has the shape of an earlier round's would be handed the earlier mesh back (an in-place op's output
+    spec replaces the parameter's), whose subgroups were destroyed with that round or now name other
+    ranks' groups ("Could not resolve the process group registered under the name ..."). So each mesh
+    is made unequal to every earlier one: it carries its own number in the one field of its identity
+    that only torch's ``threaded`` test backend sets (``_thread_id``).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, layout.shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=MESH_DIMS)
+    mesh._thread_id = next(_MESHES)
+    mesh._hash = None
+    return mesh
 
 
 def hsdp_wrap(module: torch.nn.Module, *, mesh: DeviceMesh | None) -> torch.nn.Module:

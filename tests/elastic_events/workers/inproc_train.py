@@ -9,6 +9,7 @@ optimizer state (replicated models).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -69,7 +70,11 @@ def dump(args: argparse.Namespace, elastic: ElasticTraining, tag: str) -> None:
         "optimizer": full_optimizer_state(elastic) if shards else elastic.optimizer.state_dict(),
         "plan": (elastic.sampler.rank, elastic.sampler.world_size),
     }
-    torch.save(state, args.out / f"{tag}-{os.environ['HYPERPODRUN_NODE_ID']}-{os.environ['LOCAL_RANK']}.pt")
+    state["state_bytes"] = elastic.snapshot_stats()["state_bytes"]  # this rank's local state (sharded models)
+    node, local = os.environ["HYPERPODRUN_NODE_ID"], os.environ["LOCAL_RANK"]
+    torch.save(state, args.out / f"{tag}-{node}-{local}.pt")
+    if tag == "after":  # and kept per round: a later round's "after" replaces the file above
+        torch.save(state, args.out / f"round{elastic.round}-{node}-{local}.pt")
 
 
 def wait_for_gate(gate: Path | None, round: int) -> None:
@@ -93,9 +98,14 @@ def main() -> int:
     p.add_argument("--ckpt-every", type=int, default=0, help="save through the checkpointer every N steps")
     p.add_argument("--gate", type=Path, help="after joining round R, wait for GATE/go-R (the test's next move)")
     p.add_argument("--skew-step-of-rank", type=int, default=-1, help="this rank's step is off by one at the event")
+    p.add_argument("--fp64", action="store_true", help="model, data and optimizer state in float64")
+    p.add_argument("--ledger", type=Path, help="append {step, rank, world_size, samples} per trained step")
     args = p.parse_args()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(SAMPLES, FEATURES, generator=g), torch.randn(SAMPLES, 2, generator=g)
+    if args.fp64:
+        torch.set_default_dtype(torch.float64)  # build() makes float64 parameters
+        x, y = x.double(), y.double()
     sampler = ElasticSampler(SAMPLES, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH, rank=0, world_size=1)
     elastic = ElasticTraining(
         model_fn=build,
@@ -124,6 +134,10 @@ def main() -> int:
             elastic.scheduler.step()
             sampler.mark_step()
             elastic.step += 1
+            if args.ledger is not None:
+                record = {"step": elastic.step, "rank": elastic.rank, "world_size": elastic.world_size}
+                with open(args.ledger, "a") as f:
+                    f.write(json.dumps({**record, "samples": idx.tolist()}) + "\n")
             elastic.extra["samples"] = elastic.extra.get("samples", 0) + batch.global_count
             event = elastic_event_detected()
             if event and elastic.rank == args.skew_step_of_rank:
