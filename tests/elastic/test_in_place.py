@@ -526,3 +526,45 @@ def test_a_rank_killed_while_a_join_is_pending_is_repaired_with_the_join(make_jo
     assert [e["signal"] for e in job.events("worker_failed")] == ["SIGKILL"]
     assert_trained_like_one_process(job)
     assert {p["world"] for p in job.progress()} <= {2, 3} and job.progress()[-1]["world"] == 3
+
+
+#: Rank 1's local state: one row of Linear(4, 2) (weight 4 + bias 1 floats) and SGD's momentum of it.
+SHARD_BYTES = (4 + 1) * 4 * 2
+
+
+def test_a_killed_hsdp_rank_takes_its_shard_from_the_other_replica(make_job, tmp_path) -> None:
+    """HSDP, two nodes of two ranks, a shard group per node: both nodes hold every shard, so no snapshot copy is
+    kept and a killed rank's replacement takes its shard from the same shard index on the other node."""
+    job = make_job(
+        script=INPLACE,
+        script_args=(str(tmp_path), "hsdp"),
+        nnodes="2",
+        flags=("--max-restarts", "3", "--nproc-per-node", "2", "--spare-ranks", "0"),
+    )
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: job.events("round_in_process"), timeout=120, what="the round to run in-process")
+    survivor, victim = hit_rank_1(job, signal.SIGKILL)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+
+    rescued = rescued_ranks(job)  # gloo now and then misses a dead peer: such a survivor is replaced too
+    assert len(rescued) <= 1 and 1 not in rescued, rescued
+    records = worlds(job)
+    for rank in {0, 2, 3} - set(rescued):  # the survivors: never restarted
+        assert [r["how"] for r in records if r["rank"] == rank] == ["fresh", "recovered"], records
+    if 0 not in rescued:
+        assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records
+    replacement = [r for r in records if r["rank"] == 1 and r["how"] != "fresh"]
+    assert [(r["how"], r["world"]) for r in replacement] == [("peers", 4)] and victim != replacement[0]["pid"]
+    # one repair (a node_lost when a survivor's failed collective reached the decider before the agent's crash report)
+    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] in (
+        [("rank_failure", "reconfigure")],
+        [("node_lost", "reconfigure")],
+    )
+    repaired = job.events("hydrated")[-1]
+    if not rescued:  # one shard moved, from rank 3 (the same shard index in the other replica)
+        assert (repaired["mesh"], repaired["newcomers"], repaired["bytes_moved"]) == ([2, 2], 1, SHARD_BYTES)
+    assert not [e for e in job.events() if e["event"].startswith("snapshot")], "two replicas: no snapshot copies"
+    assert_trained_like_one_process(job)
+    assert {p["world"] for p in job.progress()} == {4}

@@ -236,7 +236,8 @@ class RoundEngine:
         if layout is None:
             return None
         if self._mesh is None:
-            self._mesh = build_mesh(layout, self.device)
+            with abort.tracking():  # its subgroups' sockets are the round's: a repair's abort shuts them down too
+                self._mesh = build_mesh(layout, self.device)
         return self._mesh
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_events.errors import HydrationError
+from elastic_events.rounds import abort
 from elastic_events.rounds.replica_plan import ReplicaPlan
 from elastic_events.rounds.snapshot import Piece
 from elastic_events.rounds.snapshot_restore import load_local_state
@@ -76,10 +77,11 @@ def exchange_shards(
     shard's source sent) and the bytes it sent. ``own``: the piece this rank kept (None: a newcomer)."""
     timeout = timedelta(seconds=timeout_s)
     # every rank makes every transfer's group, in shard order (dist.new_group is collective)
-    groups = [
-        None if len(t.members) == world_size else dist.new_group(list(t.members), timeout=timeout)
-        for t in plan.transfers
-    ]
+    with abort.tracking():  # the round's sockets: a failure during the transfer is aborted like any other
+        groups = [
+            None if len(t.members) == world_size else dist.new_group(list(t.members), timeout=timeout)
+            for t in plan.transfers
+        ]
     mine = own if rank in plan.keepers else None
     sent = 0
     for transfer, group in zip(plan.transfers, groups, strict=True):
