@@ -114,7 +114,9 @@ class ElasticTraining:
         wrap: prepares the bare model for the current world and returns what the loop calls
             (default: DDP when a group is up, else the model itself). It runs at start and again
             in every new round; for FSDP2 it calls ``fully_shard`` and materialises a ``meta``
-            model (``to_empty`` + init) itself.
+            model (``to_empty`` + init) itself. With ``config.hsdp`` it is called as
+            ``wrap(module, mesh=mesh)``, the round's ``("replicate", "shard")`` mesh (:attr:`mesh`;
+            default: ``fully_shard(module, mesh=mesh)``).
         optimizer_fn: builds the optimizer of the wrapped model.
         scheduler_fn: builds the LR scheduler of an optimizer (optional).
         sampler: the data position (``state_dict``/``load_state_dict``; ``set_world`` if it
