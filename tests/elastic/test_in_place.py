@@ -132,6 +132,18 @@ def hit_rank_1(job, sig: int) -> tuple[int, int]:
     return survivor, victim
 
 
+def two_nodes_hit_rank_1(job, sig: int, *, start_timeout: float = 90) -> tuple[int, int]:
+    """Nodes a and b started, ``sig`` to rank 1 once the round runs in process (:func:`hit_rank_1`), the job
+    finished with both launchers exiting 0; returns (rank 0's pid, rank 1's)."""
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: job.events("round_in_process"), timeout=start_timeout, what="the round to run in-process")
+    survivor, victim = hit_rank_1(job, sig)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+    return survivor, victim
+
+
 def committed_steps(job) -> list[int]:
     """Rank 0's steps, each once, in order; a step is trained again only after a sharded model rolled back to
     its newest snapshot (``snapshot_restored``, at most the snapshot interval: 1 with a snapshot every step, or
@@ -357,12 +369,7 @@ def test_a_hung_rank_is_killed_and_replaced_in_place(make_job, model, tmp_path) 
         nnodes="2",
         flags=("--max-restarts", "3", "--hang-timeout", "2"),
     )
-    job.start_node("a")
-    job.start_node("b")
-    wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
-    survivor, _ = hit_rank_1(job, signal.SIGSTOP)
-    codes = job.finish()
-    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+    survivor, _ = two_nodes_hit_rank_1(job, signal.SIGSTOP)
 
     hung = job.events("rank_hung")
     assert [e["rank"] for e in hung] == [1], hung  # the culprit only, not the rank waiting for it
@@ -541,12 +548,7 @@ def test_a_killed_hsdp_rank_takes_its_shard_from_the_other_replica(make_job, tmp
         nnodes="2",
         flags=("--max-restarts", "3", "--nproc-per-node", "2", "--spare-ranks", "0"),
     )
-    job.start_node("a")
-    job.start_node("b")
-    wait_until(lambda: job.events("round_in_process"), timeout=120, what="the round to run in-process")
-    survivor, victim = hit_rank_1(job, signal.SIGKILL)
-    codes = job.finish()
-    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+    survivor, victim = two_nodes_hit_rank_1(job, signal.SIGKILL, start_timeout=120)
 
     rescued = rescued_ranks(job)  # gloo now and then misses a dead peer: such a survivor is replaced too
     assert len(rescued) <= 1 and 1 not in rescued, rescued

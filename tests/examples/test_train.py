@@ -335,32 +335,22 @@ def test_fsdp_training_matches_a_single_process(tmp_path: Path) -> None:
         torch.testing.assert_close(fsdp[name], plain[name], rtol=0, atol=ELASTIC_ATOL, msg=f"parameter {name}")
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "hsdp"])
 def test_fp64_runs_at_two_world_sizes_agree_to_float64_precision(tmp_path: Path, parallel: str) -> None:
     """--dtype fp64: weights, optimizer state and every reduction in float64, so the summation order of
-    another world size moves parameters by ~1e-15, not fp32's ~1e-6: what the soak's check relies on."""
+    another world size moves parameters by ~1e-15, not fp32's ~1e-6: what the soak's check relies on.
+    hsdp: 4 ranks in shard groups of 2 (a 2 x 2 mesh: reduce-scatter in each replica, all-reduce across them)."""
     args = (*SMALL, "--steps", "6", "--seed", "4", "--data-cache", str(tmp_path / "data"), "--dtype", "fp64")
-    plain, two = trained_by_one_and_two_ranks(tmp_path, *args, fsdp=parallel == "fsdp")
+    hsdp = ("--hsdp", "--hsdp-shard-size", "2") if parallel == "hsdp" else ()
+    plain, two = trained_by_one_and_two_ranks(
+        tmp_path, *args, fsdp=parallel == "fsdp", nproc=4 if hsdp else 2, parallel=hsdp
+    )
     assert {v.dtype for v in plain.values()} == {v.dtype for v in two.values()} == {torch.float64}
     initial = Llama(LlamaConfig.from_name("tiny")).to(torch.float64)
     initial.init_weights(seed=4)
     for name, value in initial.state_dict().items():
         assert (plain[name] - value).abs().max() > 1e-4, f"{name} barely trained"
         torch.testing.assert_close(two[name], plain[name], rtol=0, atol=1e-12, msg=f"parameter {name}")
-
-
-def test_hsdp_of_two_replicas_of_two_shards_trains_what_one_process_trains(tmp_path: Path) -> None:
-    """--hsdp on 4 ranks in shard groups of 2 (a 2 x 2 mesh: reduce-scatter in each replica, all-reduce across
-    them), fp64: one process's parameters to float64 precision."""
-    args = (*SMALL, "--steps", "4", "--seed", "4", "--data-cache", str(tmp_path / "data"), "--dtype", "fp64")
-    plain, hsdp = trained_by_one_and_two_ranks(
-        tmp_path, *args, fsdp=False, nproc=4, parallel=("--hsdp", "--hsdp-shard-size", "2")
-    )
-    initial = Llama(LlamaConfig.from_name("tiny")).to(torch.float64)
-    initial.init_weights(seed=4)
-    for name, value in initial.state_dict().items():
-        assert (plain[name] - value).abs().max() > 1e-4, f"{name} barely trained"
-        torch.testing.assert_close(hsdp[name], plain[name], rtol=0, atol=1e-12, msg=f"parameter {name}")
 
 
 def test_hsdp_on_a_world_that_is_not_whole_replicas_is_one_line_and_exit_2(tmp_path: Path) -> None:
