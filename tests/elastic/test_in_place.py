@@ -570,3 +570,22 @@ def test_a_killed_hsdp_rank_takes_its_shard_from_the_other_replica(make_job, tmp
     assert not [e for e in job.events() if e["event"].startswith("snapshot")], "two replicas: no snapshot copies"
     assert_trained_like_one_process(job)
     assert {p["world"] for p in job.progress()} == {4}
+
+
+def test_a_killed_rank_of_the_only_hsdp_replica_is_restored_from_snapshots(make_job, tmp_path) -> None:
+    """HSDP with one replica (one node of two ranks): no other replica holds the shards, so in-memory snapshots
+    are taken as for FSDP over the world, and a killed rank's shard comes back from its peer's copy."""
+    job = make_job(
+        script=INPLACE,
+        script_args=(str(tmp_path), "hsdp"),
+        nnodes="1",
+        flags=("--max-restarts", "3", "--nproc-per-node", "2", "--spare-ranks", "0"),
+    )
+    job.start_node("a")
+    wait_until(lambda: job.events("round_in_process"), timeout=120, what="the round to run in-process")
+    hit_rank_1(job, signal.SIGKILL)
+    assert job.finish() == {"a": 0}, job.stderr("a")
+    (restored,) = job.events("snapshot_restored")
+    assert not restored["resharded"], restored  # the same 1 x 2 mesh: each shard back to its own rank
+    assert job.events("hydrated")[-1]["mesh"] == [1, 2]
+    assert_trained_like_one_process(job)
