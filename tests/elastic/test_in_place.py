@@ -589,3 +589,45 @@ def test_a_killed_rank_of_the_only_hsdp_replica_is_restored_from_snapshots(make_
     assert not restored["resharded"], restored  # the same 1 x 2 mesh: each shard back to its own rank
     assert job.events("hydrated")[-1]["mesh"] == [1, 2]
     assert_trained_like_one_process(job)
+
+
+def test_hsdp_nodes_join_and_leave_in_place_as_whole_replicas(make_job, tmp_path) -> None:
+    """HSDP, nodes of two ranks: 2 x 2 -> 3 x 2 (c joins: one replica's shards, each from node a's rank of the
+    same shard index) -> 2 x 2 (c leaves: nothing moves); no process but c's is started, nothing is lost."""
+    job = make_job(
+        script=INPLACE,
+        script_args=(str(tmp_path), "hsdp"),
+        nnodes="2:3",
+        flags=("--nproc-per-node", "2", "--spare-ranks", "0"),
+    )
+    job.start_node("a")
+    job.start_node("b")
+    at_four = job.wait_for_world(4, timeout=120)
+    job.start_node("c")
+    joined = job.wait_for_world(6, after_step=at_four, timeout=120)
+    job.signal("c", signal.SIGTERM)
+    job.wait_for_world(4, after_step=joined, timeout=120)
+    job.wait_steps(3)
+    assert job.finish() == {"a": 0, "b": 0, "c": 0}, [job.stderr(n) for n in "abc"]
+
+    records = worlds(job)
+    for rank in range(4):  # a's and b's ranks: started once, never restarted
+        assert [r["how"] for r in records if r["pid"] == pid_of_rank(job, rank)] == [
+            "fresh",
+            "reconfigured",
+            "reconfigured",
+        ]
+    assert sorted((r["rank"], r["how"]) for r in records if r["world"] == 6 and r["how"] == "peers") == [
+        (4, "peers"),
+        (5, "peers"),
+    ]
+    assert [(e["mesh"], e["newcomers"], e["bytes_moved"]) for e in job.events("hydrated")] == [
+        ([3, 2], 2, 2 * SHARD_BYTES),  # one replica: two shards
+        ([2, 2], 0, 0),
+    ]
+    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [
+        ("join", "reconfigure"),
+        ("leave", "reconfigure"),
+    ]
+    assert not [e for e in job.events() if e["event"].startswith("snapshot")]
+    assert_trained_like_one_process(job)

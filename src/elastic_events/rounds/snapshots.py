@@ -75,7 +75,7 @@ class Snapshots:
         if layout is not None and e.rank == 0:
             print(
                 f"round {e.round}: {layout.describe()}: one replica, so in-memory snapshots as for FSDP "
-                f"(every {'auto' if self.auto else self.every} step(s)) repair a failure",
+                f"(snapshot_every={'auto' if self.auto else self.every}) repair a failure",
                 file=sys.stderr,
                 flush=True,
             )

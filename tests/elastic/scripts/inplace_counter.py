@@ -91,8 +91,8 @@ while True:
             break
         g = torch.Generator().manual_seed(elastic.step)
         x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
-        rows = x.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else x[:0]
-        target = y.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else y[:0]
+        rows = x.tensor_split(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else x[:0]
+        target = y.tensor_split(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else y[:0]
         loss = (elastic.model(rows) - target).square().sum() * elastic.world_size / 8
         loss.backward()
         elastic.optimizer.step()  # with snapshots, waits for every copy of the last one (a dead peer: raises)
