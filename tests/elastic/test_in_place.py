@@ -14,34 +14,21 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from support.cluster import wait_until
-from support.jsonl import read_jsonl
-
-INPLACE = Path(__file__).resolve().parent / "scripts" / "inplace_counter.py"
-HYDRATED = ("peers", "handoff", "snapshot")  # how a newcomer got the state: from survivors, a hand-off, snapshots
-
-
-def worlds(job) -> list[dict]:
-    return read_jsonl(job.run_dir / "worlds.jsonl")
-
-
-def reference_params(at_steps: set[int]) -> dict[int, list[list[float]]]:
-    """What one process has trained after each of ``at_steps`` steps of the same data (DDP averages the same gradient)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    out = {}
-    for step in range(max(at_steps)):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
-        (model(x) - y).square().sum().div(8).backward()
-        opt.step()
-        opt.zero_grad()
-        if step + 1 in at_steps:
-            out[step + 1] = [p.detach().flatten().tolist() for p in model.parameters()]
-    return out
+from support.in_place import (
+    HYDRATED,
+    INPLACE,
+    assert_trained_like_one_process,
+    hit_rank_1,
+    pid_of_rank,
+    rank_0_rescued,
+    reference_params,
+    rescued_ranks,
+    script_args,
+    two_nodes_hit_rank_1,
+    worlds,
+)
 
 
 @pytest.mark.parametrize("backend_name", ["c10d", "etcd"])
@@ -87,100 +74,6 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, backend_
     for f in final:  # both nodes' parameters equal an unbroken single-process run at their step
         for got, want in zip(f["params"], reference[f["step"]]):
             assert got == pytest.approx(want, abs=1e-5)
-
-
-def script_args(model: str, run_dir: Path) -> tuple[str, ...]:
-    """The counter script's arguments: its run dir (make_job's is the test's tmp_path), and ``fsdp`` to shard."""
-    return (str(run_dir),) if model == "ddp" else (str(run_dir), model)
-
-
-def pid_of_rank(job, rank: int) -> int:
-    return [r for r in worlds(job) if r["rank"] == rank][-1]["pid"]
-
-
-def rescued_ranks(job) -> list[int]:
-    """Survivors replaced because they never returned from the broken group's collective (gloo, now and then,
-    misses a dead peer even after the repair watch shut its sockets down: ``repair.stuck_in_broken_group``).
-    Each handed its state off first, so its replacement continues from it: nothing is lost, nothing redone."""
-    return [
-        r
-        for e in job.events("ranks_replaced")
-        if "still blocked in the broken group" in e["reason"]
-        for r in e["ranks"]
-    ]
-
-
-def rank_0_rescued(job, survivor: int) -> bool:
-    """Whether rank 0 (pid ``survivor``) never returned from a broken collective and was replaced: at most
-    once, and then its replacement took the state it handed off."""
-    rescued = rescued_ranks(job)
-    assert rescued in ([], [0]), rescued
-    records = worlds(job)
-    assert [r["how"] for r in records if r["rank"] == 0 and r["pid"] != survivor] == ["handoff"] * len(rescued), records
-    return bool(rescued)
-
-
-def hit_rank_1(job, sig: int) -> tuple[int, int]:
-    """``sig`` to rank 1 mid-training; returns (rank 0's pid, rank 1's) once the replacement trained a few steps."""
-    job.wait_steps(5)
-    survivor, victim = pid_of_rank(job, 0), pid_of_rank(job, 1)
-    os.kill(victim, sig)
-    wait_until(
-        lambda: [r for r in worlds(job) if r["how"] in HYDRATED], timeout=60, what="the replacement rank to be hydrated"
-    )
-    job.wait_steps(5)
-    return survivor, victim
-
-
-def two_nodes_hit_rank_1(job, sig: int, *, start_timeout: float = 90) -> tuple[int, int]:
-    """Nodes a and b started, ``sig`` to rank 1 once the round runs in process (:func:`hit_rank_1`), the job
-    finished with both launchers exiting 0; returns (rank 0's pid, rank 1's)."""
-    job.start_node("a")
-    job.start_node("b")
-    wait_until(lambda: job.events("round_in_process"), timeout=start_timeout, what="the round to run in-process")
-    survivor, victim = hit_rank_1(job, sig)
-    codes = job.finish()
-    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
-    return survivor, victim
-
-
-def committed_steps(job) -> list[int]:
-    """Rank 0's steps, each once, in order; a step is trained again only after a sharded model rolled back to
-    its newest snapshot (``snapshot_restored``, at most the snapshot interval: 1 with a snapshot every step, or
-    the interval ``--snapshot-every auto`` chose), never otherwise.
-
-    Rank 0 logs no step only where a repair gave it a peer's newer state: a rank killed mid all-reduce can
-    leave one survivor a step ahead (it had every peer's share), and the repair resumes all from it; rank 0's
-    ``recovered`` record is then at the step it did not log."""
-    rollbacks = [e for e in job.events("snapshot_restored") if e["redone"]]
-    interval = max([e["every"] for e in job.events("snapshot_interval")], default=1)
-    assert all(e["redone"] <= interval for e in job.events("snapshot_restored")), job.events("snapshot_restored")
-    adopted = {r["step"] for r in worlds(job) if r["rank"] == 0 and r["how"] == "recovered"}
-    steps: list[int] = []
-    for step in (p["step"] for p in job.progress()):
-        if steps and step == steps[-1] + 2 and step - 1 in adopted:
-            steps.append(step - 1)  # committed by the peer rank 0 resumed from
-        if steps and step <= steps[-1]:
-            assert rollbacks, f"step {step} trained again after step {steps[-1]} without a snapshot restore"
-            restored = rollbacks.pop(0)
-            assert step == restored["step"] + 1 and steps[-1] == restored["step"] + restored["redone"], (step, restored)
-            del steps[restored["step"] :]
-        steps.append(step)
-    assert steps == list(range(1, len(steps) + 1)), steps  # nothing committed was lost
-    assert not rollbacks, rollbacks
-    return steps
-
-
-def assert_trained_like_one_process(job) -> list[int]:
-    """Every committed step once, in order, and every rank's final parameters those of an unbroken run; the steps."""
-    steps = committed_steps(job)
-    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    assert final and {f["step"] for f in final} == {steps[-1]}, final
-    reference = reference_params({steps[-1]})[steps[-1]]
-    for f in final:
-        for got, want in zip(f["params"], reference):
-            assert got == pytest.approx(want, abs=1e-5)
-    return steps
 
 
 @pytest.mark.parametrize(
@@ -536,98 +429,3 @@ def test_a_rank_killed_while_a_join_is_pending_is_repaired_with_the_join(make_jo
 
 
 #: Rank 1's local state: one row of Linear(4, 2) (weight 4 + bias 1 floats) and SGD's momentum of it.
-SHARD_BYTES = (4 + 1) * 4 * 2
-
-
-def test_a_killed_hsdp_rank_takes_its_shard_from_the_other_replica(make_job, tmp_path) -> None:
-    """HSDP, two nodes of two ranks, a shard group per node: both nodes hold every shard, so no snapshot copy is
-    kept and a killed rank's replacement takes its shard from the same shard index on the other node."""
-    job = make_job(
-        script=INPLACE,
-        script_args=(str(tmp_path), "hsdp"),
-        nnodes="2",
-        flags=("--max-restarts", "3", "--nproc-per-node", "2", "--spare-ranks", "0"),
-    )
-    survivor, victim = two_nodes_hit_rank_1(job, signal.SIGKILL, start_timeout=120)
-
-    rescued = rescued_ranks(job)  # gloo now and then misses a dead peer: such a survivor is replaced too
-    assert len(rescued) <= 1 and 1 not in rescued, rescued
-    records = worlds(job)
-    for rank in {0, 2, 3} - set(rescued):  # the survivors: never restarted
-        assert [r["how"] for r in records if r["rank"] == rank] == ["fresh", "recovered"], records
-    if 0 not in rescued:
-        assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records
-    replacement = [r for r in records if r["rank"] == 1 and r["how"] != "fresh"]
-    assert [(r["how"], r["world"]) for r in replacement] == [("peers", 4)] and victim != replacement[0]["pid"]
-    # one repair (a node_lost when a survivor's failed collective reached the decider before the agent's crash report)
-    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] in (
-        [("rank_failure", "reconfigure")],
-        [("node_lost", "reconfigure")],
-    )
-    repaired = job.events("hydrated")[-1]
-    if not rescued:  # one shard moved, from rank 3 (the same shard index in the other replica)
-        assert (repaired["mesh"], repaired["newcomers"], repaired["bytes_moved"]) == ([2, 2], 1, SHARD_BYTES)
-    assert not [e for e in job.events() if e["event"].startswith("snapshot")], "two replicas: no snapshot copies"
-    assert_trained_like_one_process(job)
-    assert {p["world"] for p in job.progress()} == {4}
-
-
-def test_a_killed_rank_of_the_only_hsdp_replica_is_restored_from_snapshots(make_job, tmp_path) -> None:
-    """HSDP with one replica (one node of two ranks): no other replica holds the shards, so in-memory snapshots
-    are taken as for FSDP over the world, and a killed rank's shard comes back from its peer's copy."""
-    job = make_job(
-        script=INPLACE,
-        script_args=(str(tmp_path), "hsdp"),
-        nnodes="1",
-        flags=("--max-restarts", "3", "--nproc-per-node", "2", "--spare-ranks", "0"),
-    )
-    job.start_node("a")
-    wait_until(lambda: job.events("round_in_process"), timeout=120, what="the round to run in-process")
-    hit_rank_1(job, signal.SIGKILL)
-    assert job.finish() == {"a": 0}, job.stderr("a")
-    (restored,) = job.events("snapshot_restored")
-    assert not restored["resharded"], restored  # the same 1 x 2 mesh: each shard back to its own rank
-    assert job.events("hydrated")[-1]["mesh"] == [1, 2]
-    assert_trained_like_one_process(job)
-
-
-def test_hsdp_nodes_join_and_leave_in_place_as_whole_replicas(make_job, tmp_path) -> None:
-    """HSDP, nodes of two ranks: 2 x 2 -> 3 x 2 (c joins: one replica's shards, each from node a's rank of the
-    same shard index) -> 2 x 2 (c leaves: nothing moves); no process but c's is started, nothing is lost."""
-    job = make_job(
-        script=INPLACE,
-        script_args=(str(tmp_path), "hsdp"),
-        nnodes="2:3",
-        flags=("--nproc-per-node", "2", "--spare-ranks", "0"),
-    )
-    job.start_node("a")
-    job.start_node("b")
-    at_four = job.wait_for_world(4, timeout=120)
-    job.start_node("c")
-    joined = job.wait_for_world(6, after_step=at_four, timeout=120)
-    job.signal("c", signal.SIGTERM)
-    job.wait_for_world(4, after_step=joined, timeout=120)
-    job.wait_steps(3)
-    assert job.finish() == {"a": 0, "b": 0, "c": 0}, [job.stderr(n) for n in "abc"]
-
-    records = worlds(job)
-    for rank in range(4):  # a's and b's ranks: started once, never restarted
-        assert [r["how"] for r in records if r["pid"] == pid_of_rank(job, rank)] == [
-            "fresh",
-            "reconfigured",
-            "reconfigured",
-        ]
-    assert sorted((r["rank"], r["how"]) for r in records if r["world"] == 6 and r["how"] == "peers") == [
-        (4, "peers"),
-        (5, "peers"),
-    ]
-    assert [(e["mesh"], e["newcomers"], e["bytes_moved"]) for e in job.events("hydrated")] == [
-        ([3, 2], 2, 2 * SHARD_BYTES),  # one replica: two shards
-        ([2, 2], 0, 0),
-    ]
-    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [
-        ("join", "reconfigure"),
-        ("leave", "reconfigure"),
-    ]
-    assert not [e for e in job.events() if e["event"].startswith("snapshot")]
-    assert_trained_like_one_process(job)
