@@ -116,3 +116,29 @@ def test_hsdp_nodes_join_and_leave_in_place_as_whole_replicas(make_job, tmp_path
     ]
     assert not [e for e in job.events() if e["event"].startswith("snapshot")]
     assert_trained_like_one_process(job)
+
+
+def test_a_lost_hsdp_node_is_repaired_without_moving_a_shard(make_job, tmp_path) -> None:
+    """kill -9 of node b (launcher and ranks): node a's ranks hold every shard, so the repaired round (one
+    replica) loads what they kept and moves nothing; from then on snapshots cover the last replica."""
+    job = make_job(
+        script=INPLACE,
+        script_args=(str(tmp_path), "hsdp"),
+        flags=("--max-restarts", "3", "--nproc-per-node", "2", "--spare-ranks", "0"),
+    )
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: job.events("round_in_process"), timeout=120, what="the round to run in-process")
+    at_four = job.wait_for_world(4, timeout=120)
+    survivors = {pid_of_rank(job, 0), pid_of_rank(job, 1)}
+    job.kill_node_hard("b")
+    job.wait_for_world(2, after_step=at_four, timeout=120)
+    job.wait_steps(3)
+    assert job.finish()["a"] == 0, job.stderr("a")
+
+    assert {pid_of_rank(job, 0), pid_of_rank(job, 1)} == survivors  # node a's ranks never restarted
+    assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")][-1] == ("node_lost", "reconfigure")
+    repaired = job.events("hydrated")[-1]
+    assert (repaired["mesh"], repaired["newcomers"], repaired["bytes_moved"]) == ([1, 2], 0, 0)
+    assert not job.events("snapshot_restored")
+    assert_trained_like_one_process(job)
