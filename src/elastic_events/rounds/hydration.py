@@ -18,6 +18,9 @@ What travels:
   (:func:`gather_full_state`); in the new round every rank rebuilds its model on the
   new mesh and receives, parameter by parameter, only its own shards
   (``set_model_state_dict(..., broadcast_from_rank0=True)``);
+* HSDP models (FSDP2 on a ``("replicate", "shard")`` mesh): nothing is gathered; each rank keeps
+  its local shards and a rank that lacks its shard receives it from a replica that kept it
+  (:mod:`elastic_events.rounds.replica_plan`);
 * small state (scheduler, sampler position, step, user extras, control-channel step,
   base seed) as one pickled object.
 """

@@ -6,7 +6,8 @@ rank keeps (:class:`~elastic_events.training_state.Kept`). Joining (:meth:`Joine
 round's group is up every rank reports what it holds (:class:`~.hydration.RankReport`) and the same
 plan is made everywhere (:func:`~.hydration.plan_hydration`): survivors at the furthest step are
 the state; replicated models are streamed from one of them to the newcomers, sharded ones gathered
-and re-sharded onto the new mesh. When no rank survived with the state, a replaced rank's hand-off
+and re-sharded onto the new mesh, HSDP ones kept where they are and sent shard by shard from one
+replica to the ranks that lack them (:mod:`.replica_plan`, :mod:`.replica_hydration`). When no rank survived with the state, a replaced rank's hand-off
 (:mod:`.handoff`) is the state, and only without one the checkpoint. A sharded model repaired after
 a failure is put back together from the survivors' live shards and the copies their peers hold
 (:mod:`.snapshot`, :meth:`Joiner._restore_from_snapshots`), then re-sharded the same way.
