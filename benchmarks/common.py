@@ -128,8 +128,8 @@ def parse_args(
     parser.add_argument(
         "--tag",
         default="",
-        help="names this configuration in the result files, <name>_<tag>_<mode>.json (default: fsdp with "
-        "--train-args=--fsdp, else none)",
+        help="names this configuration in the result files, <name>_<tag>_<mode>.json (default: fsdp or hsdp "
+        "with --train-args=--fsdp or --hsdp, else none)",
     )
     if add_arguments is not None:
         add_arguments(parser)
@@ -432,12 +432,14 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 
 def result_tag(args: argparse.Namespace) -> str:
-    """The result's tag: ``--tag`` when given, else ``fsdp`` when ``--train-args`` shards the example (``--fsdp``)."""
+    """The result's tag: ``--tag`` when given, else ``fsdp`` or ``hsdp`` when ``--train-args`` shards the
+    example (``--fsdp``, ``--hsdp``)."""
     import shlex
 
     if args.tag:
         return str(args.tag)
-    return "fsdp" if "--fsdp" in shlex.split(getattr(args, "train_args", "") or "") else ""
+    train = shlex.split(getattr(args, "train_args", "") or "")
+    return next((flag[2:] for flag in ("--fsdp", "--hsdp") if flag in train), "")
 
 
 def _command_line(argv: Sequence[str]) -> str:

@@ -63,7 +63,14 @@ from model import IGNORE_INDEX, Llama, LlamaConfig, LlamaConfigError
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from elastic_events import ElasticConfig, ElasticTraining, ElasticTrainingError, leave_on_sigterm, restart_reason
+from elastic_events import (
+    ElasticConfig,
+    ElasticTraining,
+    ElasticTrainingError,
+    HSDPConfig,
+    leave_on_sigterm,
+    restart_reason,
+)
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from elastic_events.data.batching import BatchPlan, global_token_count, loss_scale, sum_in_batch_order
 from elastic_events.data.dataset import ByteTokenizer, DatasetError, TokenDataset, Tokenizer, build_token_dataset
@@ -119,6 +126,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     fsdp: bool = False
+    hsdp: bool = False  # FSDP2 on a ("replicate", "shard") mesh: shard inside a node, replicate across nodes
+    hsdp_shard_size: int | None = None  # ranks per shard group; None: the ranks of one node (LOCAL_WORLD_SIZE)
     deterministic_reduce: bool = False
     device: str = "auto"
     dtype: str = "auto"
@@ -157,10 +166,16 @@ class TrainConfig:
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "fp32", "bf16", "fp64"):
             raise ConfigError(f"--dtype must be auto, fp32, bf16 or fp64, got {self.dtype!r}")
-        if self.deterministic_reduce and self.fsdp:
+        if self.deterministic_reduce and self.sharded:
             raise ConfigError(
                 "--deterministic-reduce needs DDP or one process: FSDP reduce-scatters in an order set by the world size"
             )
+        if self.fsdp and self.hsdp:
+            raise ConfigError("--fsdp and --hsdp exclude each other: --hsdp is FSDP2 sharded inside each replica")
+        if self.hsdp_shard_size is not None and not self.hsdp:
+            raise ConfigError("--hsdp-shard-size needs --hsdp")
+        if self.hsdp_shard_size is not None and self.hsdp_shard_size < 1:
+            raise ConfigError(f"--hsdp-shard-size must be an integer >= 1, got {self.hsdp_shard_size!r}")
         if self.model is not None and self.init_from is not None:
             raise ConfigError("--model and --init-from exclude each other: the model is --init-from's config.json")
         if self.init_from is not None and not (self.init_from / CONFIG_FILE).is_file():
@@ -172,6 +187,11 @@ class TrainConfig:
                 raise ConfigError(f"--data {path}: no such file")
         if self.scale_config is not None and not self.scale_config.is_file():
             raise ConfigError(f"--scale-config {self.scale_config}: no such file")
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2, over the world (--fsdp) or inside each replica (--hsdp)."""
+        return self.fsdp or self.hsdp
 
     def checkpoint_dir(self, run_id: str) -> Path:
         """``--ckpt-dir``, else ``--run-dir/checkpoints``, else a per-job folder in the data cache."""
@@ -216,6 +236,14 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "min_step_time", "timeout_s"):
         p.add_argument(f"--{_flag(name)}", dest=name, type=float, default=fields[name].default)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per block and root (default: DDP)")
+    p.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="HSDP: FSDP2 sharded over each node's ranks, replicated across nodes (a node joins or leaves as a replica)",
+    )
+    p.add_argument(
+        "--hsdp-shard-size", type=int, default=None, help="--hsdp: ranks per shard group [the ranks of one node]"
+    )
     p.add_argument(
         "--deterministic-reduce",
         action="store_true",
@@ -394,24 +422,27 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
         raise ConfigError(f"--model: {exc}") from None
 
 
-def parallelize(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+def parallelize(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime, mesh: Any = None) -> torch.nn.Module:
     """The bare Llama made ready for the current world (ElasticTraining's ``wrap``).
 
-    ``--fsdp``: FSDP2 ``fully_shard`` per block and root, on the current group. A model on
+    ``--fsdp``: FSDP2 ``fully_shard`` per block and root, on the current group; ``--hsdp``: the same on
+    ``mesh``, the round's ``("replicate", "shard")`` mesh that ElasticTraining builds and hands over. A model on
     ``meta`` (a fresh build) is then materialised on ``rt.device`` in fp32 (master weights)
     and initialised from ``--seed``; a survivor's model keeps its weights. Otherwise DDP
     when a process group is up.
     """
     distributed = dist.is_initialized()
-    if cfg.fsdp:
+    if cfg.sharded:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not distributed:
-            raise ConfigError("--fsdp needs a process group: launch with torchrun or hyperpodrun")
+            raise ConfigError(
+                f"--{'hsdp' if cfg.hsdp else 'fsdp'} needs a process group: launch with torchrun or hyperpodrun"
+            )
         bf16 = rt.compute_dtype == torch.bfloat16
-        kwargs = (
-            {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
-        )
+        kwargs: dict[str, Any] = {"mesh": mesh} if cfg.hsdp else {}
+        if bf16:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.layers:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)  # the root keeps tok_embeddings, shared by tied embeddings
@@ -419,12 +450,20 @@ def parallelize(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime) -> torch.
     if fresh:
         model.to_empty(device=rt.device)
         model.init_weights(seed=cfg.seed)
-    if distributed and not cfg.fsdp:  # a survivor's or hydrated replica is already rank 0's: no broadcast
+    if distributed and not cfg.sharded:  # a survivor's or hydrated replica is already rank 0's: no broadcast
         ids = [rt.device.index] if rt.device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=ids, gradient_as_bucket_view=True, init_sync=fresh
         )
     return model
+
+
+def parallelism(cfg: TrainConfig, elastic: ElasticTraining) -> str:
+    """How the model is parallelised, for the start line."""
+    if cfg.hsdp and elastic.mesh is not None:
+        replicas, shards = elastic.mesh.shape
+        return f"HSDP {replicas} replica(s) x {shards} shard(s)"
+    return "FSDP2" if cfg.fsdp else "DDP" if elastic.distributed else "single process"
 
 
 def load_pretrained(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime) -> None:
@@ -511,7 +550,7 @@ def train_step(
 def accumulated_gradients(model, batch: GlobalStep, rt: Runtime, cfg: TrainConfig, global_tokens: int) -> torch.Tensor:
     """Micro-batches accumulated into ``.grad``, reduced by DDP/FSDP at the last one; this rank's summed loss."""
     scale = loss_scale(1, global_tokens, world_size=rt.world_size, grad_averaged=rt.distributed)  # DDP/FSDP average
-    autocast = rt.compute_dtype == torch.bfloat16 and not cfg.fsdp  # FSDP2 casts by its MixedPrecisionPolicy
+    autocast = rt.compute_dtype == torch.bfloat16 and not cfg.sharded  # FSDP2 casts by its MixedPrecisionPolicy
     loss_sum = torch.zeros((), device=rt.device)
     for i, mb in enumerate(batch.micro_batches):
         cast = torch.autocast(rt.device.type, dtype=rt.compute_dtype) if autocast else contextlib.nullcontext()
@@ -595,12 +634,17 @@ def train(cfg: TrainConfig) -> int:
 
     elastic = ElasticTraining(
         model_fn=bare_model,
-        wrap=lambda model: parallelize(cfg, model, rt),
+        wrap=lambda model, mesh=None: parallelize(cfg, model, rt, mesh),  # mesh: --hsdp's, built by ElasticTraining
         optimizer_fn=lambda model: build_optimizer(cfg, model, rt),
         scheduler_fn=lambda optimizer: build_scheduler(cfg, optimizer),
         sampler=sampler,
         checkpointer=ckpt,
-        config=ElasticConfig(timeout_s=cfg.timeout_s, device=str(rt.device), commit_check=cfg.commit_check),
+        config=ElasticConfig(
+            timeout_s=cfg.timeout_s,
+            device=str(rt.device),
+            commit_check=cfg.commit_check,
+            hsdp=HSDPConfig(shard_size=cfg.hsdp_shard_size) if cfg.hsdp else None,
+        ),
     ).start()
     rt = rt.resized(elastic)
     say = print if rt.is_main else (lambda *a, **k: None)
@@ -608,7 +652,7 @@ def train(cfg: TrainConfig) -> int:
         load_pretrained(cfg, elastic.model, rt)
     say(
         f"world {rt.world_size} on {rt.device} ({str(rt.compute_dtype).removeprefix('torch.')}, "
-        f"{'FSDP2' if cfg.fsdp else 'DDP' if rt.distributed else 'single process'}), "
+        f"{parallelism(cfg, elastic)}), "
         f"{config.num_params() / 1e6:.1f}M parameters, {len(dataset)} samples of {cfg.seq_len} tokens; "
         f"batch {describe_plan(sampler.plan)}; checkpoints in {ckpt.config.dir}; "
         + (

@@ -50,6 +50,8 @@ _LAZY = {
     "load_scale_config": "elastic_events.scale_config",
     "ElasticTraining": "elastic_events.training",
     "ElasticConfig": "elastic_events.rounds.config",
+    "HSDPConfig": "elastic_events.rounds.mesh",
+    "MeshLayoutError": "elastic_events.rounds.mesh",
     "Step": "elastic_events.training",
     "RoundEngine": "elastic_events.rounds.engine",
     "ElasticTrainingError": "elastic_events.errors",

@@ -52,6 +52,7 @@ from elastic_events.rounds.config import ElasticConfig
 from elastic_events.rounds.engine import RoundEngine
 from elastic_events.rounds.hold import hold
 from elastic_events.rounds.joining import Joiner, prewarm
+from elastic_events.rounds.mesh import hsdp_wrap
 from elastic_events.rounds.snapshots import Snapshots
 from elastic_events.training_state import (
     Builders,
@@ -113,7 +114,9 @@ class ElasticTraining:
         wrap: prepares the bare model for the current world and returns what the loop calls
             (default: DDP when a group is up, else the model itself). It runs at start and again
             in every new round; for FSDP2 it calls ``fully_shard`` and materialises a ``meta``
-            model (``to_empty`` + init) itself.
+            model (``to_empty`` + init) itself. With ``config.hsdp`` it is called as
+            ``wrap(module, mesh=mesh)``, the round's ``("replicate", "shard")`` mesh (:attr:`mesh`;
+            default: ``fully_shard(module, mesh=mesh)``).
         optimizer_fn: builds the optimizer of the wrapped model.
         scheduler_fn: builds the LR scheduler of an optimizer (optional).
         sampler: the data position (``state_dict``/``load_state_dict``; ``set_world`` if it
@@ -136,12 +139,21 @@ class ElasticTraining:
     ) -> None:
         if config is not None and not isinstance(config, ElasticConfig):
             raise ElasticTrainingError(f"config must be an ElasticConfig, got {type(config).__name__}")
+        self.config = config or ElasticConfig()
+        hsdp = self.config.hsdp is not None
+        if wrap is None and hsdp:
+            wrap = hsdp_wrap
         builders = Builders(model_fn=model_fn, optimizer_fn=optimizer_fn, scheduler_fn=scheduler_fn)
         if wrap is not None:
             builders = Builders(model_fn=model_fn, wrap=wrap, optimizer_fn=optimizer_fn, scheduler_fn=scheduler_fn)
-        self.config = config or ElasticConfig()
         self.engine = RoundEngine(self.config)
-        self.state = TrainState(builders, sampler=sampler, checkpointer=checkpointer, device=self.engine.device)
+        self.state = TrainState(
+            builders,
+            sampler=sampler,
+            checkpointer=checkpointer,
+            device=self.engine.device,
+            mesh=self.engine.mesh if hsdp else None,
+        )
         self.snapshots = Snapshots(self.engine, self.state)
         self.joiner = Joiner(self.engine, self.state, self.snapshots)
         hooks = [lambda *_: self.snapshots.wait()]
@@ -173,6 +185,12 @@ class ElasticTraining:
     @property
     def scheduler(self) -> Any:
         return self.state.scheduler
+
+    @property
+    def mesh(self) -> Any:
+        """HSDP (``ElasticConfig(hsdp=...)``): the current round's ``("replicate", "shard")`` DeviceMesh, the
+        one ``wrap`` is given as ``mesh=``; a new object after a scale event. None without HSDP or a group."""
+        return self.state.mesh
 
     @property
     def sampler(self) -> Any:
@@ -398,7 +416,7 @@ class ElasticTraining:
         e, s = self.engine, self.state
         if not self.peer_failure(exc):
             raise exc
-        if s.sharded and self.snapshots.replicator is None:
+        if s.sharded and self.snapshots.replicator is None and not self.snapshots.replicas:
             raise RecoveryError(
                 f"rank {e.rank}: a collective failed at step {s.step + 1} and this sharded (FSDP2) model keeps "
                 "no in-memory snapshots (snapshot_every=0 or --snapshot-every 0): the failed rank's shards exist "

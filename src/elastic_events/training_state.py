@@ -17,10 +17,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from elastic_events.errors import ElasticTrainingError
+from elastic_events.errors import ElasticTrainingError, HydrationError
 from elastic_events.rounds.config import default_wrap
 from elastic_events.rounds.hydration import FullState, model_tensors
-from elastic_events.rounds.snapshot import Captured, Replicator
+from elastic_events.rounds.replica_plan import Holding
+from elastic_events.rounds.snapshot import Captured, Piece, Replicator
 from elastic_events.rounds.snapshot_restore import SnapshotReport
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 ModelFn = Callable[[], torch.nn.Module]
-WrapFn = Callable[[torch.nn.Module], torch.nn.Module]
+WrapFn = Callable[..., torch.nn.Module]  # wrap(module), or with HSDP wrap(module, mesh=the round's mesh)
 OptimizerFn = Callable[[torch.nn.Module], torch.optim.Optimizer]
 SchedulerFn = Callable[[torch.optim.Optimizer], Any]
 
@@ -146,6 +147,9 @@ class Kept:
     captured: Captured | None = None
     replicator: Replicator | None = None
     snapshot: SnapshotReport | None = None
+    # an HSDP survivor: its live local shards (which the other replicas hold too) and which shard they are
+    piece: Piece | None = None
+    holding: Holding | None = None
 
 
 class TrainState:
@@ -158,8 +162,10 @@ class TrainState:
         sampler: DataSampler | None,
         checkpointer: StateCheckpointer | None,
         device: torch.device,
+        mesh: Callable[[], Any] | None = None,
     ) -> None:
         self.builders = builders
+        self._mesh = mesh  # HSDP: the current round's mesh (built once per round), handed to wrap as mesh=
         self.sampler, self.checkpointer, self.device = sampler, checkpointer, device
         self.module: torch.nn.Module | None = None  # the bare model (for FSDP2: the sharded model itself)
         self.model: torch.nn.Module | None = None  # what the loop calls: wrapped when a group is up
@@ -194,10 +200,21 @@ class TrainState:
         return self.optimizer_steps[0] != self.optimizer_steps[1]
 
     # ------------------------------------------------------------------ building
+    @property
+    def mesh(self) -> Any:
+        """The current round's HSDP mesh, or None (no HSDP, or no group)."""
+        return self._mesh() if self._mesh is not None else None
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The script's ``wrap`` of ``module`` for the current group; with HSDP it gets the round's mesh too."""
+        if self._mesh is not None:
+            return self.builders.wrap(module, mesh=self.mesh)
+        return self.builders.wrap(module)
+
     def build(self, module: torch.nn.Module) -> None:
         """Wrap ``module`` for the current group, then build its optimizer and scheduler."""
         self.module = module
-        self.model = self.builders.wrap(module)
+        self.model = self.wrap(module)
         self.check_materialised()
         self.build_optimizer()
 
@@ -216,7 +233,7 @@ class TrainState:
         if self.builders.wrap is default_wrap:
             self.model = default_wrap(module, init_sync=False)
         else:
-            self.model = self.builders.wrap(module)
+            self.model = self.wrap(module)
 
     def build_optimizer(self) -> None:
         fn = self.builders.optimizer_fn
@@ -278,6 +295,22 @@ class TrainState:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.sampler is not None and state["sampler"] is not None:
             self.sampler.load_state_dict(state["sampler"])
+
+    def load_handed(self, handed: dict[str, Any] | None, fresh_module: torch.nn.Module | None) -> None:
+        """The source of a round no rank survived: take the state its predecessor handed off
+        (:mod:`elastic_events.rounds.handoff`) into ``fresh_module``."""
+        if handed is None or fresh_module is None:
+            raise HydrationError("the hydration plan names a hand-off this rank could not read")
+        self.module = self.materialise(fresh_module)
+        with torch.no_grad():
+            for name, tensor in model_tensors(self.module):
+                tensor.copy_(handed["model"][name])
+        self.model = self.module  # wrapped for the new group after hydration
+        self.build_optimizer()
+        if self.optimizer is not None and handed["optimizer"] is not None:
+            self.optimizer.load_state_dict(handed["optimizer"])
+        self.load_small_state(handed["small"])
+        self.resumed_from = "handoff"
 
     def set_world(self, *, rank: int, world_size: int) -> None:
         if self.sampler is not None and hasattr(self.sampler, "set_world"):

@@ -194,6 +194,7 @@ def test_result_tag_names_a_sharded_run(bench: Any) -> None:
 
     assert common.result_tag(with_train(["--train-args=--fsdp --dtype bf16"])) == "fsdp"
     assert common.result_tag(with_train(["--train-args=--dtype bf16"])) == ""
+    assert common.result_tag(with_train(["--train-args=--hsdp --dtype fp64"])) == "hsdp"
     assert common.result_tag(with_train(["--train-args=--fsdp", "--tag", "fsdp_bf16"])) == "fsdp_bf16"
 
 

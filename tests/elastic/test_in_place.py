@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from support.cluster import wait_until
-from support.inplace import (
+from support.in_place import (
     HYDRATED,
     INPLACE,
     assert_trained_like_one_process,
@@ -27,6 +27,7 @@ from support.inplace import (
     reference_params,
     rescued_ranks,
     script_args,
+    two_nodes_hit_rank_1,
     worlds,
 )
 
@@ -275,12 +276,7 @@ def test_a_hung_rank_is_killed_and_replaced_in_place(make_job, model, tmp_path) 
         nnodes="2",
         flags=("--max-restarts", "3", "--hang-timeout", "2"),
     )
-    job.start_node("a")
-    job.start_node("b")
-    wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
-    survivor, _ = hit_rank_1(job, signal.SIGSTOP)
-    codes = job.finish()
-    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+    survivor, _ = two_nodes_hit_rank_1(job, signal.SIGSTOP)
 
     hung = job.events("rank_hung")
     assert [e["rank"] for e in hung] == [1], hung  # the culprit only, not the rank waiting for it
@@ -444,3 +440,6 @@ def test_a_rank_killed_while_a_join_is_pending_is_repaired_with_the_join(make_jo
     assert [e["signal"] for e in job.events("worker_failed")] == ["SIGKILL"]
     assert_trained_like_one_process(job)
     assert {p["world"] for p in job.progress()} <= {2, 3} and job.progress()[-1]["world"] == 3
+
+
+#: Rank 1's local state: one row of Linear(4, 2) (weight 4 + bias 1 floats) and SGD's momentum of it.

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from support.cluster import wait_until
-from support.inplace import (
+from support.in_place import (
     HYDRATED,
     INPLACE,
     assert_trained_like_one_process,

@@ -301,17 +301,19 @@ def test_elastic_run_ends_with_the_parameters_of_a_fixed_size_run(elastic_runs: 
     )
 
 
-def trained_by_one_and_two_ranks(tmp_path: Path, *args: str, fsdp: bool) -> tuple[dict, dict]:
+def trained_by_one_and_two_ranks(
+    tmp_path: Path, *args: str, fsdp: bool, nproc: int = 2, parallel: tuple[str, ...] = ()
+) -> tuple[dict, dict]:
     """The final parameters (``--save-final``) of the example run with ``args`` by one plain process, and by
-    2 ranks under hyperpodrun (DDP, or FSDP2 with ``fsdp``)."""
+    ``nproc`` ranks under hyperpodrun (DDP, FSDP2 with ``fsdp``, or the ``parallel`` flags)."""
     plain_run(tmp_path, *args, "--run-dir", str(tmp_path / "plain"), "--save-final", str(tmp_path / "plain.pt"))
     cmd = hyperpodrun_cmd(
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         str(TRAIN),
         *args,
-        *(("--fsdp",) if fsdp else ()),
+        *(("--fsdp",) if fsdp else parallel),
         "--run-dir",
         str(tmp_path / "two"),
         "--save-final",
@@ -334,18 +336,32 @@ def test_fsdp_training_matches_a_single_process(tmp_path: Path) -> None:
         torch.testing.assert_close(fsdp[name], plain[name], rtol=0, atol=ELASTIC_ATOL, msg=f"parameter {name}")
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "hsdp"])
 def test_fp64_runs_at_two_world_sizes_agree_to_float64_precision(tmp_path: Path, parallel: str) -> None:
     """--dtype fp64: weights, optimizer state and every reduction in float64, so the summation order of
-    another world size moves parameters by ~1e-15, not fp32's ~1e-6: what the soak's check relies on."""
+    another world size moves parameters by ~1e-15, not fp32's ~1e-6: what the soak's check relies on.
+    hsdp: 4 ranks in shard groups of 2 (a 2 x 2 mesh: reduce-scatter in each replica, all-reduce across them)."""
     args = (*SMALL, "--steps", "6", "--seed", "4", "--data-cache", str(tmp_path / "data"), "--dtype", "fp64")
-    plain, two = trained_by_one_and_two_ranks(tmp_path, *args, fsdp=parallel == "fsdp")
+    hsdp = ("--hsdp", "--hsdp-shard-size", "2") if parallel == "hsdp" else ()
+    plain, two = trained_by_one_and_two_ranks(
+        tmp_path, *args, fsdp=parallel == "fsdp", nproc=4 if hsdp else 2, parallel=hsdp
+    )
     assert {v.dtype for v in plain.values()} == {v.dtype for v in two.values()} == {torch.float64}
     initial = Llama(LlamaConfig.from_name("tiny")).to(torch.float64)
     initial.init_weights(seed=4)
     for name, value in initial.state_dict().items():
         assert (plain[name] - value).abs().max() > 1e-4, f"{name} barely trained"
         torch.testing.assert_close(two[name], plain[name], rtol=0, atol=1e-12, msg=f"parameter {name}")
+
+
+def test_hsdp_on_a_world_that_is_not_whole_replicas_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    cmd = hyperpodrun_cmd(
+        *("--standalone", "--nproc-per-node", "2", str(TRAIN), *SMALL, "--steps", "1"),
+        *("--hsdp", "--hsdp-shard-size", "3", "--data-cache", str(tmp_path / "data"), "--run-dir", str(tmp_path)),
+    )
+    proc = run(cmd, timeout=300, env=env())
+    assert proc.returncode != 0
+    assert "train.py: error: HSDP shard size 3 does not divide the world of 2 ranks" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_deterministic_reduce_trains_the_bits_of_one_process_on_two_ranks(tmp_path: Path) -> None:
@@ -424,6 +440,10 @@ def test_init_from_loads_hugging_face_weights(tmp_path: Path, parallelism: str) 
         (["--model", "tiny", "--init-from", "."], "--model and --init-from"),
         (["--data", "/nonexistent/corpus.jsonl"], "--data /nonexistent/corpus.jsonl"),
         (["--deterministic-reduce", "--fsdp"], "--deterministic-reduce needs DDP or one process"),
+        (["--deterministic-reduce", "--hsdp"], "--deterministic-reduce needs DDP or one process"),
+        (["--fsdp", "--hsdp"], "--fsdp and --hsdp exclude each other"),
+        (["--hsdp-shard-size", "2"], "--hsdp-shard-size needs --hsdp"),
+        (["--hsdp", "--hsdp-shard-size", "0"], "--hsdp-shard-size must be an integer >= 1"),
     ],
 )
 def test_invalid_flags_name_the_flag(argv: list[str], flag: str) -> None:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from elastic_events.contract import DEFAULT_SNAPSHOT_EVERY, SnapshotEvery, is_snapshot_every, rank_context
 from elastic_events.errors import ElasticTrainingError
+from elastic_events.rounds.mesh import HSDPConfig
 
 __all__ = ["ElasticConfig", "ElasticConfigError", "default_wrap"]
 
@@ -69,6 +70,9 @@ class ElasticConfig:
     # script's own error. Covers gloo, whose errors are plain RuntimeErrors, while the launcher learns of
     # a lost node (its lease: 10 s by default).
     peer_failure_grace_s: float = 15.0
+    # HSDP: a ("replicate", "shard") mesh per round (elastic_events.rounds.mesh), handed to wrap as its mesh=;
+    # scale events and repairs move whole replicas' shards (elastic_events.rounds.replica_plan). None: no mesh.
+    hsdp: HSDPConfig | None = None
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -91,6 +95,8 @@ class ElasticConfig:
             raise ElasticConfigError(
                 f"ElasticConfig.snapshot_overhead must be a fraction in (0, 1), got {self.snapshot_overhead!r}"
             )
+        if self.hsdp is not None and not isinstance(self.hsdp, HSDPConfig):
+            raise ElasticConfigError(f"ElasticConfig.hsdp must be None or an HSDPConfig, got {self.hsdp!r}")
         mtbf = self.mtbf_s
         if mtbf is not None and (isinstance(mtbf, bool) or not isinstance(mtbf, (int, float)) or not mtbf > 0):
             raise ElasticConfigError(f"ElasticConfig.mtbf_s must be None or a number > 0, got {mtbf!r}")

@@ -43,6 +43,7 @@ from elastic_events.rounds.commit import StepCommit, cuda_fence
 from elastic_events.rounds.config import ElasticConfig
 from elastic_events.rounds.group import RoundSpec, init_env_group, init_round_group, teardown_group
 from elastic_events.rounds.hydration import allocate_tensors, collective_failures, model_tensors, split_tensors
+from elastic_events.rounds.mesh import MeshLayout, build_mesh, plan_layout
 from elastic_events.rounds.transfer import broadcast_tensors
 from elastic_events.rounds.watchdog import Watchdog, abort_for
 
@@ -89,6 +90,7 @@ class RoundEngine:
         self.assignment = self.context.assignment  # where this node sits in the current round
         self._store: Any = None  # the round's TCPStore: lives as long as its group
         self._side: tuple[Any, Any, set[int]] | None = None  # the round's gloo side groups, and their sockets
+        self._mesh: Any = None  # the round's HSDP DeviceMesh, once built
         self._watchdog: Watchdog | None = None
         self._abort = abort_for(self.backend)
         self._lock = threading.Lock()
@@ -204,7 +206,7 @@ class RoundEngine:
         if broken and self.backend == "gloo":  # its sockets outlive the group while anything holds it
             abort.shutdown_round(self.round)
         teardown_group(broken=broken)
-        self._store, self._side = None, None
+        self._store, self._side, self._mesh = None, None, None
         return time.monotonic() - t0
 
     def side_group(self) -> tuple[Any, Any, set[int]]:
@@ -218,6 +220,25 @@ class RoundEngine:
                 acks = dist.new_group(backend="gloo", timeout=timeout)
             self._side = (group, acks, sockets)
         return self._side
+
+    def layout(self, world_size: int | None = None) -> MeshLayout | None:
+        """The HSDP layout of the current round (or of a world of ``world_size``); None without HSDP or a group.
+        Raises :class:`~elastic_events.rounds.mesh.MeshLayoutError` when the world is not whole replicas."""
+        hsdp = self.config.hsdp
+        if hsdp is None or not self.distributed:
+            return None
+        world = self.world_size if world_size is None else world_size
+        return plan_layout(hsdp, world_size=world, local_world_size=self.local_world_size)
+
+    def mesh(self) -> Any:
+        """The current round's HSDP ``DeviceMesh`` (built the first time: collective), or None without HSDP."""
+        layout = self.layout()
+        if layout is None:
+            return None
+        if self._mesh is None:
+            with abort.tracking():  # its subgroups' sockets are the round's: a repair's abort shuts them down too
+                self._mesh = build_mesh(layout, self.device)
+        return self._mesh
 
     def close(self) -> None:
         """Stop the watchdog and leave the group (at the end of training, or at interpreter exit)."""

@@ -18,6 +18,9 @@ What travels:
   (:func:`gather_full_state`); in the new round every rank rebuilds its model on the
   new mesh and receives, parameter by parameter, only its own shards
   (``set_model_state_dict(..., broadcast_from_rank0=True)``);
+* HSDP models (FSDP2 on a ``("replicate", "shard")`` mesh): nothing is gathered; each rank keeps
+  its local shards and a rank that lacks its shard receives it from a replica that kept it
+  (:mod:`elastic_events.rounds.replica_plan`);
 * small state (scheduler, sampler position, step, user extras, control-channel step,
   base seed) as one pickled object.
 """
@@ -37,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from elastic_events.errors import ElasticTrainingError, HydrationError, StateMismatchError
 
 if TYPE_CHECKING:
+    from elastic_events.rounds.replica_plan import Holding
     from elastic_events.rounds.snapshot_restore import SnapshotReport
 
 __all__ = [
@@ -67,6 +71,7 @@ class RankReport:
     )  # a newcomer: the step of its predecessor's hand-off for this round (elastic_events.rounds.handoff)
     snapshot: SnapshotReport | None = None  # a sharded survivor of a failure: what it holds of the broken round
     failed: bool = False  # a peer failed in its previous round (it came through ElasticTraining.recover)
+    holding: Holding | None = None  # an HSDP survivor: the shard it kept (elastic_events.rounds.replica_plan)
 
 
 @dataclass(frozen=True, kw_only=True)

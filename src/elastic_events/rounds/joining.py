@@ -6,7 +6,8 @@ rank keeps (:class:`~elastic_events.training_state.Kept`). Joining (:meth:`Joine
 round's group is up every rank reports what it holds (:class:`~.hydration.RankReport`) and the same
 plan is made everywhere (:func:`~.hydration.plan_hydration`): survivors at the furthest step are
 the state; replicated models are streamed from one of them to the newcomers, sharded ones gathered
-and re-sharded onto the new mesh. When no rank survived with the state, a replaced rank's hand-off
+and re-sharded onto the new mesh, HSDP ones kept where they are and sent shard by shard from one
+replica to the ranks that lack them (:mod:`.replica_plan`, :mod:`.replica_hydration`). When no rank survived with the state, a replaced rank's hand-off
 (:mod:`.handoff`) is the state, and only without one the checkpoint. A sharded model repaired after
 a failure is put back together from the survivors' live shards and the copies their peers hold
 (:mod:`.snapshot`, :meth:`Joiner._restore_from_snapshots`), then re-sharded the same way.
@@ -42,7 +43,16 @@ from elastic_events.rounds.hydration import (
     structure_digest,
     value_checksum,
 )
-from elastic_events.rounds.snapshot import Piece, recv_body, recv_header, send_piece
+from elastic_events.rounds.replica_hydration import hydrate_from_replicas
+from elastic_events.rounds.replica_plan import Holding, ReplicaPlanError, plan_replicas
+from elastic_events.rounds.snapshot import (
+    Piece,
+    capture,
+    optimizer_state_count,
+    recv_body,
+    recv_header,
+    send_piece,
+)
 from elastic_events.rounds.snapshot_restore import (
     RestorePlan,
     SnapshotReport,
@@ -93,7 +103,16 @@ class Joiner:
             structure=structure_digest(module),
             checksum=None if sharded else value_checksum(module),
         )
-        if sharded:
+        layout = e.layout() if sharded else None
+        if layout is not None:
+            # HSDP: every shard stays where it is (the other replicas hold it too): nothing is gathered
+            if not event.leaves:
+                e.layout(event.world_size)  # a world of whole replicas, or MeshLayoutError before the teardown
+                kept.piece = self._live_piece_now()
+                kept.holding = Holding(shard_size=layout.shard_size, shard=layout.shard_of(e.rank), step=s.step)
+            self.snapshots.captured = None
+            s.drop_objects()
+        elif sharded:
             # The shards of a leaving rank exist nowhere else: gather the full state onto the rank
             # that becomes rank 0 of the new round, before the old group goes.
             new_rank = -1 if event.leaves else event.group_rank * e.local_world_size + e.local_rank
@@ -119,7 +138,19 @@ class Joiner:
         if s.optimizer is not None:
             s.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
         module = s.built_module()
-        if s.sharded:  # its live shards, and the copies of its neighbour's it holds, go into the repaired round
+        kept = Kept(
+            step=s.step,
+            sharded=s.sharded,
+            structure=structure_digest(module),
+            checksum=None if s.sharded else value_checksum(module),
+            failed=True,
+        )
+        layout = e.layout() if s.sharded and self.snapshots.replicas else None
+        if layout is not None:  # HSDP: its live shards go into the repaired round, another replica has the rest
+            self.snapshots.stop(broken=True)
+            kept.piece = self.snapshots.piece(s.step)
+            kept.holding = Holding(shard_size=layout.shard_size, shard=layout.shard_of(e.rank), step=s.step)
+        elif s.sharded:  # its live shards, and the copies of its neighbour's it holds, go into the repaired round
             replicator = self.snapshots.stop(broken=True)
             if replicator is None:
                 raise RecoveryError(
@@ -127,29 +158,9 @@ class Joiner:
                     "in-memory snapshots (snapshot_every=0, --snapshot-every 0, or its capture failed): the failed "
                     "rank's shards exist nowhere else"
                 )
-            kept = Kept(
-                step=s.step,
-                sharded=True,
-                structure=structure_digest(module),
-                checksum=None,
-                failed=True,
-                captured=self.snapshots.captured,
-                replicator=replicator,
-                snapshot=SnapshotReport(
-                    round=e.round,
-                    world_size=e.world_size,
-                    rank=e.rank,
-                    live_step=s.step,
-                    replicas=replicator.holdings(),
-                ),
-            )
-        else:
-            kept = Kept(
-                step=s.step,
-                sharded=False,
-                structure=structure_digest(module),
-                checksum=value_checksum(module),
-                failed=True,
+            kept.captured, kept.replicator = self.snapshots.captured, replicator
+            kept.snapshot = SnapshotReport(
+                round=e.round, world_size=e.world_size, rank=e.rank, live_step=s.step, replicas=replicator.holdings()
             )
         # A gloo group closes its sockets only once nothing references it, and a peer blocked on this rank
         # learns of the failure only then: the failed step's frames (holding the DDP wrapper) must go too.
@@ -204,21 +215,26 @@ class Joiner:
             handoff_step=handoff.step if handoff else -1,
             snapshot=kept.snapshot if kept is not None else None,
             failed=kept is not None and kept.failed,
+            holding=kept.holding if kept is not None else None,
         )
         with e.collectives(HydrationError):
             reports = e.agree(report, error=HydrationError)
             # A failure repaired by this event, or by a scale event it met on its way (its survivors took that
             # event's group, pending before they failed): the survivors may be a step apart.
             repairing = event.repair or any(r.failed for r in reports)
+            moved: int | None = None
             if any(r.snapshot is not None for r in reports):  # a sharded model after a failure
                 plan, received = self._restore_from_snapshots(reports, kept, fresh_module), True
                 control_step = max(r.control_step for r in reports)  # never back: events target these counts
             else:
-                plan = plan_from_handoff(
-                    plan_hydration(reports, recovering=repairing, local_world_size=e.local_world_size), reports
-                )
+                if any(r.holding is not None for r in reports):  # HSDP: shards from the replicas that kept them
+                    plan, moved = self._from_replicas(reports, kept, fresh_module)
+                else:
+                    plan = plan_from_handoff(
+                        plan_hydration(reports, recovering=repairing, local_world_size=e.local_world_size), reports
+                    )
+                    self._hydrate(plan, kept, handed, fresh_module, spec.rank in plan.newcomers)
                 received = spec.rank in plan.newcomers  # a newcomer, or a survivor a step behind the others
-                self._hydrate(plan, kept, handed, fresh_module, received)
                 # a rank that failed after committing a step may not have counted it: agree on the source's count
                 control_step = (
                     next(r.control_step for r in reports if r.rank == plan.source)
@@ -240,6 +256,8 @@ class Joiner:
             newcomers=len(plan.newcomers),
             from_rank=plan.source,
             sharded=plan.sharded,
+            bytes_moved=moved,  # HSDP: the shards sent between replicas (None: not counted on this path)
+            mesh=list(layout.shape) if (layout := e.layout()) is not None else None,
         )
 
     def _hydrate(
@@ -253,7 +271,7 @@ class Joiner:
         """Bring this rank to ``plan``'s state: from a hand-off, storage, a full sharded state or a replica."""
         s = self.state
         if plan.handoff and plan.source == self.engine.rank:
-            self._load_handoff(handed, fresh_module)
+            s.load_handed(handed, fresh_module)
         if plan.source is None:
             self.rebuild_from_storage(fresh_module)
         elif plan.sharded:
@@ -312,21 +330,21 @@ class Joiner:
         """The sharded model built and wrapped on the new mesh, with its optimizer; returns what the loop calls."""
         s = self.state
         s.module = fresh_module if fresh_module is not None else s.fresh_module()
-        s.model = model = s.builders.wrap(s.module)
+        s.model = model = s.wrap(s.module)
         s.check_materialised()
         s.build_optimizer()
         return model
 
-    def _finish_sharded(self, model: torch.nn.Module, small: dict[str, Any] | None) -> None:
-        """Rank 0's non-persistent buffers and small state (step, scheduler, sampler) to every rank."""
+    def _finish_sharded(self, model: torch.nn.Module, small: dict[str, Any] | None, src: int = 0) -> None:
+        """Rank ``src``'s non-persistent buffers and small state (step, scheduler, sampler) to every rank."""
         e = self.engine
         buffers = nonpersistent_buffers(model)
-        broadcast_tensors(buffers, src=0, device=e.comm_device, bucket_bytes=e.config.bucket_bytes)
+        broadcast_tensors(buffers, src=src, device=e.comm_device, bucket_bytes=e.config.bucket_bytes)
         box = [small]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=src)
         small = box[0]
-        if small is None:  # the same on every rank: rank 0's
-            raise HydrationError("rank 0 has no small state (step, scheduler, sampler) to give the new round")
+        if small is None:  # the same on every rank: rank src's
+            raise HydrationError(f"rank {src} has no small state (step, scheduler, sampler) to give the new round")
         self.state.load_small_state(small)
 
     def rebuild_from_storage(self, fresh_module: torch.nn.Module | None) -> None:
@@ -347,6 +365,45 @@ class Joiner:
             s.step, s.extra = loaded.step, dict(loaded.extra)
             s.resumed_from = "checkpoint"
 
+    # ------------------------------------------------------------------ HSDP
+    def _live_piece_now(self) -> Piece:
+        """This rank's live local state at its step (captured again if the optimizer's state changed)."""
+        s, snapshots = self.state, self.snapshots
+        c = snapshots.captured
+        if c is None or c.count != optimizer_state_count(s.optimizer):
+            snapshots.captured = capture(s.built_model(), s.optimizer)
+        return snapshots.piece(s.step)
+
+    def _from_replicas(
+        self, reports: list[RankReport], kept: Kept | None, fresh_module: torch.nn.Module | None
+    ) -> tuple[HydrationPlan, int | None]:
+        """HSDP: every rank's shard from itself or from a replica that kept it (:mod:`.replica_plan`), loaded
+        into its model on the new mesh; storage when some shard is held by none. Returns the plan and the bytes moved."""
+        e, s = self.engine, self.state
+        own = kept.piece if kept is not None else None
+        try:
+            layout = e.layout()
+            if layout is None:
+                raise ReplicaPlanError("ranks kept HSDP shards and this rank has no HSDP layout")
+            plan = plan_replicas({r.rank: r.holding for r in reports}, layout)
+        except ReplicaPlanError as why:
+            return self._sharded_from_storage(str(why), kept, fresh_module), None
+        if kept is not None:
+            kept.piece = None  # ``own`` holds it until it is loaded
+
+        def build() -> torch.nn.Module:
+            self._drop_state(kept)  # the old sharded objects go before the new ones are built
+            return self._build_sharded(fresh_module)
+
+        moved = hydrate_from_replicas(
+            e, plan, own, build=build, finish=self._finish_sharded, optimizer=lambda: s.optimizer
+        )
+        survivors = tuple(r.rank for r in reports if r.survivor)
+        hydration = HydrationPlan(
+            source=plan.small_source, newcomers=plan.receivers, survivors=survivors, sharded=True, step=plan.step
+        )
+        return hydration, moved
+
     # ------------------------------------------------------------------ after a failure, sharded
     def _restore_from_snapshots(
         self, reports: list[RankReport], kept: Kept | None, fresh_module: torch.nn.Module | None
@@ -360,12 +417,7 @@ class Joiner:
         if restore is None:
             held = {r.rank: (r.snapshot.live_step, r.snapshot.replicas) for r in reports if r.snapshot is not None}
             why = f"no step at which every shard of the broken round survived (live step, copies held: {held})"
-            if e.rank == 0:
-                print(f"rank 0: {why}: loading the newest checkpoint", file=sys.stderr, flush=True)
-            eventlog.emit(Record.SNAPSHOT_UNAVAILABLE, reason=why)
-            self._drop_state(kept)
-            self.rebuild_from_storage(fresh_module)
-            return HydrationPlan(source=None, newcomers=everyone, survivors=(), sharded=True, step=-1)
+            return self._sharded_from_storage(why, kept, fresh_module)
         group = e.side_group()[0]
         in_place = restore.world_size == e.world_size
         if in_place:
@@ -475,10 +527,20 @@ class Joiner:
             tensors=c.tensors,
         )
 
+    def _sharded_from_storage(self, why: str, kept: Kept | None, fresh_module: torch.nn.Module | None) -> HydrationPlan:
+        """No shard set of one step survived the failure (``why``): every rank loads the newest checkpoint."""
+        e = self.engine
+        if e.rank == 0:
+            print(f"rank 0: {why}: loading the newest checkpoint", file=sys.stderr, flush=True)
+        eventlog.emit(Record.SNAPSHOT_UNAVAILABLE, reason=why)
+        self._drop_state(kept)
+        self.rebuild_from_storage(fresh_module)
+        return HydrationPlan(source=None, newcomers=tuple(range(e.world_size)), survivors=(), sharded=True, step=-1)
+
     def _drop_state(self, kept: Kept | None) -> None:
         """A survivor's old sharded objects and the copies it held: not needed once the state is on rank 0."""
         if kept is not None:
-            kept.captured = kept.replicator = None
+            kept.captured = kept.replicator = kept.piece = None
         self.snapshots.captured = None
         self.state.drop_objects()
 
@@ -517,19 +579,3 @@ class Joiner:
             file=sys.stderr,
             flush=True,
         )
-
-    def _load_handoff(self, handed: dict[str, Any] | None, fresh_module: torch.nn.Module | None) -> None:
-        """The source of a round no rank survived: take the state its predecessor handed off."""
-        s = self.state
-        if handed is None or fresh_module is None:
-            raise HydrationError("the hydration plan names a hand-off this rank could not read")
-        s.module = s.materialise(fresh_module)
-        with torch.no_grad():
-            for name, tensor in model_tensors(s.module):
-                tensor.copy_(handed["model"][name])
-        s.model = s.module  # wrapped for the new group after hydration
-        s.build_optimizer()
-        if s.optimizer is not None and handed["optimizer"] is not None:
-            s.optimizer.load_state_dict(handed["optimizer"])
-        s.load_small_state(handed["small"])
-        s.resumed_from = "handoff"

@@ -157,8 +157,11 @@ def _entry(key: tuple[str, ...], t: ValueType) -> tuple[Entry, torch.Tensor]:
 
     local = t.to_local().detach()
     shards = [p for p in t.placements if isinstance(p, Shard)]
-    if len(t.placements) != 1 or not (shards or isinstance(t.placements[0], Replicate)):
-        raise SnapshotError(f"{'.'.join(key[1:])}: placements {t.placements} (only a 1-D mesh, Shard or Replicate)")
+    others = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
+    if len(shards) > 1 or others:
+        raise SnapshotError(
+            f"{'.'.join(key[1:])}: placements {t.placements} (only Replicate, and Shard on one mesh dimension)"
+        )
     if not shards:
         return Entry(key, t.dtype, tuple(t.shape), tuple(local.shape), None, 0), local
     local_shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)

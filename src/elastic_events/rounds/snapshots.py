@@ -49,12 +49,36 @@ class Snapshots:
         self._calibration: Calibration | None = None  # auto: this round's timings until the choice
         self._last_take: float | None = None  # auto: when take() last returned (monotonic)
         self._carrying = False  # the step under way has the last snapshot streaming beside it
+        self.replicas = False  # HSDP with 2 replicas or more this round: live state described, no copies
 
     def start(self) -> None:
-        """Start this round's snapshots if they apply (collective: every rank decides the same way)."""
+        """Start this round's snapshots if they apply (collective: every rank decides the same way).
+
+        HSDP with two replicas or more: the other replicas hold every shard, so nothing is copied; the
+        live local state is only described (:attr:`replicas`), for a failure's repair to send from."""
         e, s = self.engine, self.state
-        if self.every == 0 or e.reader is None or not e.distributed or e.world_size < 2 or not s.sharded:
+        self.replicas = False
+        if e.reader is None or not e.distributed or e.world_size < 2 or not s.sharded:
             return
+        layout = e.layout()
+        if layout is not None and layout.replicas >= 2:
+            self.captured, self.replicas = capture(s.built_model(), s.optimizer), True
+            if e.rank == 0:
+                print(
+                    f"round {e.round}: {layout.describe()}: no in-memory snapshots, another replica holds every shard",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
+        if self.every == 0:
+            return
+        if layout is not None and e.rank == 0:
+            print(
+                f"round {e.round}: {layout.describe()}: one replica, so in-memory snapshots as for FSDP "
+                f"(snapshot_every={'auto' if self.auto else self.every}) repair a failure",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             self.captured = capture(s.built_model(), s.optimizer)
         except SnapshotError as exc:
@@ -149,7 +173,7 @@ class Snapshots:
 
     def recapture(self) -> None:
         """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here)."""
-        if self.replicator is None:
+        if self.replicator is None and not self.replicas:
             return
         c, s = self.captured, self.state
         if c is None or c.count != optimizer_state_count(s.optimizer):

@@ -1,8 +1,8 @@
 """A stand-in trainer on the in-process API: ranks survive scale events, newcomers hydrate from peers.
 
-argv: RUN_DIR [fsdp [die-sending-at=N]]. A tiny linear model trained by DDP (or FSDP2, sharded over
-the ranks) with SGD and momentum on data derived from the step number, so the parameters depend
-only on how many steps were trained. ``die-sending-at=N``: rank 1 of the first round kills itself
+argv: RUN_DIR [fsdp|hsdp [die-sending-at=N]]. A tiny linear model trained by DDP (or FSDP2, sharded over
+the ranks; or HSDP, sharded over a node's ranks, replicated across nodes) with SGD and momentum on data
+derived from the step number, so the parameters depend only on how many steps were trained. ``die-sending-at=N``: rank 1 of the first round kills itself
 half-way through sending its in-memory snapshot of step N (a failure injector for
 ``elastic_events.rounds.snapshot``). Rank 0 appends {"step", "world", "ts"} to
 RUN_DIR/progress.jsonl every step; every rank appends {"pid", "rank", "world", "round", "step",
@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic_events import ElasticTraining, elastic_event_detected
+from elastic_events import ElasticConfig, ElasticTraining, HSDPConfig, elastic_event_detected
 
 run = Path(sys.argv[1])
-FSDP = sys.argv[2:3] == ["fsdp"]
+HSDP = sys.argv[2:3] == ["hsdp"]  # sharded over a node's ranks, replicated across nodes
+FSDP = sys.argv[2:3] == ["fsdp"] or HSDP
 DIE_SENDING_AT = int(sys.argv[3].removeprefix("die-sending-at=")) if sys.argv[3:] else -1
 
 
@@ -58,8 +59,9 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 elastic = ElasticTraining(
     model_fn=build,
-    wrap=shard if FSDP else None,
+    wrap=shard if FSDP and not HSDP else None,  # HSDP: the default, fully_shard on the round's mesh
     optimizer_fn=lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+    config=ElasticConfig(hsdp=HSDPConfig()) if HSDP else None,
 ).start()
 
 
@@ -89,8 +91,8 @@ while True:
             break
         g = torch.Generator().manual_seed(elastic.step)
         x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
-        rows = x.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else x[:0]
-        target = y.chunk(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else y[:0]
+        rows = x.tensor_split(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else x[:0]
+        target = y.tensor_split(elastic.world_size)[elastic.rank] if elastic.world_size <= 8 else y[:0]
         loss = (elastic.model(rows) - target).square().sum() * elastic.world_size / 8
         loss.backward()
         elastic.optimizer.step()  # with snapshots, waits for every copy of the last one (a dead peer: raises)

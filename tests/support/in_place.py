@@ -1,5 +1,4 @@
-"""What the in-place end-to-end tests (tests/elastic/test_in_place*.py) read off a job of the counter
-script (tests/elastic/scripts/inplace_counter.py): its ranks' records, and the run without events it must equal."""
+"""What the in-place tests share: the counter trainer on the in-process API, and checks of what it logs."""
 
 from __future__ import annotations
 
@@ -79,6 +78,18 @@ def hit_rank_1(job, sig: int) -> tuple[int, int]:
         lambda: [r for r in worlds(job) if r["how"] in HYDRATED], timeout=60, what="the replacement rank to be hydrated"
     )
     job.wait_steps(5)
+    return survivor, victim
+
+
+def two_nodes_hit_rank_1(job, sig: int, *, start_timeout: float = 90) -> tuple[int, int]:
+    """Nodes a and b started, ``sig`` to rank 1 once the round runs in process (:func:`hit_rank_1`), the job
+    finished with both launchers exiting 0; returns (rank 0's pid, rank 1's)."""
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(lambda: job.events("round_in_process"), timeout=start_timeout, what="the round to run in-process")
+    survivor, victim = hit_rank_1(job, sig)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
     return survivor, victim
 
 
