@@ -67,7 +67,7 @@ SIZES = {
     "full": ("tiny", "llama-25m", "llama-125m", "llama-300m"),
 }
 KINDS = ("join", "leave", "rank_crash", "node_loss")
-DEFAULT_KINDS = {"smoke": ("rank_crash", "node_loss"), "quick": KINDS, "full": KINDS}
+DEFAULT_KINDS = {"smoke": KINDS, "quick": KINDS, "full": KINDS}
 NPROC = 2  # ranks per simulated node
 #: fp32 weights, their gradients and AdamW's two moments: the training state of one parameter.
 BYTES_PER_PARAM = 16
