@@ -221,8 +221,9 @@ class ScalingScenario(FailureScenario):
 
     # -- the scenario
 
-    def run_size(self, kinds: Sequence[str], *, steady_until: int | None = None) -> dict[str, Any]:
-        out = self.drive(self._events(kinds, steady_until=steady_until))
+    def run_size(self, kinds: Sequence[str], *, steady_steps: tuple[int, int] | None = None) -> dict[str, Any]:
+        """Drive the scenario; ``steady_steps``: the steady window's first and last step (another run's)."""
+        out = self.drive(self._events(kinds, steady_steps=steady_steps))
         out["steady"] = dataclasses.asdict(self.steady) if self.steady is not None else None
         out["join_skipped"] = self.join_skipped
         out["floor_rss_bytes"] = self.floor_rss_bytes
@@ -232,9 +233,11 @@ class ScalingScenario(FailureScenario):
         self.floor_rss_bytes = self._spare_rss()  # node A's spare is parked, its state never built
         return super().close()
 
-    def _events(self, kinds: Sequence[str], *, steady_until: int | None) -> Iterator[Callable[[int], dict[str, Any]]]:
+    def _events(
+        self, kinds: Sequence[str], *, steady_steps: tuple[int, int] | None
+    ) -> Iterator[Callable[[int], dict[str, Any]]]:
         full = self.start_two_nodes(steps=1)
-        self.steady = self._steady(full, steady_until)
+        self.steady = self._steady(full, steady_steps)
         if self.variant != "hyperpodrun":
             return
         t_last = 0.0  # the round's choice made before the steady window applies to the first failure
@@ -252,9 +255,9 @@ class ScalingScenario(FailureScenario):
                 yield functools.partial(self._failure, kind=kind, step=step)
                 t_last = time.time()
 
-    def _steady(self, world: int, until: int | None) -> Steady:
-        """The steady window at ``world``: after the round's snapshot choice (hyperpodrun), the chosen
-        interval's steps within :attr:`window`; ``until``: the same last step as another run (torchrun's)."""
+    def _steady(self, world: int, steps: tuple[int, int] | None) -> Steady:
+        """The steady window at ``world``: after the round's snapshot choice and its spares (hyperpodrun), the
+        chosen interval's steps within :attr:`window`; ``steps``: another run's window (torchrun's: the same)."""
         record = self.wait_for_choice(
             world, after_ts=0.0, what=f"{self.variant}: the snapshot interval at world {world}"
         )
@@ -264,10 +267,10 @@ class ScalingScenario(FailureScenario):
                 timeout=self.event_timeout,
                 what=f"{self.variant}: a spare rank ready on every node",
             )
-        start = self.records()[-1]["step"]
+        start = self.records()[-1]["step"] + 1  # the first step that ends after the spares are up
         lo, hi = self.window
         every = int(record["every"]) if record is not None else None
-        last = until if until is not None else start + min(hi, max(lo, every or lo))
+        start, last = steps if steps is not None else (start, start + min(hi, max(lo, every or lo)))
         self.wait_step(last, world=world, what=f"{self.variant}: step {last} at world {world}")
         window = [r for r in self.records() if r["world_size"] == world and start <= r["step"] <= last]
         if len(window) < 2:
@@ -429,7 +432,8 @@ def measure_size(model: str, args: argparse.Namespace, kinds: Sequence[str], wor
     theirs = None
     if TORCHRUN[args.mode] and args.torchrun and ours["steady"] is not None:
         print(f"{NAME}: {model}: torchrun, 2 nodes x {NPROC} ranks, steps up to {ours['steady']['last_step']} ...")
-        theirs = scenario("torchrun-noshare").run_size((), steady_until=ours["steady"]["last_step"])
+        window = (ours["steady"]["first_step"], ours["steady"]["last_step"])
+        theirs = scenario("torchrun-noshare").run_size((), steady_steps=window)
     print(f"{NAME}: {model}: hydration, broadcast and memcpy of its state, 2 ranks ...", flush=True)
     bounds = hydration.measure(
         state_mb=max(1, round(params * BYTES_PER_PARAM / 2**20)),
