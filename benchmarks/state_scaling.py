@@ -80,6 +80,7 @@ TORCHRUN = {"smoke": False, "quick": True, "full": True}
 HYDRATION_REPS = {"smoke": 2, "quick": 3, "full": 5}
 EVENT_TIMEOUT_S = {"smoke": 90.0, "quick": 180.0, "full": 300.0}
 HANG_TIMEOUT_S = 120.0
+LEASE_TTL_S = 10.0
 #: Host memory kept free beside the job when deciding whether a third node fits (other work shares it).
 MEMORY_MARGIN = 3 * 2**30
 TARGETS = {
@@ -128,12 +129,12 @@ class SizeResult:
     snapshot_overhead: float | None
     snapshot_chain_s: float | None
     snapshot_mb_per_s: float | None
-    step_s: float
+    step_s: float | None
     torchrun_step_s: float | None
     throughput_ratio_vs_torchrun: float | None
-    peak_rss_bytes: int
+    peak_rss_bytes: int | None
     floor_rss_bytes: int | None
-    peak_rss_over_state: float
+    peak_rss_over_state: float | None
     peak_rss_less_floor_over_state: float | None
     join_world: int | None
     join_downtime_s: float | None
@@ -407,8 +408,14 @@ def measure_size(model: str, args: argparse.Namespace, kinds: Sequence[str], wor
     )
     # No fixed step time (the step is the model's), a hang only after HANG_TIMEOUT_S (a big state's round takes time).
     # scaling timeout: A waits for B before its first round (else A's ranks start alone and restart at once).
+    # lease: an agent starved of CPU by 4-6 ranks of a big model must not be taken for a lost node.
     timers = FailureTimers(
-        step_time_s=0.0, scaling_timeout_s=3.0, hang_timeout_s=HANG_TIMEOUT_S, nproc_per_node=NPROC, max_nodes=3
+        step_time_s=0.0,
+        scaling_timeout_s=3.0,
+        lease_ttl_s=LEASE_TTL_S,
+        hang_timeout_s=HANG_TIMEOUT_S,
+        nproc_per_node=NPROC,
+        max_nodes=3,
     )
 
     def scenario(variant: str) -> ScalingScenario:
@@ -448,9 +455,8 @@ def measure_size(model: str, args: argparse.Namespace, kinds: Sequence[str], wor
 def size_result(m: dict[str, Any]) -> SizeResult:
     """The figures of one size from its measurements."""
     ours, theirs, bounds = m["hyperpodrun"], m["torchrun"], m["hydration"]
-    s = ours["steady"]
-    if s is None:
-        raise BenchmarkError(f"{m['model']}: no steady window: {ours['failure']}")
+    # a run that stopped before its steady window (its failure says why) keeps what it measured: None elsewhere
+    s = ours["steady"] or dict.fromkeys(Steady.__dataclass_fields__)
     state = m["params"] * BYTES_PER_PARAM // (2 * NPROC)
     join, leave = _event_of(ours, "join"), _event_of(ours, "leave")
     crash, loss = _event_of(ours, "rank_crash"), _event_of(ours, "node_loss")
@@ -473,11 +479,11 @@ def size_result(m: dict[str, Any]) -> SizeResult:
         snapshot_mb_per_s=local / s["chain_s"] / 1e6 if local and s["chain_s"] else None,
         step_s=s["step_s"],
         torchrun_step_s=their_step,
-        throughput_ratio_vs_torchrun=their_step / s["step_s"] if their_step else None,
+        throughput_ratio_vs_torchrun=their_step / s["step_s"] if their_step and s["step_s"] else None,
         peak_rss_bytes=s["peak_rss_bytes"],
         floor_rss_bytes=floor,
-        peak_rss_over_state=s["peak_rss_bytes"] / state,
-        peak_rss_less_floor_over_state=(s["peak_rss_bytes"] - floor) / state if floor else None,
+        peak_rss_over_state=s["peak_rss_bytes"] / state if s["peak_rss_bytes"] else None,
+        peak_rss_less_floor_over_state=(s["peak_rss_bytes"] - floor) / state if floor and s["peak_rss_bytes"] else None,
         join_world=_get(join, "to_world"),
         join_downtime_s=_get(join, "downtime_s"),
         join_pause_s=_get(join, "pause_s"),
