@@ -72,7 +72,7 @@ NPROC = 2  # ranks per simulated node
 #: fp32 weights, their gradients and AdamW's two moments: the training state of one parameter.
 BYTES_PER_PARAM = 16
 #: The steady window at world 4: the chosen interval's steps, at least the first and at most the second.
-WINDOW = {"smoke": (3, 3), "quick": (6, 16), "full": (12, 40)}
+WINDOW = {"smoke": (3, 3), "quick": (6, 8), "full": (12, 40)}
 SETTLE_STEPS = {"smoke": 2, "quick": 2, "full": 3}
 #: A failure falls at a seeded step of the interval, at most this many steps after the round chose it.
 MAX_FAILURE_WAIT = {"smoke": 2, "quick": 6, "full": 40}
@@ -272,7 +272,8 @@ class ScalingScenario(FailureScenario):
         lo, hi = self.window
         every = int(record["every"]) if record is not None else None
         start, last = steps if steps is not None else (start, start + min(hi, max(lo, every or lo)))
-        self.wait_step(last, world=world, what=f"{self.variant}: step {last} at world {world}")
+        for step in range(start, last + 1):  # each step gets the event timeout: a large model's steps are long
+            self.wait_step(step, world=world, what=f"{self.variant}: step {step} at world {world}")
         window = [r for r in self.records() if r["world_size"] == world and start <= r["step"] <= last]
         if len(window) < 2:
             raise BenchmarkError(f"{self.variant}: fewer than 2 steps logged between steps {start} and {last}")
