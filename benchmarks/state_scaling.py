@@ -81,6 +81,9 @@ HYDRATION_REPS = {"smoke": 2, "quick": 3, "full": 5}
 EVENT_TIMEOUT_S = {"smoke": 90.0, "quick": 180.0, "full": 300.0}
 HANG_TIMEOUT_S = 120.0
 LEASE_TTL_S = 10.0
+#: An in-place event must be done within this of its publication: the ranks first run on to the target step
+#: (a few steps: 15-20 s each at 125M on a loaded 2-core machine), then gather and hydrate the state.
+GRACEFUL_TIMEOUT_S = 600.0
 #: Host memory kept free beside the job when deciding whether a third node fits (other work shares it).
 MEMORY_MARGIN = 3 * 2**30
 TARGETS = {
@@ -414,6 +417,7 @@ def measure_size(model: str, args: argparse.Namespace, kinds: Sequence[str], wor
         step_time_s=0.0,
         scaling_timeout_s=3.0,
         lease_ttl_s=LEASE_TTL_S,
+        graceful_shutdown_timeout_s=GRACEFUL_TIMEOUT_S,
         hang_timeout_s=HANG_TIMEOUT_S,
         nproc_per_node=NPROC,
         max_nodes=3,
