@@ -136,9 +136,17 @@ class FailureScenario(Scenario):
     """Two nodes of one launcher variant (B started once A hosts the store); at given steps the one
     that does not hold rank 0 fails (its rank killed or stopped, or the whole node killed)."""
 
+    #: After a node loss a new node with the lost one's name starts and joins (measured as its ``rejoin``).
+    rejoin_after_loss = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.lost: set[str] = set()  # nodes killed on purpose (node loss), not a job death
+        self.lost: set[str] = set()  # nodes that left on purpose (node loss, a graceful leave), not a job death
+
+    @property
+    def full_world(self) -> int:
+        """The world size of the job's two nodes."""
+        return 2 * self.timers.nproc_per_node
 
     def event_log(self) -> list[dict[str, Any]]:
         """hyperpodrun's event log (every node's agent and rank append to the same file)."""
@@ -180,19 +188,26 @@ class FailureScenario(Scenario):
     def run_failures(self, plan: list[tuple[str, int]]) -> dict[str, Any]:
         return self.drive(self._failures(plan))
 
-    def _failures(self, plan: list[tuple[str, int]]) -> Iterator[Callable[[int], dict[str, Any]]]:
-        self.start_node("A")  # B once A hosts the store: agents started together race to host it
+    def start_two_nodes(self, *, steps: int) -> int:
+        """Start A, then B once A hosts the store (agents started together race to host it); returns the
+        world size once rank 0 has logged ``steps`` steps at it."""
+        self.start_node("A")
         self.bus.wait_for(
-            lambda _: self._check_job() or _listening(self.endpoint),
+            lambda _: self._check_job() or listening(self.endpoint),
             timeout=STARTUP_TIMEOUT_S,
             what=f"{self.variant}: node A's store at {self.endpoint}",
         )
         self.start_node("B")
-        self.wait_steps_at(2, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: steps at world 2")
+        full = self.full_world
+        self.wait_steps_at(full, steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: steps at world {full}")
+        return full
+
+    def _failures(self, plan: list[tuple[str, int]]) -> Iterator[Callable[[int], dict[str, Any]]]:
+        full = self.start_two_nodes(steps=self.settle_steps)
         for kind, step in plan:
             if kind in NOT_DETECTED.get(self.variant, ()):
                 continue
-            self.wait_step(step, world=2, what=f"{self.variant}: step {step} at world 2")
+            self.wait_step(step, world=full, what=f"{self.variant}: step {step} at world {full}")
             yield functools.partial(self._failure, kind=kind, step=step)
 
     def _resumed_after(self, t_event: float) -> float | None:
@@ -207,18 +222,19 @@ class FailureScenario(Scenario):
         """Start a new ``node`` after its loss and measure the job's way back to 2 nodes (a join)."""
         self.lost.discard(node)
         t_start = self.start_node(node)
+        full = self.full_world
         try:
             self.wait_steps_at(
-                2,
+                full,
                 self.settle_steps,
                 timeout=self.event_timeout,
-                what=f"{self.variant}: steps at world 2 after node {node} started again",
+                what=f"{self.variant}: steps at world {full} after node {node} started again",
             )
         except BenchmarkTimeoutError as e:
             return {"outcome": "hang", "error": f"{e}; last output:\n{self._tails()}"}
         except ScenarioFailed as e:
             return {"outcome": e.outcome, "error": str(e)}
-        measured = measure_event(self.records(), t_event=t_start, to_world=2) or {}
+        measured = measure_event(self.records(), t_event=t_start, to_world=full) or {}
         mode = "restart"
         if self.variant in OURS:
             log = self.event_log()
@@ -231,7 +247,7 @@ class FailureScenario(Scenario):
         }
 
     def master_node(self) -> str | None:
-        """The node whose launcher holds group rank 0 now (1 rank per node: global rank 0).
+        """The node whose launcher holds group rank 0 now (and so global rank 0).
 
         hyperpodrun says so on every round ("this node is group rank N"); a rank moved in place
         keeps the ``RANK`` it was started with, so only torchrun's (always restarted) ranks are read.
@@ -244,21 +260,32 @@ class FailureScenario(Scenario):
             return None
         return next((name for name in self.nodes if 0 in self.rank_pids(name)), None)
 
+    def node_rank_pids(self, name: str) -> list[int]:
+        """hyperpodrun: the pids of node ``name``'s training ranks, by local rank, as its agent last started
+        them (a failed rank's replacement in its place; the spare rank, which runs the same script and
+        waits, is not one of them)."""
+        suffix, latest = f"-{self.nodes[name].pid}", {}
+        nproc = self.timers.nproc_per_node
+        for record in self.event_log():
+            if not str(record["node"]).endswith(suffix):
+                continue
+            if record["event"] == "workers_started":  # {local rank: pid} (JSON keys are strings)
+                latest = {int(local): pid for local, pid in record["pids"].items()}
+            elif record["event"] == "ranks_replaced":  # global ranks, contiguous per node, and their new pids
+                latest.update({rank % nproc: pid for rank, pid in zip(record["ranks"], record["pids"])})
+        return [latest[local] for local in sorted(latest)]
+
     def active_rank_pid(self, name: str) -> int | None:
-        """The pid of node ``name``'s training rank: for hyperpodrun the one its agent last started or
-        put in a failed rank's place (its spare rank runs the same script and waits); torchrun's only one."""
+        """The pid of the rank of node ``name`` that a failure hits: hyperpodrun's last local rank (on a
+        node of several ranks its siblings survive); torchrun's only one."""
         if self.variant not in OURS:
             pids = self.rank_pids(name)
             return next(iter(pids.values())) if len(pids) == 1 else None
-        suffix, latest = f"-{self.nodes[name].pid}", None
-        for record in self.event_log():
-            if record["event"] in ("workers_started", "ranks_replaced") and str(record["node"]).endswith(suffix):
-                pids = record["pids"]
-                latest = list(pids.values() if isinstance(pids, dict) else pids)
-        return latest[0] if latest and len(latest) == 1 and psutil.pid_exists(latest[0]) else None
+        ranks = self.node_rank_pids(name)
+        return ranks[-1] if ranks and psutil.pid_exists(ranks[-1]) else None
 
     def _victim(self) -> tuple[str, int]:
-        """(node, pid) of the rank of the node that does not hold global rank 0 (2 nodes: global rank 1)."""
+        """(node, pid) of the last rank of the node that does not hold global rank 0 (the last global rank)."""
         master = self.master_node()
         for name in sorted(set(self.nodes) - {master}):
             pid = self.active_rank_pid(name) if master is not None else None
@@ -272,10 +299,11 @@ class FailureScenario(Scenario):
 
     def _failure(self, index: int, *, kind: str, step: int) -> dict[str, Any]:
         node, pid = self._victim()
-        world = 1 if kind == "node_loss" else 2
+        full = self.full_world
+        world = full - self.timers.nproc_per_node if kind == "node_loss" else full
         print(
             f"{NAME}: {self.variant}: event {index + 1} {kind} at step {step}: {KIND_ACTION[kind]} "
-            f"(node {node}, rank 1, pid {pid})",
+            f"(node {node}, rank {full - 1}, pid {pid})",
             flush=True,
         )
         t_event = time.time()
@@ -288,11 +316,11 @@ class FailureScenario(Scenario):
             "index": index,
             "kind": kind,
             "node": node,
-            "rank": 1,
+            "rank": full - 1,
             "pid": pid,
             "at_step": step,
             "t_event": t_event,
-            "from_world": 2,
+            "from_world": full,
             "to_world": world,
         }
         grace = self.timers.step_time_s
@@ -320,7 +348,7 @@ class FailureScenario(Scenario):
             return {**ev, "outcome": e.outcome, "error": str(e)}
         ev.update(outcome="ok", **measured, late_by_steps=measured["last_old_step"] - step)
         ev["lost_time_s"] = lost_time(ev["downtime_s"], ev["steps_lost"], self.timers.step_time_s)
-        if kind == "node_loss":  # a new node B, so the next failure finds the job at 2 nodes again
+        if kind == "node_loss" and self.rejoin_after_loss:  # a new node B: the next failure finds 2 nodes again
             rejoin = self._rejoin(node)
             ev["rejoin"] = rejoin
             if rejoin["outcome"] != "ok":
@@ -339,7 +367,8 @@ class FailureScenario(Scenario):
         return ev
 
 
-def _listening(endpoint: str) -> bool:
+def listening(endpoint: str) -> bool:
+    """Whether something accepts connections at ``host:port`` (a store being up)."""
     host, port = endpoint.rsplit(":", 1)
     try:
         socket.create_connection((host, int(port)), timeout=1.0).close()

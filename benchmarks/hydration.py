@@ -8,9 +8,11 @@ Each repetition, interleaved with the baseline in the same processes:
   newcomers allocate theirs, then every parameter and optimizer tensor travels through
   ``broadcast_tensors`` (buckets of at most ``--bucket-mb``) and the newcomers load the
   optimizer state;
-* baseline: one ``dist.broadcast`` of a flat byte tensor of the same size.
+* baseline: one ``dist.broadcast`` of a flat byte tensor of the same size;
+* the memory bound: one ``copy_`` of that many bytes on the source (memcpy).
 
-Target: hydration bandwidth >= 0.5x the baseline.
+Target: hydration bandwidth >= 0.5x the baseline. :func:`measure` runs one such measurement at
+any state size (``state_scaling.py`` uses it per model size).
 
     python benchmarks/hydration.py [--quick | --smoke] [--ranks 2] [--bucket-mb 64]
 """
@@ -83,9 +85,19 @@ def worker_main(rank: int, world: int, port: int, state_mb: int, bucket_mb: floa
     nbytes = hydrate()  # warm-up: connections, allocations
     flat = torch.empty(nbytes, dtype=torch.uint8)
     dist.broadcast(flat, src=0)
-    samples: dict[str, list[float]] = {"hydration_s": [], "broadcast_s": []}
+    copy = torch.empty_like(flat) if rank == 0 else flat
+
+    def memcpy() -> None:
+        if rank == 0:
+            copy.copy_(flat)
+
+    samples: dict[str, list[float]] = {"hydration_s": [], "broadcast_s": [], "memcpy_s": []}
     for _ in range(reps):
-        for key, fn in (("hydration_s", hydrate), ("broadcast_s", lambda: dist.broadcast(flat, src=0))):
+        for key, fn in (
+            ("hydration_s", hydrate),
+            ("broadcast_s", lambda: dist.broadcast(flat, src=0)),
+            ("memcpy_s", memcpy),
+        ):
             dist.barrier()
             t0 = time.perf_counter()
             fn()
@@ -117,16 +129,62 @@ def plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def measure(*, state_mb: int, ranks: int, bucket_mb: float, reps: int, raw: Path, timeout_s: float = 900.0) -> dict:
+    """One measurement in ``ranks`` worker processes: a model of ``state_mb`` MB of fp32 parameters + AdamW
+    state hydrated, broadcast and copied ``reps`` times, interleaved. Returns rank 0's samples (``nbytes``
+    sent, ``hydration_s``, ``broadcast_s``, ``memcpy_s``); ``raw`` is where the workers leave them."""
+    if ranks < 2 or state_mb < 1 or reps < 1:
+        raise ValueError(f"ranks must be >= 2, state_mb and reps >= 1, got {ranks}, {state_mb}, {reps}")
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--ranks",
+                str(ranks),
+                "--bucket-mb",
+                str(bucket_mb),
+                "--state-mb",
+                str(state_mb),
+                "--reps",
+                str(reps),
+                "--worker",
+                str(r),
+                str(port),
+                str(raw),
+            ],
+            env=bench_env(OMP_NUM_THREADS="1"),
+        )
+        for r in range(ranks)
+    ]
+    try:
+        for proc in procs:
+            if proc.wait(timeout=timeout_s) != 0:
+                raise BenchmarkError(f"hydration worker {proc.args[-3]} exited {proc.returncode}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    data = json.loads(raw.read_text())
+    raw.unlink()
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     def options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--ranks", type=int, default=2, help="the source plus newcomers (default 2)")
         p.add_argument("--bucket-mb", type=float, default=64.0)
         p.add_argument("--worker", nargs=3, metavar=("RANK", "PORT", "FILE"), help=argparse.SUPPRESS)
+        p.add_argument("--state-mb", type=int, default=None, help=argparse.SUPPRESS)
+        p.add_argument("--reps", type=int, default=None, help=argparse.SUPPRESS)
 
     ns = parse_args(__doc__.splitlines()[0], add_arguments=options, argv=argv)
     if ns.ranks < 2:
         raise SystemExit("hydration.py: --ranks must be >= 2 (a source and a newcomer)")
-    state_mb, reps = STATE_MB[ns.mode], REPS[ns.mode]
+    state_mb, reps = ns.state_mb or STATE_MB[ns.mode], ns.reps or REPS[ns.mode]
     if ns.worker:
         rank, port, file = ns.worker
         code = worker_main(int(rank), ns.ranks, int(port), state_mb, ns.bucket_mb, reps, Path(file))
@@ -142,34 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         baseline="one dist.broadcast of a flat byte tensor of the same size, same group, interleaved",
         notes=["Loopback gloo on CPU: both sides copy through memory; on NCCL the staging copies run on the GPU."],
     )
-    port = free_port()
-    ns.out.mkdir(parents=True, exist_ok=True)
-    raw = ns.out / f"{NAME}_{ns.mode}.raw.json"
-    mode_flag = {"smoke": ["--smoke"], "quick": ["--quick"], "full": []}[ns.mode]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                *mode_flag,
-                "--ranks",
-                str(ns.ranks),
-                "--bucket-mb",
-                str(ns.bucket_mb),
-                "--worker",
-                str(r),
-                str(port),
-                str(raw),
-            ],
-            env=bench_env(OMP_NUM_THREADS="1"),
-        )
-        for r in range(ns.ranks)
-    ]
-    for proc in procs:
-        if proc.wait(timeout=900) != 0:
-            raise BenchmarkError(f"hydration worker {proc.args[-3]} exited {proc.returncode}")
-    data = json.loads(raw.read_text())
-    raw.unlink()
+    data = measure(
+        state_mb=state_mb, ranks=ns.ranks, bucket_mb=ns.bucket_mb, reps=reps, raw=ns.out / f"{NAME}_{ns.mode}.raw.json"
+    )
     mb = data["nbytes"] / 2**20
     hyd, base = median(data["hydration_s"]), median(data["broadcast_s"])
     ratios = [b / h for h, b in zip(data["hydration_s"], data["broadcast_s"])]
@@ -177,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "state_mb": round(mb, 1),
         "hydration_mb_per_s": round(mb / hyd, 1),
         "broadcast_mb_per_s": round(mb / base, 1),
+        "memcpy_mb_per_s": round(mb / median(data["memcpy_s"]), 1),
         "ratio_to_broadcast": round(base / hyd, 3),
         "ratio_per_rep_min": round(min(ratios), 3),
         "ratio_per_rep_max": round(max(ratios), 3),

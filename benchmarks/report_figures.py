@@ -25,6 +25,7 @@ EXPECTED = {
     "rendezvous_scale": "python benchmarks/rendezvous_scale.py --quick",
     "throughput": "python benchmarks/throughput.py --quick",
     "soak": "python benchmarks/soak.py --smoke --paths in-process,process",
+    "state_scaling": "python benchmarks/state_scaling.py --quick",
 }
 DASH = "–"
 
@@ -497,6 +498,90 @@ def render_soak(doc: Summary) -> list[str]:
     return lines
 
 
+def _mb(x: float | None) -> str:
+    return DASH if x is None else f"{x / 1e6:.0f} MB" if x >= 1e7 else f"{x / 1e6:.1f} MB"
+
+
+def _event_cost(seconds: float | None, redone: float | None = None, every: float | None = None) -> str:
+    """``0.85 s``, or with steps redone against the interval in force: ``0.85 s, 3 redone (every 20)``."""
+    if seconds is None:
+        return DASH
+    text = sec(seconds)
+    if redone is not None:
+        text += f", {steps(redone)} redone" + (f" (every {steps(every)})" if every is not None else "")
+    return text
+
+
+def render_state_scaling(doc: Summary) -> list[str]:
+    sizes = doc["summary"].get("sizes") or []
+    rows = []
+    for z in sizes:
+        overhead = z.get("snapshot_overhead")
+        snapshot = DASH if z.get("snapshot_interval") is None else f"every {z['snapshot_interval']}"
+        if overhead is not None:
+            snapshot += f" ({overhead:.1%} of a step)"
+        chain = sec(z.get("snapshot_chain_s"))
+        if z.get("snapshot_mb_per_s"):
+            chain += f" ({num(z['snapshot_mb_per_s'], 0)} MB/s)"
+        join = _event_cost(z.get("join_pause_s"))
+        if z.get("join_world"):
+            join += f" (to {z['join_world']} ranks)"
+        elif (z.get("outcomes") or {}).get("join", "").startswith("skipped"):
+            join = "skipped (memory)"
+        rows.append(
+            [
+                z["model"],
+                f"{z['params'] / 1e6:.1f}M",
+                _mb(z.get("state_bytes_per_rank")),
+                snapshot,
+                chain,
+                f"{num(z.get('peak_rss_over_state'), 1)} ({num(z.get('peak_rss_less_floor_over_state'), 1)})",
+                join,
+                _event_cost(z.get("leave_pause_s")),
+                _event_cost(z.get("crash_downtime_s"), z.get("crash_steps_redone"), z.get("crash_interval")),
+                _event_cost(
+                    z.get("node_loss_downtime_s"), z.get("node_loss_steps_redone"), z.get("node_loss_interval")
+                ),
+                f"{num(z.get('hydration_over_broadcast'))} / {num(z.get('hydration_over_memcpy'))}",
+                num(z.get("throughput_ratio_vs_torchrun"), 3),
+            ]
+        )
+    lines = table(
+        [
+            "size",
+            "params",
+            "state per rank",
+            "snapshots (`auto`)",
+            "one snapshot chain",
+            "peak RSS / state (less the process floor)",
+            "join: survivors' pause",
+            "leave: survivors' pause",
+            "rank crash: downtime",
+            "node loss: downtime",
+            "hydration over broadcast / over memcpy",
+            "throughput / torchrun",
+        ],
+        rows,
+    )
+    lost = [
+        f"{z['model']} {kind}: {how}"
+        for z in sizes
+        for kind, how in (("rank crash", z.get("crash_restored_from")), ("node loss", z.get("node_loss_restored_from")))
+        if how and not how.startswith("snapshot")
+    ]
+    failed = [f"{z['model']}: {z['failure']}" for z in sizes if z.get("failure")]
+    if lost:
+        lines += [
+            "",
+            "Repairs that found no complete snapshot (state from the checkpoint, or a fresh model): "
+            + "; ".join(lost)
+            + ".",
+        ]
+    if failed:
+        lines += ["", "Stopped early: " + "; ".join(failed) + "."]
+    return lines
+
+
 def render_generic(doc: Summary) -> list[str]:
     scalars = [
         (k, v) for k, v in doc["summary"].items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)
@@ -516,6 +601,7 @@ RENDERERS: dict[str, Callable[[Summary], list[str]]] = {
     "rendezvous_scale": render_rendezvous_scale,
     "throughput": render_throughput,
     "soak": render_soak,
+    "state_scaling": render_state_scaling,
 }
 
 

@@ -118,12 +118,18 @@ class Timers:
     faulty_scale_down_timeout_s: float = 0.0  # shrink as soon as a lost node's lease expires
     graceful_shutdown_timeout_s: float = 60.0
     max_restarts: int = 20
+    nproc_per_node: int = 1  # ranks per simulated node
+    max_nodes: int = 2  # the job's --nnodes 1:max_nodes
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{f.name} must be a number >= 0, got {value!r}")
+        for name in ("nproc_per_node", "max_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.lease_ttl_s < 1:
             raise ValueError(
                 f"lease_ttl_s must be >= 1 (torchrun's keep-alive is in whole seconds), got {self.lease_ttl_s!r}"
@@ -133,9 +139,9 @@ class Timers:
         """The launcher flags of ``node`` (every node of a job gets the same, but its own log folder)."""
         common = [
             "--nnodes",
-            "1:2",
+            f"1:{self.max_nodes}",
             "--nproc-per-node",
-            "1",
+            str(self.nproc_per_node),
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
@@ -222,7 +228,8 @@ class Scenario:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if variant == "torchrun-noshare" else "0"
         self.env = bench_env(**env)
         self.env_settings = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
-        self.devices = DevicePlan.for_host(slots=2, nproc=1)  # A on slot 0; the one other node alive at a time on 1
+        # A on slot 0, B on 1, C on 2 ...; with 2 slots every later node shares slot 1 (one alive at a time)
+        self.devices = DevicePlan.for_host(slots=timers.max_nodes, nproc=timers.nproc_per_node)
         if (note := self.devices.note()) is not None:
             print(f"{variant}: {note}", flush=True)
 
@@ -233,7 +240,7 @@ class Scenario:
         argv = self.train.argv(run_dir=self.work / "run", data_cache=self.data_cache, metrics=self.metrics)
         flags = self.timers.launcher_args(self.variant, self.endpoint, self.run_id, self.work, name)
         launcher = hyperpodrun_cmd if self.variant in OURS else torchrun_cmd
-        env = {**self.env, **self.devices.env(0 if name == "A" else 1)}
+        env = {**self.env, **self.devices.env(min(ord(name[0]) - ord("A"), self.timers.max_nodes - 1))}
         if name in self.nodes:  # started again after it left (torchrun's rejoin)
             self.nodes.pop(name).close()
         t = time.time()

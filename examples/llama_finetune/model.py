@@ -174,6 +174,45 @@ PRESETS: dict[str, LlamaConfig] = {
         max_seq_len=256,
         tie_embeddings=True,
     ),
+    # Sizes between tiny and 1B for measuring what state-proportional costs (snapshots, hydration,
+    # repairs) do as the state grows, on CPUs: the byte tokenizer keeps the embeddings small, so the
+    # parameters sit in the blocks. fp32 training state is 16 bytes a parameter (weights, gradients,
+    # AdamW's two moments); benchmarks/state_scaling.py measures what a rank holds beside it.
+    "llama-25m": LlamaConfig(
+        dim=512,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=2,
+        vocab_size=258,
+        hidden_dim=1536,
+        rope_theta=10_000.0,
+        max_seq_len=1024,
+        tie_embeddings=True,
+    ),
+    "llama-125m": LlamaConfig(
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        vocab_size=258,
+        hidden_dim=3840,
+        rope_theta=10_000.0,
+        max_seq_len=1024,
+        tie_embeddings=True,
+    ),
+    # The largest of these whose state fits 4 ranks (2 simulated nodes x 2) in ~20 GiB of host memory
+    # with in-memory snapshots on: see benchmarks/README.md (state_scaling) for what a rank holds.
+    "llama-300m": LlamaConfig(
+        dim=1024,
+        n_layers=20,
+        n_heads=16,
+        n_kv_heads=4,
+        vocab_size=258,
+        hidden_dim=4096,
+        rope_theta=10_000.0,
+        max_seq_len=1024,
+        tie_embeddings=True,
+    ),
     "llama3.2-1b": LlamaConfig(
         dim=2048,
         n_layers=16,

@@ -212,7 +212,11 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", help="preset: tiny (CPU), llama3.2-1b, llama3-8b, llama3.1-8b, llama3-70b [tiny]")
+    p.add_argument(
+        "--model",
+        help="preset: tiny, llama-25m, llama-125m, llama-300m (CPU), llama3.2-1b, llama3-8b, llama3.1-8b, "
+        "llama3-70b [tiny]",
+    )
     p.add_argument("--init-from", type=Path, help="Hugging Face Llama directory (config.json, *.safetensors)")
     p.add_argument("--data", type=Path, action="append", default=[], help=".txt or .jsonl file (repeatable)")
     for name in ("data_cache", "scale_config", "run_dir", "ckpt_dir", "metrics", "sample_log", "save_final"):
@@ -710,7 +714,11 @@ def train(cfg: TrainConfig) -> int:
                 "lr": elastic.scheduler.get_last_lr()[0],
             }
             if (snap := elastic.snapshot_stats())["state_bytes"]:  # --fsdp: in-memory snapshots (bytes)
-                metrics.update(snapshot_state_bytes=snap["state_bytes"], snapshot_held_bytes=snap["held_bytes"])
+                metrics.update(
+                    snapshot_state_bytes=snap["state_bytes"],
+                    snapshot_held_bytes=snap["held_bytes"],
+                    snapshot_chain_s=snap["chain_us"] / 1e6,
+                )
             say(
                 f"step {step.number:5d}/{cfg.steps} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:9.0f} tok/s | "
                 f"world {rt.world_size} | batch {describe_plan(step.batch.plan)} | lr {metrics['lr']:.2e}",

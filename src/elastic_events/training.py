@@ -473,7 +473,7 @@ class ElasticTraining:
 
     def snapshot_stats(self) -> dict[str, int]:
         """Bytes of this rank's local state, bytes of snapshots it holds (its neighbour's two and its own),
-        snapshots completed this round."""
+        snapshots completed this round, and the last one's chain time in µs (see ``Snapshots.stats``)."""
         return self.snapshots.stats()
 
     def finish(self) -> None:

@@ -507,6 +507,30 @@ def test_hydration_smoke(out_dir: Path) -> None:
     assert s["ratio_to_broadcast"] == pytest.approx(s["hydration_mb_per_s"] / s["broadcast_mb_per_s"], rel=0.01)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_state_scaling_smoke(out_dir: Path) -> None:
+    """The tiny model on 2 nodes x 2 ranks through a join, a leave, a rank crash and a node loss."""
+    [size] = run_smoke("state_scaling", out_dir)["summary"]["sizes"]
+    for key in ("params", "state_bytes_per_rank", "snapshot_interval", "snapshot_overhead", "join_pause_s"):
+        assert key in size, key
+    for key in ("hydration_over_broadcast", "peak_rss_over_state", "crash_steps_redone", "node_loss_downtime_s"):
+        assert key in size, key
+    assert "throughput_ratio_vs_torchrun" in size  # None in smoke: no torchrun run
+    assert size["model"] == "tiny" and size["failure"] is None, size["failure"]
+    assert size["state_bytes_per_rank"] == size["params"] * 16 // 4  # fp32 weights, grads, AdamW's 2 moments
+    # a snapshot copies the weights and AdamW's moments (12 bytes a parameter); a rank holds 3 of them
+    assert size["snapshot_state_bytes"] == pytest.approx(size["params"] * 12 / 4, rel=0.05)
+    assert size["snapshot_memory_ratio"] == pytest.approx(3.0, rel=0.05)
+    assert isinstance(size["snapshot_interval"], int) and size["snapshot_interval"] >= 1
+    for key in ("snapshot_overhead", "peak_rss_over_state", "hydration_over_broadcast", "step_s"):
+        assert positive(size[key]), (key, size[key])
+    for kind in ("crash", "node_loss"):
+        assert positive(size[f"{kind}_downtime_s"]), (kind, size[f"{kind}_downtime_s"])
+        assert size[f"{kind}_restored_from"].startswith("snapshot"), size[f"{kind}_restored_from"]
+        assert 0 <= size[f"{kind}_steps_redone"] <= size[f"{kind}_interval"], size
+
+
 def test_step_overhead_hf_client_smoke(out_dir: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH_DIR / "step_overhead.py"), "--smoke", "--client", "hf", "--out", str(out_dir)],

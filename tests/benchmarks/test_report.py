@@ -232,3 +232,20 @@ def test_the_snapshot_figure_names_the_intervals_auto_chose(report: ModuleType) 
     summary = {"snapshot_every": "auto", "chosen_intervals": [4, 6], "chosen_overheads": [0.015, 0.019]}
     (line,) = figures.render_step_overhead_snapshot({"summary": summary})
     assert line.endswith("`--snapshot-every auto` chose every 4, 6 step(s) (expected overhead at most 1.90%).")
+
+
+def test_state_scaling_renders_a_row_per_size_and_says_what_failed(report: ModuleType) -> None:
+    lines = report.render_figures(report.load_summaries(FIXTURES)).splitlines()
+    assert (
+        "| tiny | 2.9M | 12 MB | every 20 (1.9% of a step) | 0.080 s (108 MB/s) | 42.6 (15.9) | 0.21 s (to 6 ranks) | "
+        "0.12 s | 1.45 s, 3 redone (every 20) | 1.90 s, 1 redone (every 20) | 0.43 / 0.54 | 0.970 |"
+    ) in lines
+    assert "| llama-125m | 125.3M | 501 MB | every 9 (1.8% of a step) |" in next(
+        line for line in lines if line.startswith("| llama-125m")
+    )
+    assert "skipped (memory)" in next(line for line in lines if line.startswith("| llama-125m"))
+    assert (
+        "Repairs that found no complete snapshot (state from the checkpoint, or a fresh model): llama-125m rank "
+        "crash: no snapshot: no step at which every shard survived."
+    ) in lines
+    assert "Stopped early: llama-125m: hyperpodrun: 2 steps after the node_loss did not happen within 180s." in lines

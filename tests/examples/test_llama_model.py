@@ -270,6 +270,18 @@ def test_tiny_preset_has_a_few_million_parameters() -> None:
     assert config.n_kv_heads < config.n_heads
 
 
+@pytest.mark.parametrize(
+    ("name", "params"), [("llama-25m", 24_258_048), ("llama-125m", 125_260_032), ("llama-300m", 304_393_216)]
+)
+def test_cpu_scaling_presets_lie_between_tiny_and_1b(name: str, params: int) -> None:
+    config = LlamaConfig.from_name(name)
+    with torch.device("meta"):
+        model = Llama(config)
+    assert sum(p.numel() for p in model.parameters()) == params == config.num_params()
+    assert config.vocab_size == 258  # the byte tokenizer: the parameters sit in the blocks
+    assert config.n_kv_heads < config.n_heads
+
+
 def test_forward_rejects_sequences_longer_than_max_seq_len() -> None:
     with pytest.raises(ValueError, match="max_seq_len 64"):
         make_model()(tokens(1, 65))

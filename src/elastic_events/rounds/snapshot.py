@@ -365,6 +365,7 @@ class Replicator:
         self._last: _Job | None = None
         self.failed: BaseException | None = None  # why replication stopped in this round
         self.completed = 0  # snapshots whose chain completed
+        self.last_chain_us = 0  # how long the last completed chain took, from its start to every copy existing
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._sender = threading.Thread(target=self._send_loop, name="hyperpodrun-snapshot-send", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name="hyperpodrun-snapshot-recv", daemon=True)
@@ -474,7 +475,9 @@ class Replicator:
                 return
             try:
                 if self.failed is None:
+                    started = time.monotonic()
                     self._chain(job)
+                    self.last_chain_us = round((time.monotonic() - started) * 1e6)
                     self.completed += 1
             except Exception as exc:  # noqa: BLE001 - a broken group: stop replicating in this round
                 self._note_failure(exc, f"step {job.piece.step}")

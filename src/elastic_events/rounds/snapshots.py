@@ -203,10 +203,12 @@ class Snapshots:
 
     def stats(self) -> dict[str, int]:
         """Bytes of this rank's local state, bytes of snapshots it holds (its neighbour's two and its own),
-        snapshots completed this round."""
+        snapshots completed this round, and how long the last one's chain took (µs: sent to the holder
+        until every rank's copy existed; 0 before the first)."""
         c, r = self.captured, self.replicator
         return {
             "state_bytes": c.layout.state_bytes if c is not None else 0,
             "held_bytes": r.held_bytes() if r is not None else 0,
             "snapshots": r.completed if r is not None else 0,
+            "chain_us": r.last_chain_us if r is not None else 0,
         }
