@@ -167,6 +167,7 @@ class TrainState:
         self.builders = builders
         self._mesh = mesh  # HSDP: the current round's mesh (built once per round), handed to wrap as mesh=
         self.sampler, self.checkpointer, self.device = sampler, checkpointer, device
+        self.initial_sampler_state = sampler.state_dict() if sampler is not None else None  # step 0's data position
         self.module: torch.nn.Module | None = None  # the bare model (for FSDP2: the sharded model itself)
         self.model: torch.nn.Module | None = None  # what the loop calls: wrapped when a group is up
         self.optimizer: torch.optim.Optimizer | None = None

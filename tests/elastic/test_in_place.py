@@ -266,6 +266,42 @@ def test_a_lost_node_is_repaired_in_place(make_job, model, per_node, tmp_path) -
     assert_trained_like_one_process(job)
 
 
+def test_a_repair_with_no_state_left_starts_again_from_step_0(make_job, tmp_path) -> None:
+    """FSDP2 on 3 nodes without checkpoints; two nodes are lost at once, so node a holds its own shard and one
+    peer's copy but not the third shard: no complete state exists anywhere. The repaired round starts again
+    from step 0 with the model built fresh and step 0's data, says so (``state_lost``), and ends on an
+    unbroken run's parameters; it never trains new weights under the lost step's count."""
+    job = make_job(
+        script=INPLACE, script_args=script_args("fsdp", tmp_path), nnodes="1:3", flags=("--max-restarts", "3")
+    )
+    for name in ("a", "b", "c"):
+        job.start_node(name)
+    wait_until(lambda: job.events("round_in_process"), timeout=90, what="the round to run in-process")
+    job.wait_for_world(3, timeout=90)
+    job.wait_steps(5)
+    job.kill_node_hard("b")
+    job.kill_node_hard("c")
+    wait_until(lambda: job.events("state_lost"), timeout=60, what="the repair to find no complete state")
+    job.wait_steps(3)
+    codes = job.finish()
+    assert codes["a"] == 0, job.stderr("a")
+
+    (lost,) = job.events("state_lost")
+    steps = [p["step"] for p in job.progress()]
+    at = steps.index(1, 1)  # the first step of the new start
+    assert steps[:at] == list(range(1, at + 1)) and steps[at:] == list(range(1, len(steps) - at + 1)), steps
+    assert lost["lost_steps"] in (at, at + 1), (lost, steps)  # a peer may have finished the step rank 0 had not logged
+    assert "training starts again from step 0" in job.stderr("a")
+    assert job.events("snapshot_unavailable") and not job.events("snapshot_restored")
+    assert [p["world"] for p in job.progress()][at:] == [1] * (len(steps) - at)  # node a alone, in place
+    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
+    reference = reference_params({steps[-1]})[steps[-1]]
+    assert {f["step"] for f in final} == {steps[-1]}, final
+    for f in final:  # the weights trained since the new start only
+        for got, want in zip(f["params"], reference, strict=True):
+            assert got == pytest.approx(want, abs=1e-5)
+
+
 @pytest.mark.parametrize("model", ["ddp", "fsdp"])
 def test_a_hung_rank_is_killed_and_replaced_in_place(make_job, model, tmp_path) -> None:
     """SIGSTOP of one rank: its agent dumps the stacks and kills it after --hang-timeout, the peer

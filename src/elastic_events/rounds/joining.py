@@ -348,22 +348,45 @@ class Joiner:
         self.state.load_small_state(small)
 
     def rebuild_from_storage(self, fresh_module: torch.nn.Module | None) -> None:
-        """No rank holds a complete state: every rank builds its model and loads the newest checkpoint."""
+        """No rank holds a complete state: every rank builds its model and loads the newest checkpoint;
+        without one, training starts again from step 0 (:meth:`_start_over`)."""
         s = self.state
         s.build(fresh_module if fresh_module is not None else s.fresh_module())
         s.control_step = 0
-        self.load_checkpoint()
+        if not self.load_checkpoint() and s.step > 0:
+            self._start_over()
 
-    def load_checkpoint(self) -> None:
+    def load_checkpoint(self) -> bool:
+        """Load the newest checkpoint, if there is one; whether the state now is that checkpoint's."""
         s = self.state
         if s.checkpointer is None or s.checkpointer.latest() is None:
-            return
+            return False
         loaded = s.checkpointer.load(
             model=s.built_model(), optimizer=s.optimizer, scheduler=s.scheduler, data=s.sampler
         )
-        if loaded is not None:
-            s.step, s.extra = loaded.step, dict(loaded.extra)
-            s.resumed_from = "checkpoint"
+        if loaded is None:
+            return False
+        s.step, s.extra = loaded.step, dict(loaded.extra)
+        s.resumed_from = "checkpoint"
+        return True
+
+    def _start_over(self) -> None:
+        """The state of step ``s.step`` is gone (no survivor, complete snapshot or checkpoint held it): the
+        freshly built model goes with step 0 and step 0's data position, as a restart without a checkpoint
+        would, never with the lost step's count and position (new weights trained as if from that step)."""
+        s = self.state
+        lost = s.step
+        s.step, s.extra, s.resumed_from = 0, {}, "fresh"
+        if s.sampler is not None and s.initial_sampler_state is not None:
+            s.sampler.load_state_dict(s.initial_sampler_state)
+        if self.engine.rank == 0:
+            print(
+                f"rank 0: no survivor, complete snapshot or checkpoint holds the state of step {lost}: training "
+                f"starts again from step 0 ({lost} steps lost; --ckpt-every or snapshots would have kept them)",
+                file=sys.stderr,
+                flush=True,
+            )
+        eventlog.emit(Record.STATE_LOST, lost_steps=lost)
 
     # ------------------------------------------------------------------ HSDP
     def _live_piece_now(self) -> Piece:
