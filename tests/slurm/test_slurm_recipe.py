@@ -269,7 +269,8 @@ def test_join_leave_preemption_requeue_and_stop(slurm: SlurmCluster, run: Recipe
         assert _fields(job) == SUCCESS, job
     run.figure("scancel --signal=TERM of every job -> all COMPLETED, checkpoint written", time.monotonic() - t0)
     steps = run.assert_contiguous()
-    assert run.worlds() == [2, 3, 2, 3, 2, 3]
+    # the stop of both jobs: the join's node may leave a step before the main job's stop is agreed (one step at 2)
+    assert run.worlds() in ([2, 3, 2, 3, 2, 3], [2, 3, 2, 3, 2, 3, 2]), run.worlds()
     assert run.checkpoints() == [steps[-1]]
     assert not run.events("worker_failed"), "a rank died of a graceful event"
     for node_id in originals:  # the first allocation's ranks kept their processes through every event
