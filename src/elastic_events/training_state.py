@@ -278,6 +278,15 @@ class TrainState:
         gc.collect()
 
     # ------------------------------------------------------------------ small state
+    def start_over(self) -> int:
+        """Step 0's count and data position for a freshly built model, as a restart without a checkpoint
+        would have: never the lost step's (new weights trained as if from that step). Returns the lost step."""
+        lost = self.step
+        self.step, self.extra, self.resumed_from = 0, {}, "fresh"
+        if self.sampler is not None and self.initial_sampler_state is not None:
+            self.sampler.load_state_dict(self.initial_sampler_state)
+        return lost
+
     def small_state(self, *, control_step: int) -> dict[str, Any]:
         return {
             "step": self.step,

@@ -371,14 +371,9 @@ class Joiner:
         return True
 
     def _start_over(self) -> None:
-        """The state of step ``s.step`` is gone (no survivor, complete snapshot or checkpoint held it): the
-        freshly built model goes with step 0 and step 0's data position, as a restart without a checkpoint
-        would, never with the lost step's count and position (new weights trained as if from that step)."""
-        s = self.state
-        lost = s.step
-        s.step, s.extra, s.resumed_from = 0, {}, "fresh"
-        if s.sampler is not None and s.initial_sampler_state is not None:
-            s.sampler.load_state_dict(s.initial_sampler_state)
+        """The state of its step is gone (no survivor, complete snapshot or checkpoint held it): training starts
+        again from step 0 (:meth:`~elastic_events.training_state.TrainState.start_over`), and says so."""
+        lost = self.state.start_over()
         if self.engine.rank == 0:
             print(
                 f"rank 0: no survivor, complete snapshot or checkpoint holds the state of step {lost}: training "
