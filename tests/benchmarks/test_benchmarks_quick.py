@@ -7,12 +7,10 @@ no timing thresholds: this machine's speed is not what they test.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,16 +21,6 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / "benchmarks"
 SCRIPT_TIMEOUT_S = 600
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def bench() -> Iterator[Any]:
-    """Import benchmark modules by name from benchmarks/ (they import ``common`` as scripts do)."""
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        yield lambda name: importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCH_DIR))
 
 
 # --------------------------------------------------------------------------- pure functions

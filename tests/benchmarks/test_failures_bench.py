@@ -8,11 +8,9 @@ and redid at most one step, with sane phases. No timing thresholds: the machine'
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -24,13 +22,9 @@ SMOKE_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def failures() -> Iterator[ModuleType]:
+def failures(bench) -> ModuleType:
     """benchmarks/failure_analysis.py as a module (it imports ``common`` and ``scale_analysis`` as the scripts do)."""
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        yield importlib.import_module("failure_analysis")
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    return bench("failure_analysis")
 
 
 def _steps(*points: tuple[float, int]) -> list[dict[str, float | int]]:

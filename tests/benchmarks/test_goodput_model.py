@@ -4,13 +4,11 @@ and the script end to end in ``--smoke``. No projected value is asserted beyond 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,13 +20,9 @@ BENCH_DIR = REPO / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def gm() -> Iterator[ModuleType]:
+def gm(bench) -> ModuleType:
     """The module, imported from benchmarks/ as the scripts import ``common``."""
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        yield importlib.import_module("goodput_model")
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    return bench("goodput_model")
 
 
 @pytest.fixture(scope="module")

@@ -9,25 +9,17 @@ from __future__ import annotations
 import importlib
 import json
 import shutil
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH_DIR = REPO / "benchmarks"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "summary"
 
 
 @pytest.fixture(scope="module")
-def report() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        yield importlib.import_module("report")
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+def report(bench) -> ModuleType:
+    return bench("report")
 
 
 def test_load_prefers_the_most_thorough_mode_then_the_newest(report: ModuleType) -> None:

@@ -4,26 +4,15 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH_DIR = REPO / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def scaling() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        yield importlib.import_module("state_scaling")
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+def scaling(bench) -> ModuleType:
+    return bench("state_scaling")
 
 
 def _measurement() -> dict[str, Any]:
