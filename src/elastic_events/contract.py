@@ -126,6 +126,7 @@ class Record(str, Enum):
     SNAPSHOT_INTERVAL = "snapshot_interval"  # the interval --snapshot-every auto chose for a round, and why
     SNAPSHOT_RESTORED = "snapshot_restored"  # a sharded model put back together from snapshots after a failure
     SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"  # no step at which every shard survived: the checkpoint instead
+    STEP_ROLLED_BACK = "step_rolled_back"  # HSDP: a step applied on some shard indices only, trained again
     STATE_LOST = "state_lost"  # no rank, snapshot or checkpoint held the state: training starts again at step 0
     IN_PLACE_UNAVAILABLE = "in_place_unavailable"  # a framework rank does not offer in-place events (reason)
     RESTART_REQUESTED = "restart_requested"  # a rank that offered in-place events was asked to save and restart

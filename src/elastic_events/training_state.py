@@ -150,6 +150,11 @@ class Kept:
     # an HSDP survivor: its live local shards (which the other replicas hold too) and which shard they are
     piece: Piece | None = None
     holding: Holding | None = None
+    previous: Piece | None = None  # an HSDP survivor of a failure: its local shards as they were one step back
+
+    def at(self, step: int) -> Piece | None:
+        """An HSDP survivor's local shards at ``step``: live, one step back, or None (it is sent them)."""
+        return next((p for p in (self.piece, self.previous) if p is not None and p.step == step), None)
 
 
 class TrainState:

@@ -61,6 +61,36 @@ def test_a_killed_hsdp_rank_takes_its_shard_from_the_other_replica(make_job, tmp
     assert {p["world"] for p in job.progress()} == {4}
 
 
+def test_a_rank_killed_inside_the_cross_replica_reduction_costs_one_step_not_the_run(make_job, tmp_path) -> None:
+    """Rank 1 dies as step 6's cross-replica all-reduce starts, after its replica's reduce-scatter: shard 0's
+    ranks (0 and 2) complete their all-reduce and apply step 6, rank 3 (shard 1, rank 1's peer) cannot. No rank
+    holds every shard at one step, except through the copies each rank keeps one step back: the round goes on
+    from step 6's start, step 6 is trained again. Before those copies this started the run again from step 0."""
+    job = make_job(
+        script=INPLACE,
+        script_args=(str(tmp_path), "hsdp", "die-in-reduction-at=6"),
+        nnodes="2",
+        flags=("--max-restarts", "3", "--nproc-per-node", "2", "--spare-ranks", "0"),
+    )
+    job.start_node("a")
+    job.start_node("b")
+    wait_until(
+        lambda: [r for r in worlds(job) if r["how"] == "peers"] or job.events("state_lost"),
+        timeout=120,
+        what="rank 1's replacement to be hydrated, or the state to be lost",
+    )
+    job.wait_steps(5)
+    assert job.finish() == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+
+    assert not job.events("state_lost"), job.events("state_lost")
+    assert [(e["step"], e["redone"]) for e in job.events("step_rolled_back")] == [(6, 1)]
+    records = worlds(job)
+    assert [(r["how"], r["step"]) for r in records if r["rank"] == 1 and r["how"] != "fresh"] == [("peers", 6)]
+    assert {r["how"] for r in records if r["rank"] in (0, 2, 3)} == {"fresh", "recovered"}, records
+    assert job.events("hydrated")[-1]["bytes_moved"] == SHARD_BYTES  # shard 1, from rank 3 to the replacement
+    assert_trained_like_one_process(job)
+
+
 def test_a_killed_rank_of_the_only_hsdp_replica_is_restored_from_snapshots(make_job, tmp_path) -> None:
     """HSDP with one replica (one node of two ranks): no other replica holds the shards, so in-memory snapshots
     are taken as for FSDP over the world, and a killed rank's shard comes back from its peer's copy."""

@@ -106,6 +106,26 @@ def test_a_shard_no_replica_holds_at_the_newest_step_is_an_error_naming_it() -> 
         plan_replicas(holdings, MeshLayout(world_size=2, shard_size=2))
 
 
+def test_a_step_applied_on_some_shard_indices_only_is_trained_again_from_the_copy_one_step_back() -> None:
+    """Rank 1 died inside step 6's cross-replica reduction: shard 0's ranks (0, 2) applied step 6, shard 1's
+    only survivor (3) did not. Without the copies one step back no rank held every shard at one step
+    (CI: the job started again from step 0); with them the round goes on from step 5 and redoes step 6."""
+    layout = MeshLayout(world_size=4, shard_size=2)
+    live = {0: (0, 6), 1: None, 2: (0, 6), 3: (1, 5)}
+    with pytest.raises(ReplicaPlanError, match=r"shard\(s\) \[1\] .* held by no rank at step 6"):
+        plan_replicas({r: h and Holding(shard_size=2, shard=h[0], step=h[1]) for r, h in live.items()}, layout)
+    holdings = {r: h and Holding(shard_size=2, shard=h[0], step=h[1], previous=h[1] - 1) for r, h in live.items()}
+    plan = plan_replicas(holdings, layout)
+    assert (plan.step, plan.newest, plan.keepers, plan.small_source) == (5, 6, (0, 2, 3), 0)
+    assert plan.transfers == (ShardTransfer(shard=1, source=3, receivers=(1,)),)
+
+
+def test_the_copy_one_step_back_is_not_used_when_every_shard_is_held_at_the_newest_step() -> None:
+    holdings = {r: Holding(shard_size=2, shard=r % 2, step=6, previous=5) for r in (0, 2, 3)} | {1: None}
+    plan = plan_replicas(holdings, MeshLayout(world_size=4, shard_size=2))
+    assert (plan.step, plan.newest, plan.keepers) == (6, 6, (0, 2, 3))
+
+
 def test_shards_of_another_shard_size_do_not_count() -> None:
     with pytest.raises(ReplicaPlanError, match="no rank kept a shard of a mesh in shards of 2"):
         plan_replicas(held(4, 1, r0=0, r1=1), MeshLayout(world_size=2, shard_size=2))

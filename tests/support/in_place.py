@@ -96,14 +96,16 @@ def two_nodes_hit_rank_1(job, sig: int, *, start_timeout: float = 90) -> tuple[i
 def committed_steps(job) -> list[int]:
     """Rank 0's steps, each once, in order; a step is trained again only after a sharded model rolled back to
     its newest snapshot (``snapshot_restored``, at most the snapshot interval: 1 with a snapshot every step, or
-    the interval ``--snapshot-every auto`` chose), never otherwise.
+    the interval ``--snapshot-every auto`` chose) or an HSDP step applied on some shard indices only was
+    trained again from the copies one step back (``step_rolled_back``, 1 step), never otherwise.
 
     Rank 0 logs no step only where a repair gave it a peer's newer state: a rank killed mid all-reduce can
     leave one survivor a step ahead (it had every peer's share), and the repair resumes all from it; rank 0's
     ``recovered`` record is then at the step it did not log."""
-    rollbacks = [e for e in job.events("snapshot_restored") if e["redone"]]
     interval = max([e["every"] for e in job.events("snapshot_interval")], default=1)
     assert all(e["redone"] <= interval for e in job.events("snapshot_restored")), job.events("snapshot_restored")
+    assert all(e["redone"] == 1 for e in job.events("step_rolled_back")), job.events("step_rolled_back")
+    rollbacks = [e for e in job.events() if e["event"] in ("snapshot_restored", "step_rolled_back") and e["redone"]]
     adopted = {r["step"] for r in worlds(job) if r["rank"] == 0 and r["how"] == "recovered"}
     steps: list[int] = []
     for step in (p["step"] for p in job.progress()):

@@ -45,14 +45,7 @@ from elastic_events.rounds.hydration import (
 )
 from elastic_events.rounds.replica_hydration import hydrate_from_replicas
 from elastic_events.rounds.replica_plan import Holding, ReplicaPlanError, plan_replicas
-from elastic_events.rounds.snapshot import (
-    Piece,
-    capture,
-    optimizer_state_count,
-    recv_body,
-    recv_header,
-    send_piece,
-)
+from elastic_events.rounds.snapshot import Piece, capture, optimizer_state_count, recv_body, recv_header, send_piece
 from elastic_events.rounds.snapshot_restore import (
     RestorePlan,
     SnapshotReport,
@@ -146,10 +139,12 @@ class Joiner:
             failed=True,
         )
         layout = e.layout() if s.sharded and self.snapshots.replicas else None
-        if layout is not None:  # HSDP: its live shards go into the repaired round, another replica has the rest
+        if layout is not None:  # HSDP: its live shards (and one step back) go into the repaired round
             self.snapshots.stop(broken=True)
-            kept.piece = self.snapshots.piece(s.step)
-            kept.holding = Holding(shard_size=layout.shard_size, shard=layout.shard_of(e.rank), step=s.step)
+            kept.piece, kept.previous = self.snapshots.piece(s.step), self.snapshots.one_step_back(s.step)
+            back = kept.previous.step if kept.previous is not None else None
+            shard = layout.shard_of(e.rank)
+            kept.holding = Holding(shard_size=layout.shard_size, shard=shard, step=s.step, previous=back)
         elif s.sharded:  # its live shards, and the copies of its neighbour's it holds, go into the repaired round
             replicator = self.snapshots.stop(broken=True)
             if replicator is None:
@@ -398,7 +393,6 @@ class Joiner:
         """HSDP: every rank's shard from itself or from a replica that kept it (:mod:`.replica_plan`), loaded
         into its model on the new mesh; storage when some shard is held by none. Returns the plan and the bytes moved."""
         e, s = self.engine, self.state
-        own = kept.piece if kept is not None else None
         try:
             layout = e.layout()
             if layout is None:
@@ -406,8 +400,9 @@ class Joiner:
             plan = plan_replicas({r.rank: r.holding for r in reports}, layout)
         except ReplicaPlanError as why:
             return self._sharded_from_storage(str(why), kept, fresh_module), None
+        own = kept.at(plan.step) if kept is not None else None
         if kept is not None:
-            kept.piece = None  # ``own`` holds it until it is loaded
+            kept.piece = kept.previous = None  # ``own`` holds what is loaded
 
         def build() -> torch.nn.Module:
             self._drop_state(kept)  # the old sharded objects go before the new ones are built

@@ -12,6 +12,7 @@ and nothing re-sharded: a receiver loads the piece into its fresh model's local 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from elastic_events import eventlog
+from elastic_events.contract import Record
 from elastic_events.errors import HydrationError
 from elastic_events.rounds import abort
 from elastic_events.rounds.replica_plan import ReplicaPlan
@@ -43,8 +46,18 @@ def hydrate_from_replicas(
 ) -> int:
     """Bring this rank to ``plan``: its piece (kept, or received from its shard's source), then ``build()`` its
     model on the new mesh, load the piece into its local shards and ``finish`` (buffers and small state from
-    the plan's small source). Every rank of the round calls it; returns the bytes moved by the whole round."""
+    the plan's small source). Every rank of the round calls it; returns the bytes moved by the whole round.
+    Ranks ahead of ``plan.step`` load the copy they kept of it (:mod:`.own_copy`): the step is trained again."""
     e = engine
+    if plan.newest > plan.step:
+        eventlog.emit(Record.STEP_ROLLED_BACK, step=plan.step, redone=plan.newest - plan.step)
+        if e.rank == 0:
+            print(
+                f"round {e.round}: step {plan.newest} was applied on some shard indices only (a rank died in its "
+                f"cross-replica reduction): every rank goes on from step {plan.step}, kept one step back",
+                file=sys.stderr,
+                flush=True,
+            )
     mine, sent = exchange_shards(
         plan,
         own,

@@ -21,6 +21,7 @@ import time
 from elastic_events import eventlog
 from elastic_events.contract import AUTO, Record
 from elastic_events.rounds.engine import RoundEngine
+from elastic_events.rounds.own_copy import OwnCopy
 from elastic_events.rounds.snapshot import (
     Captured,
     Piece,
@@ -50,22 +51,25 @@ class Snapshots:
         self._last_take: float | None = None  # auto: when take() last returned (monotonic)
         self._carrying = False  # the step under way has the last snapshot streaming beside it
         self.replicas = False  # HSDP with 2 replicas or more this round: live state described, no copies
+        self.own: OwnCopy | None = None  # HSDP with 2 replicas or more: the local state before the last step
 
     def start(self) -> None:
         """Start this round's snapshots if they apply (collective: every rank decides the same way).
 
-        HSDP with two replicas or more: the other replicas hold every shard, so nothing is copied; the
-        live local state is only described (:attr:`replicas`), for a failure's repair to send from."""
+        HSDP with two replicas or more: the other replicas hold every shard, so nothing is sent; the
+        live local state is described (:attr:`replicas`), for a failure's repair to send from, and copied
+        locally before each optimizer step (:attr:`own`, :mod:`.own_copy`)."""
         e, s = self.engine, self.state
-        self.replicas = False
+        self.replicas, self.own = False, None
         if e.reader is None or not e.distributed or e.world_size < 2 or not s.sharded:
             return
         layout = e.layout()
         if layout is not None and layout.replicas >= 2:
-            self.captured, self.replicas = capture(s.built_model(), s.optimizer), True
+            self.captured, self.replicas, self.own = capture(s.built_model(), s.optimizer), True, OwnCopy()
             if e.rank == 0:
                 print(
-                    f"round {e.round}: {layout.describe()}: no in-memory snapshots, another replica holds every shard",
+                    f"round {e.round}: {layout.describe()}: no in-memory snapshots, another replica holds every "
+                    "shard (each rank keeps its own state of one step back)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -171,6 +175,12 @@ class Snapshots:
             tensors=c.tensors,
         )
 
+    def one_step_back(self, step: int) -> Piece | None:
+        """HSDP with replicas: this rank's copy of its local state before its last optimizer step, if older
+        than ``step`` (the live state is at ``step``)."""
+        back = self.own.piece() if self.own is not None else None
+        return back if back is not None and back.step < step else None
+
     def recapture(self) -> None:
         """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here)."""
         if self.replicator is None and not self.replicas:
@@ -181,9 +191,12 @@ class Snapshots:
 
     def wait(self) -> None:
         """The optimizer's pre-step hook: no step is committed before every copy of the last snapshot exists
-        (and the live tensors being sent must not change yet). A peer's failure raises ``PeerFailureError``."""
+        (and the live tensors being sent must not change yet). A peer's failure raises ``PeerFailureError``.
+        HSDP with replicas: the local state is copied before the step changes it."""
         if self.replicator is not None:
             self.replicator.wait(broken=self.engine.broken)
+        if self.own is not None:
+            self.own.take(self.piece(self.state.step))
 
     def stop(self, *, broken: bool) -> Replicator | None:
         """End this round's replication (``broken``: at once, keeping what is held) and return it."""
@@ -208,7 +221,7 @@ class Snapshots:
         c, r = self.captured, self.replicator
         return {
             "state_bytes": c.layout.state_bytes if c is not None else 0,
-            "held_bytes": r.held_bytes() if r is not None else 0,
+            "held_bytes": r.held_bytes() if r is not None else self.own.nbytes if self.own is not None else 0,
             "snapshots": r.completed if r is not None else 0,
             "chain_us": r.last_chain_us if r is not None else 0,
         }

@@ -1,10 +1,12 @@
 """A stand-in trainer on the in-process API: ranks survive scale events, newcomers hydrate from peers.
 
-argv: RUN_DIR [fsdp|hsdp [die-sending-at=N]]. A tiny linear model trained by DDP (or FSDP2, sharded over
-the ranks; or HSDP, sharded over a node's ranks, replicated across nodes) with SGD and momentum on data
-derived from the step number, so the parameters depend only on how many steps were trained. ``die-sending-at=N``: rank 1 of the first round kills itself
-half-way through sending its in-memory snapshot of step N (a failure injector for
-``elastic_events.rounds.snapshot``). Rank 0 appends {"step", "world", "ts"} to
+argv: RUN_DIR [fsdp|hsdp [die-sending-at=N|die-in-reduction-at=N]]. A tiny linear model trained by DDP (or
+FSDP2, sharded over the ranks; or HSDP, sharded over a node's ranks, replicated across nodes) with SGD and
+momentum on data derived from the step number, so the parameters depend only on how many steps were
+trained. Failure injectors, for rank 1 of the first round: ``die-sending-at=N`` kills it half-way through
+sending its in-memory snapshot of step N (``elastic_events.rounds.snapshot``); ``die-in-reduction-at=N``
+kills it as step N's backward starts its cross-replica all-reduce (HSDP), after the reduce-scatter
+inside its replica. Rank 0 appends {"step", "world", "ts"} to
 RUN_DIR/progress.jsonl every step; every rank appends {"pid", "rank", "world", "round", "step",
 "how"} to RUN_DIR/worlds.jsonl when it starts and after every reconfiguration, and its final
 parameters to RUN_DIR/final.jsonl. Training ends at the first step after RUN_DIR/stop exists
@@ -27,7 +29,9 @@ from elastic_events import ElasticConfig, ElasticTraining, HSDPConfig, elastic_e
 run = Path(sys.argv[1])
 HSDP = sys.argv[2:3] == ["hsdp"]  # sharded over a node's ranks, replicated across nodes
 FSDP = sys.argv[2:3] == ["fsdp"] or HSDP
-DIE_SENDING_AT = int(sys.argv[3].removeprefix("die-sending-at=")) if sys.argv[3:] else -1
+INJECT, _, AT = (sys.argv[3] if sys.argv[3:] else "none=-1").partition("=")
+DIE_SENDING_AT = int(AT) if INJECT == "die-sending-at" else -1
+DIE_IN_REDUCTION_AT = int(AT) if INJECT == "die-in-reduction-at" else -1
 
 
 def log(name: str, record: dict) -> None:
@@ -49,6 +53,21 @@ def die_half_way_through_the_next_snapshot() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     dist.isend = die
+
+
+def die_in_the_cross_replica_reduction() -> None:
+    """FSDP2's HSDP reduces gradients with ``dist.all_reduce`` over the replicate group (the world's other
+    collectives here are on the default group): the process is killed as that call starts."""
+    import signal
+
+    all_reduce = dist.all_reduce
+
+    def die_on_the_replicate_group(tensor, *args, group=None, **kwargs):
+        if group is not None and group is not dist.group.WORLD:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = die_on_the_replicate_group
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -85,6 +104,8 @@ while True:
         if elastic.rank == 0 and elastic.resumed_from == "fresh" and (run / "block").exists():
             log("blocked.jsonl", {"pid": os.getpid(), "step": elastic.step})
             os.read(os.pipe()[0], 1)  # a main thread that never returns, like a collective gloo never ends
+        if elastic.step == DIE_IN_REDUCTION_AT and elastic.rank == 1 and elastic.resumed_from == "fresh":
+            die_in_the_cross_replica_reduction()
         stop = torch.tensor([float((run / "stop").exists())])
         dist.all_reduce(stop)
         if stop.item() > 0:
