@@ -7,10 +7,7 @@ copy is kept while two replicas exist; with one replica left, the in-memory snap
 
 from __future__ import annotations
 
-import json
 import signal
-
-import pytest
 
 from support.cluster import wait_until
 from support.in_place import (
@@ -18,7 +15,6 @@ from support.in_place import (
     assert_trained_like_one_process,
     hit_rank_1,
     pid_of_rank,
-    reference_params,
     rescued_ranks,
     two_nodes_hit_rank_1,
     worlds,
@@ -174,21 +170,9 @@ def test_a_lost_hsdp_node_is_repaired_without_moving_a_shard(make_job, tmp_path)
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")][-1] == ("node_lost", "reconfigure")
     repaired = job.events("hydrated")[-1]
     assert not job.events("snapshot_restored")
-    if not job.events("state_lost"):
-        assert (repaired["mesh"], repaired["newcomers"], repaired["bytes_moved"]) == ([1, 2], 0, 0)
-        assert_trained_like_one_process(job)
-        return
-    # b died inside a step's cross-replica reduction, which completed for one of a's shards and not the other:
-    # one of a's ranks applied that step and one did not, and without snapshots (2 replicas) no rank holds the
-    # other shard at the newer step. The last replica then has no consistent state: training starts again
-    # from step 0 and says so; it never trains on with shards of two different steps.
-    assert "held by no rank" in job.events("snapshot_unavailable")[-1]["reason"]
-    steps = [p["step"] for p in job.progress()]
-    at = steps.index(1, 1)  # the new start
-    assert steps[:at] == list(range(1, at + 1)) and steps[at:] == list(range(1, len(steps) - at + 1)), steps
-    final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    assert {f["step"] for f in final} == {steps[-1]}, final
-    reference = reference_params({steps[-1]})[steps[-1]]
-    for f in final:  # the weights trained since the new start only
-        for got, want in zip(f["params"], reference, strict=True):
-            assert got == pytest.approx(want, abs=1e-5)
+    assert not job.events("state_lost"), job.events("snapshot_unavailable")
+    assert (repaired["mesh"], repaired["newcomers"], repaired["bytes_moved"]) == ([1, 2], 0, 0)
+    # b may die inside a step's cross-replica reduction that completed for one of a's shards and not the other:
+    # the rank ahead then loads its copy one step back (step_rolled_back), and only that step is redone
+    assert [e["redone"] for e in job.events("step_rolled_back")] in ([], [1])
+    assert_trained_like_one_process(job)
