@@ -409,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     for k in args.kinds:
         if k not in KINDS:
             raise SystemExit(f"--kinds: unknown failure kind {k!r}; choose from {', '.join(KINDS)}")
-    timers = FailureTimers(step_time_s=args.step_time, hang_timeout_s=args.hang_timeout)
+    timers = FailureTimers(
+        step_time_s=args.step_time, hang_timeout_s=args.hang_timeout, nproc_per_node=args.nproc_per_node
+    )
     train = TrainArgs.from_namespace(args, steps=1_000_000, min_step_time=args.step_time, ckpt_every=args.ckpt_every)
     count = args.events if args.events is not None else EVENTS_PER_KIND[args.mode]
     if count < 1:
@@ -440,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             "settle_steps": settle,
             "train": train.as_params(),
             "nodes": 2,
-            "nproc_per_node": 1,
+            "nproc_per_node": timers.nproc_per_node,
             "nnodes": "1:2",
         },
         baseline="torchrun --nnodes 1:2 (c10d, --max-restarts), the same script and failures in the same run: "

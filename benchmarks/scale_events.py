@@ -449,6 +449,12 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, *, default_launchers
     parser.add_argument("--step-time", type=float, default=Timers.step_time_s, help="fixed step time, s")
     parser.add_argument("--ckpt-every", type=int, default=10, help="periodic checkpoint interval, steps [10]")
     parser.add_argument("--event-timeout", type=float, default=None, help="hard limit per event, s")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=Timers.nproc_per_node,
+        help="ranks per simulated node [1]; with --train-args=--hsdp a node is one replica",
+    )
     add_train_arguments(parser, global_batch=4, micro_batch=2)
     parser.set_defaults(seq_len=128)
 
@@ -488,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
     args.launchers = chosen_launchers(args, DEFAULT_VARIANTS)
-    timers = Timers(step_time_s=args.step_time)
+    timers = Timers(step_time_s=args.step_time, nproc_per_node=args.nproc_per_node)
     train = TrainArgs.from_namespace(args, steps=1_000_000, min_step_time=args.step_time, ckpt_every=args.ckpt_every)
     events = SCENARIO[args.mode]
     event_timeout = args.event_timeout or EVENT_TIMEOUT_S[args.mode]
@@ -504,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             "settle_steps": SETTLE_STEPS[args.mode],
             "train": train.as_params(),
             "event_after_step_mod_ckpt_every": [event_phase(i, args.ckpt_every) for i in range(len(events))],
-            "nproc_per_node": 1,
+            "nproc_per_node": timers.nproc_per_node,
             "nnodes": "1:2",
             "rdzv_backend": "c10d (hyperpodrun: embedded store; torchrun: TCPStore)",
             "torchrun_rdzv_conf": timers.torchrun_rdzv_conf(),

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from hyperpodrun.config import RestartMode
 from hyperpodrun.rendezvous.api import RestartReason
 from hyperpodrun.rendezvous.hold import holds
-from hyperpodrun.rendezvous.local_time import event_key, halt_key, made_key
+from hyperpodrun.rendezvous.local_time import event_key, gone_key, halt_key, made_key
 from hyperpodrun.rendezvous.plans import (
     RATE_WAIT_PROPAGATIONS,
     SILENT_GRACE,
@@ -49,7 +49,11 @@ def drive_event(
     if ev.mode is not EventMode.STOP and ev.target is None:
         return _target_event(snap, ev, live, now, ctx, mem)
     gone = [m for m in ev.next_members or () if m not in snap.nodes]
-    if ev.mode is EventMode.RECONFIGURE and gone:  # the new group can never form: stop everyone now
+    if ev.mode is EventMode.RECONFIGURE and gone:  # the new group cannot form without them
+        since = mem.seen.get(gone_key(ev.id), now)
+        if not snap.failed and now < since + ctx.lease_ttl:  # a lapsed lease: its agent registers again at once
+            mem = dataclasses.replace(mem, seen={**mem.seen, gone_key(ev.id): since})
+            return Plan(memory=mem, waiting_for=f"event {ev.id}: {gone} gone with no failure reported: one lease ttl")
         return _update(
             snap,
             evolve(ev, mode=EventMode.STOP, reason=f"{ev.reason}; {gone} vanished during the in-place reconfiguration"),

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from hyperpodrun.policy import ScaleEvent
 from hyperpodrun.rendezvous.records import EventRecord, RoundRecord, RoundState
 
-__all__ = ["event_key", "halt_key", "made_key", "observe", "round_key", "scale_events"]
+__all__ = ["event_key", "gone_key", "halt_key", "made_key", "observe", "round_key", "scale_events"]
 
 
 def event_key(event_id: int) -> str:
@@ -27,6 +27,11 @@ def event_key(event_id: int) -> str:
 def made_key(event_id: int) -> str:
     """Set by the decider that wrote the event: it knows the event's whole age."""
     return f"made/{event_id}"
+
+
+def gone_key(event_id: int) -> str:
+    """When this decider first saw a next member of the event gone (its lease lapsed), while the event lives."""
+    return f"gone/{event_id}"
 
 
 def round_key(round_no: int) -> str:
@@ -50,8 +55,9 @@ def observe(
     if event is not None:
         keys.append(event_key(event.id))
     noted = {key: seen.get(key, now) for key in keys}
-    if event is not None and made_key(event.id) in seen:
-        noted[made_key(event.id)] = seen[made_key(event.id)]
+    for key in (made_key(event.id), gone_key(event.id)) if event is not None else ():
+        if key in seen:
+            noted[key] = seen[key]
     return noted
 
 
