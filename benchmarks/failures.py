@@ -76,10 +76,12 @@ from failure_analysis import (
 )
 from scale_analysis import (
     OURS,
+    bytes_moved,
     event_mode,
     hyperpodrun_phases,
     lost_time,
     measure_event,
+    moved_by_kind,
     phase_breakdown,
     plot,
     summarize_events,
@@ -356,6 +358,7 @@ class FailureScenario(Scenario):
         if self.variant in OURS:
             log = self.event_log()
             ev["phases_s"] = hyperpodrun_phases(log, t_event)
+            ev["bytes_moved"] = bytes_moved(log, t_event)
             ev["mode"] = repair_mode(ev["phases_s"])
             noticed = [ev["phases_s"][r] for r in DETECT_RECORDS if r in ev["phases_s"]]
             ev["detect_s"] = min(noticed) if noticed else None
@@ -463,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["phases_from_failure_median_s"] = phase_medians(runs)
     summary["rejoin_after_node_loss"] = rejoin_summary(runs)
     summary["hyperpodrun_spans"] = phase_breakdown(runs)
+    summary["hyperpodrun_bytes_moved"] = moved_by_kind(runs)
     summary["modes"] = {run["variant"]: [ev.get("mode") for ev in run["events"]] for run in runs}
     summary["job_deaths"] = {run["variant"]: int(run["failure"] is not None) for run in runs}
     baseline = next((v for v in ("torchrun-noshare", "torchrun") if v in args.launchers), None)

@@ -129,6 +129,23 @@ def hyperpodrun_phases(events: list[dict[str, Any]], t_event: float) -> dict[str
     return phases
 
 
+def bytes_moved(events: list[dict[str, Any]], t_event: float) -> int | None:
+    """The bytes the ranks sent between replicas for the event (HSDP: the ``hydrated`` record's ``bytes_moved``
+    after ``t_event``; None where the path does not count them)."""
+    hydrated = [r for r in events if r["event"] == "hydrated" and r["ts"] > t_event]
+    return hydrated[0].get("bytes_moved") if hydrated else None
+
+
+def moved_by_kind(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[int | None]]]:
+    """Each hyperpodrun variant's ``bytes_moved`` per event kind, in event order."""
+    out: dict[str, dict[str, list[int | None]]] = {}
+    for run in runs:
+        for ev in run["events"]:
+            if "bytes_moved" in ev:
+                out.setdefault(run["variant"], {}).setdefault(ev["kind"], []).append(ev["bytes_moved"])
+    return out
+
+
 def event_mode(events: list[dict[str, Any]], phases: dict[str, float], t_event: float) -> str:
     """``in-place`` when a rendezvous of the event moved ranks in place, else ``restart``.
 

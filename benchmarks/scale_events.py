@@ -79,11 +79,13 @@ from hyperpodrun.device_plan import DevicePlan
 from scale_analysis import (
     OURS,
     VARIANTS,
+    bytes_moved,
     event_mode,
     event_phase,
     hyperpodrun_phases,
     lost_time,
     measure_event,
+    moved_by_kind,
     phase_breakdown,
     plot,
     summarize_events,
@@ -325,13 +327,14 @@ class Scenario:
         return self.drive(self._scale_events(events))
 
     def _scale_events(self, events: tuple[tuple[str, str], ...]) -> Iterator[Callable[[int], dict[str, Any]]]:
+        nproc = self.timers.nproc_per_node  # worlds count ranks: a node brings or takes this many
         self.start_node("A")
         self.wait_steps_at(
-            1, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: node A's first steps"
+            nproc, self.settle_steps, timeout=STARTUP_TIMEOUT_S, what=f"{self.variant}: node A's first steps"
         )
-        world = 1
+        world = nproc
         for index, (kind, node) in enumerate(events):
-            target = world + KIND_WORLD[kind]
+            target = world + KIND_WORLD[kind] * nproc
             phase = event_phase(index, self.train.ckpt_every)
             what = f"{self.variant}: step {phase} of the checkpoint interval at world {world}"
             self.wait_steps_at(world, self.settle_steps, phase=phase, timeout=self.event_timeout, what=what)
@@ -371,6 +374,7 @@ class Scenario:
         if self.variant in OURS:
             log = _read_jsonl(self.work / "events.jsonl")
             ev["phases_s"] = hyperpodrun_phases(log, t_event)
+            ev["bytes_moved"] = bytes_moved(log, t_event)
             ev["mode"] = event_mode(log, ev["phases_s"], t_event)
         return ev
 
@@ -531,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary = summarize_events(runs)
     summary["hyperpodrun_phases"] = phase_breakdown(runs)
+    summary["hyperpodrun_bytes_moved"] = moved_by_kind(runs)
     summary["hyperpodrun_modes"] = {
         run["variant"]: [ev.get("mode") for ev in run["events"]] for run in runs if run["variant"] in OURS
     }
