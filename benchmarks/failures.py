@@ -278,11 +278,11 @@ class FailureScenario(Scenario):
         return [latest[local] for local in sorted(latest)]
 
     def active_rank_pid(self, name: str) -> int | None:
-        """The pid of the rank of node ``name`` that a failure hits: hyperpodrun's last local rank (on a
-        node of several ranks its siblings survive); torchrun's only one."""
+        """The pid of the rank of node ``name`` that a failure hits: its last local rank (on a node of several
+        ranks its siblings survive), for hyperpodrun from its agent's records, for torchrun from ``RANK``."""
         if self.variant not in OURS:
-            pids = self.rank_pids(name)
-            return next(iter(pids.values())) if len(pids) == 1 else None
+            pids = {r: pid for r, pid in self.rank_pids(name).items() if r >= 0}
+            return pids[max(pids)] if len(pids) == self.timers.nproc_per_node else None
         ranks = self.node_rank_pids(name)
         return ranks[-1] if ranks and psutil.pid_exists(ranks[-1]) else None
 

@@ -215,6 +215,7 @@ def render_scale_events(doc: Summary) -> list[str]:
     ]
     if any(v is not None for _, v in spans):
         lines += ["", "In place, medians: " + ", ".join(f"{label} {sec(v)}" for label, v in spans) + "."]
+    lines += bytes_moved(s)
     restart = dig(s, "hyperpodrun_phases", RESTART) or {}
     if restart:
         lines.append(
@@ -240,6 +241,17 @@ def render_scale_events(doc: Summary) -> list[str]:
     return lines
 
 
+def bytes_moved(s: Mapping[str, Any]) -> list[str]:
+    """HSDP: the bytes sent between replicas at each event, by kind (none on the paths that do not count them)."""
+    by_kind = {
+        k: v for k, v in (dig(s, "hyperpodrun_bytes_moved", OURS) or {}).items() if any(b is not None for b in v)
+    }
+    if not by_kind:
+        return []
+    moved = "; ".join(f"{k} {', '.join(_mb(b) for b in v)}" for k, v in by_kind.items())
+    return [f"Bytes sent between replicas at each event: {moved}."]
+
+
 def render_failures(doc: Summary) -> list[str]:
     s = doc["summary"]
     lines = event_table(doc, FAILURE_KINDS, pause=False, detect=True)
@@ -263,6 +275,7 @@ def render_failures(doc: Summary) -> list[str]:
     ]
     if by_kind:
         lines.append("In place, medians of seconds from the failure to each record: " + "; ".join(by_kind) + ".")
+    lines += bytes_moved(s)
     deaths = {v: d for v, d in (s.get("job_deaths") or {}).items() if d}
     if deaths:
         lines.append("Job stopped early: " + ", ".join(deaths) + ".")
