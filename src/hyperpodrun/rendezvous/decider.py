@@ -198,9 +198,6 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
     if decision.action is Action.WAIT_FOR_LOST:
         if rnd is None or rnd.state is not RoundState.RUNNING:  # halted: wait for lost members to return or time out
             return Plan(memory=mem, waiting_for=decision.reason)
-        lapse = lease_lapse(snap, mem, now, ctx)
-        if lapse:
-            return Plan(memory=mem, waiting_for=lapse)
         if repairs_in_place(rnd, ctx):  # the survivors cannot step without a new group: re-form it now
             reshape = decide(
                 ctx.policy,
@@ -249,22 +246,6 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
     else:
         reason = RestartReason.SCALE
     return publish_round(snap, decision.members, now, mem, decision.reason, reason)
-
-
-def lease_lapse(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext) -> str:
-    """Why a running round's lost member is waited for one lease ttl before it is acted on ("": it is not).
-
-    A member whose record vanished while no rank of the round reported a failed collective may still be
-    training: a store stall longer than the lease ttl expires every node's lease at once, and each agent
-    registers again as the same node at its next tick (``ElasticRendezvous.rejoin``). Acting at once
-    would repair (or stop) a round whose ranks are all alive. A member that died takes its ranks with it,
-    so the survivors' next collective fails and their report ends the wait early."""
-    if snap.failed:
-        return ""
-    lost = [t for m, t in mem.lost_since.items() if m not in snap.nodes]
-    if not lost or now >= min(lost) + ctx.lease_ttl:
-        return ""
-    return "a member's lease lapsed with no failure reported: waiting one lease ttl for it to register again"
 
 
 def _survivors(snap: JobSnapshot, rnd: RoundRecord) -> tuple[str, ...]:
