@@ -21,6 +21,9 @@ of 1x the local state. That is a third of what FSDP's ring snapshots hold, and n
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 
 from elastic_events.rounds.snapshot import Piece
@@ -59,9 +62,8 @@ class OwnCopy:
         else:
             for view, tensor in zip(views, piece.tensors, strict=True):
                 view.copy_(tensor.detach().reshape(-1).view(torch.uint8))
-        kept = Piece.from_header(piece.header())  # the small state as of now: the sampler moves on
-        kept.tensors = views
-        self._piece = kept
+        # the small state as of now (the sampler and the script's extras move on); the layout is the round's
+        self._piece = dataclasses.replace(piece, small=copy.deepcopy(piece.small), tensors=views)
         self.taken += 1
 
     def piece(self) -> Piece | None:
