@@ -60,11 +60,11 @@ def test_a_two_rank_node_joins_and_leaves_in_place(make_job) -> None:
     assert targeted == [("join", "reconfigure"), ("leave", "reconfigure")], targeted
     in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
     assert in_place and all(e["world_size"] == 2 * len(e["members"]) for e in in_place), in_place
-    steps = [p["step"] for p in job.progress()]  # every step once, in order, at 2, 4, 2 ranks
+    progress = job.progress()
+    steps = [p["step"] for p in progress]  # every step once, in order, at 2, 4, 2 ranks
     assert steps == list(range(1, len(steps) + 1))
-    assert [
-        w for i, w in enumerate(p["world"] for p in job.progress()) if i == 0 or w != job.progress()[i - 1]["world"]
-    ] == [2, 4, 2]
+    sizes = [p["world"] for p in progress]
+    assert [w for i, w in enumerate(sizes) if i == 0 or w != sizes[i - 1]] == [2, 4, 2]
     final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
     leave_step = job.events("scale_targeted")[1]["target_step"]
     assert sorted(f["step"] for f in final) == [leave_step, leave_step, steps[-1], steps[-1]], final  # b's, then a's

@@ -207,14 +207,17 @@ class EmbeddedStoreClient(Store):
                 f"{self.endpoint} is not a hyperpodrun embedded store of protocol "
                 f"{PROTOCOL_VERSION} (it answered {reply!r:.200})"
             )
-        secret = self._secret or (self._local_secret() if self._local_only else None)
         if not hello.get("auth"):
+            # A server that asks for no proof is refused if this host holds a secret for its endpoint; a
+            # hosting agent publishes its secret only after it listens, so it is read now, not waited for.
+            secret = self._secret or (read_local_secret(self._host, self._port) if self._local_only else None)
             if secret is not None or self._require_secret:
                 raise StoreAuthError(
                     f"the program listening at {self.endpoint} does not prove it knows this job's secret: it is "
                     "not this job's embedded store (another program, or another user's, holds the port)"
                 )
             return
+        secret = self._secret or (self._local_secret() if self._local_only else None)
         if secret is None:
             raise StoreAuthError(
                 f"the embedded store at {self.endpoint} requires the job's shared secret: "
