@@ -130,15 +130,16 @@ class InFlight:
     @property
     def acts_on_failure(self) -> bool:
         """Whether a failed local rank is acted on now: with nothing in flight; during a repair, a rank
-        this agent killed (blocked in the broken group); during a scale RECONFIGURE, any (its
-        replacement is admitted by that event while the survivors take its group at once)."""
+        this agent killed (blocked in the broken group); during a scale RECONFIGURE this node stays in,
+        any (its replacement is admitted by that event while the survivors take its group at once).
+        The ranks of a node that leaves in the event are on their way out: a failure is their exit."""
         if self.failure_stopped:
             return False
         ev = self.event
         if ev is None:
             return True
         rescued = ev.repair and self.killed is not None
-        scaling = ev.kind == DirectiveKind.RECONFIGURE and not ev.repair
+        scaling = ev.kind == DirectiveKind.RECONFIGURE and not ev.repair and not ev.leaves
         return rescued or scaling
 
     def watches_hang(self, state: WorkerState) -> bool:
@@ -194,7 +195,7 @@ def event_end(flight: InFlight, *, now: float, state: WorkerState, progress: Seq
 
 def moved_in_place(event: Directive, progress: Sequence[RankProgress]) -> bool:
     """Every local rank runs in the RECONFIGURE ``event``'s round (a leaving node's ranks never do)."""
-    if event.kind != DirectiveKind.RECONFIGURE or event.group_rank < 0:
+    if event.kind != DirectiveKind.RECONFIGURE or event.leaves:
         return False
     return all(p.round == event.next_round and p.phase in _IN_ROUND for p in progress)
 

@@ -400,9 +400,12 @@ def test_a_join_in_place_moves_the_ranks_into_the_next_round_without_a_restart(t
     assert h.records("workers_reconfigured")[0]["world_size"] == 4
 
 
-def test_a_sigterm_asks_to_leave_and_the_node_exits_once_its_ranks_left(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exitcode", [0, 1], ids=["clean_exit", "crash_at_exit"])
+def test_a_sigterm_asks_to_leave_and_the_node_exits_once_its_ranks_left(tmp_path: Path, exitcode: int) -> None:
+    """A leaving node's ranks exit after they left the round; one that crashes on its way out (an error in the
+    script's last lines, an abort at interpreter exit) is not replaced: nothing would run it."""
     closed = RendezvousClosedError("left the job gracefully", status="left")
-    rdzv = ScriptedRendezvous([round_info(1, ("node-a", "node-b")), closed])
+    rdzv = ScriptedRendezvous([round_info(1, ("node-a", "node-b")), closed], repairs_in_place=True)
     h = Harness(tmp_path, rdzv)
     leave = reconfigure(5, next_round=2, group_world_size=1, group_rank=-1, kind=EventKind.LEAVE)
 
@@ -416,13 +419,14 @@ def test_a_sigterm_asks_to_leave_and_the_node_exits_once_its_ranks_left(tmp_path
         event = h.control.event()
         assert event is not None and event.leaves
         h.step_ranks(to=4)
-        h.ranks.group.exitcodes = dict.fromkeys(range(NPROC), 0)  # they leave the round and exit 0
+        h.ranks.group.exitcodes = dict.fromkeys(range(NPROC), exitcode)  # they leave the round and exit
         yield
 
     h.run(script)
-    assert rdzv.stopped == [(5, True, False)] and rdzv.leave_requests == 1
+    assert rdzv.stopped == [(5, exitcode == 0, False)] and rdzv.leave_requests == 1
     assert h.agent.state is AgentState.SUCCEEDED
-    assert h.ranks.group.stopped and len(h.ranks.started) == 1
+    assert h.ranks.group.stopped and len(h.ranks.started) == 1 and h.ranks.group.replaced == {}
+    assert not h.records("ranks_replaced")
 
 
 def test_a_sigterm_a_rank_received_is_the_nodes_request_to_leave(tmp_path: Path) -> None:

@@ -75,6 +75,11 @@ class Directive:
         """A RECONFIGURE that repairs a failure: acted on at once, survivors may be a step apart."""
         return self.kind == DirectiveKind.RECONFIGURE and self.event_kind in REPAIR_KINDS
 
+    @property
+    def leaves(self) -> bool:
+        """A RECONFIGURE whose next round does not hold this node: its ranks leave the job."""
+        return self.kind == DirectiveKind.RECONFIGURE and self.group_rank < 0
+
 
 @dataclass(frozen=True, kw_only=True)
 class LocalStatus:

@@ -134,8 +134,9 @@ while True:
             note("left")
             break
         note("reconfigured")
-params = [(p.full_tensor() if FSDP else p).detach().flatten().tolist() for p in elastic.module.parameters()]
-log("final.jsonl", {"rank": elastic.rank, "step": elastic.step, "params": params})
+if elastic.module is not None:  # a rank that left a sharded round handed its shards on: it holds none
+    params = [(p.full_tensor() if FSDP else p).detach().flatten().tolist() for p in elastic.module.parameters()]
+    log("final.jsonl", {"rank": elastic.rank, "step": elastic.step, "params": params})
 elastic.close()
 sys.stdout.flush()
 sys.stderr.flush()
