@@ -345,7 +345,7 @@ def test_requesting_state_the_checkpoint_lacks_is_an_error(tmp_path: Path) -> No
 
 RESHARD_WORKER = WORKERS / "ckpt_reshard.py"
 SAVE_WORLD = 2
-WRAPS = ("ddp", "fsdp")
+WRAPS = ("ddp", "fsdp", "hsdp")  # hsdp: saved on a 1 x 2 mesh, loaded on 1 x 1, 1 x 2 and 3 x 1
 RNG_SEED = 1000  # ckpt_reshard.RNG_SEED
 TRAIN_STEPS = 3  # ckpt_reshard.TRAIN_STEPS
 

@@ -106,10 +106,23 @@ def committed_steps(job) -> list[int]:
     interval = max([2, *(e["every"] for e in job.events("snapshot_interval"))])
     assert all(e["redone"] <= interval for e in job.events("snapshot_restored")), job.events("snapshot_restored")
     assert all(e["redone"] == 1 for e in job.events("step_rolled_back")), job.events("step_rolled_back")
-    rollbacks = [e for e in job.events() if e["event"] in ("snapshot_restored", "step_rolled_back") and e["redone"]]
+    progress = job.progress()
+
+    def logged_past(event: dict) -> bool:
+        """Rank 0 had logged a step past the one rolled back to: it trains that step again, visibly."""
+        return max((p["step"] for p in progress if p["ts"] < event["ts"]), default=0) > event["step"]
+
+    # An HSDP rollback where another rank was the one a step ahead redoes no step that rank 0 had logged.
+    rollbacks = [
+        e
+        for e in job.events()
+        if e["event"] in ("snapshot_restored", "step_rolled_back")
+        and e["redone"]
+        and (e["event"] == "snapshot_restored" or logged_past(e))
+    ]
     adopted = {r["step"] for r in worlds(job) if r["rank"] == 0 and r["how"] == "recovered"}
     steps: list[int] = []
-    for step in (p["step"] for p in job.progress()):
+    for step in (p["step"] for p in progress):
         if steps and step == steps[-1] + 2 and step - 1 in adopted:
             steps.append(step - 1)  # committed by the peer rank 0 resumed from
         if steps and step <= steps[-1]:

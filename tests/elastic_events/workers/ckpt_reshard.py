@@ -1,7 +1,7 @@
 """Worker for test_checkpoint.py: save at one world size, load at another.
 
-``save OUT``: train a DDP and an FSDP2 copy of a small model for a few AdamW steps,
-save each with the Checkpointer (DDP synchronously, FSDP2 asynchronously, training
+``save OUT``: train a DDP, an FSDP2 and an HSDP copy of a small model for a few AdamW steps,
+save each with the Checkpointer (DDP synchronously, FSDP2 and HSDP asynchronously, training
 one more step while the write is in flight), and have rank 0 dump the full
 (unsharded) state at save time with ``torch.save`` as the reference. Every rank
 seeds its global RNG with ``RNG_SEED + rank`` just before saving and dumps what it
@@ -29,8 +29,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer
 from elastic_events.data.sampler import ElasticSampler
 
-WRAPS = ("ddp", "fsdp")
-ASYNC = {"ddp": False, "fsdp": True}  # both save paths run with real ranks
+WRAPS = ("ddp", "fsdp", "hsdp")
+ASYNC = {"ddp": False, "fsdp": True, "hsdp": True}  # both save paths run with real ranks
 TRAIN_STEPS = 3
 RNG_SEED = 1000
 
@@ -38,10 +38,15 @@ RNG_SEED = 1000
 def build(wrap: str, init_seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, LRScheduler]:
     torch.manual_seed(init_seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    world = dist.get_world_size()
     if wrap == "ddp":
         model = DistributedDataParallel(model)
     else:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        if wrap == "hsdp":  # shard groups of 2 where the world divides, else one rank each: 1 x 2, 1 x 1, 3 x 1
+            shard = 2 if world % 2 == 0 else 1
+            mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
