@@ -50,6 +50,25 @@ def test_a_client_without_the_secret_is_refused(guarded: EmbeddedStoreServer, se
         EmbeddedStoreClient(guarded.endpoint, secret=secret, connect_timeout=2.0)
 
 
+def test_a_server_that_asks_no_proof_is_checked_against_this_hosts_secret_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hosting agent publishes its secret after it listens, so a proof-less server is never one half-started:
+    the client reads the published secret once and does not poll for one (which cost 2 s per connection)."""
+    import hyperpodrun.store.embedded as embedded
+
+    reads: list[tuple[str, int]] = []
+
+    def none_published(host: str, port: int) -> bytes | None:
+        reads.append((host, port))
+        return None
+
+    monkeypatch.setattr(embedded, "read_local_secret", none_published)
+    with EmbeddedStoreServer("127.0.0.1", 0) as open_server, EmbeddedStoreClient(open_server.endpoint) as client:
+        client.put("k", b"v")
+    assert len(reads) == 1, reads
+
+
 def _raw(endpoint: str) -> socket.socket:
     host, port = endpoint.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=5.0)
