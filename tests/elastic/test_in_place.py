@@ -328,7 +328,7 @@ def test_a_survivor_that_never_returns_hands_its_state_to_its_replacement(make_j
     """Rank 0, the only holder of the state once rank 1 is killed, never returns from its step (as when gloo
     misses its peer's death): its repair watch hands its state off in node-local memory, its agent replaces it
     at once, and the replacement is the source of the repaired round: nothing is lost, nothing trained twice."""
-    job = make_job(script=INPLACE, nnodes="2", flags=("--max-restarts", "3"))
+    job = make_job(script=INPLACE, nnodes="2", flags=("--max-restarts", "3", "--spare-ranks", "1"))
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == 2, timeout=90, what="every node's spare")
@@ -361,7 +361,12 @@ def test_a_survivor_that_never_returns_hands_its_state_to_its_replacement(make_j
 def test_two_failures_in_a_row_are_each_repaired_in_place(make_job, model, tmp_path) -> None:
     """The spare takes the first failed rank's place, and the second one's is taken by a new spare or, when
     none is ready yet, a new process. Each repair counts against --max-restarts; nothing is lost."""
-    job = make_job(script=INPLACE, script_args=script_args(model, tmp_path), nnodes="2", flags=("--max-restarts", "2"))
+    job = make_job(
+        script=INPLACE,
+        script_args=script_args(model, tmp_path),
+        nnodes="2",
+        flags=("--max-restarts", "2", "--spare-ranks", "1"),
+    )
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == 2, timeout=90, what="every node's spare")
@@ -385,7 +390,12 @@ def test_a_failure_while_the_next_spare_is_still_starting_is_repaired_by_that_sp
     """The first repair takes the ready spare and the agent starts the next one; rank 1 is killed again while
     that one is still importing torch. It takes the place anyway (it is further along than a new process,
     which would also compete with it for the CPU); nothing is lost."""
-    job = make_job(script=INPLACE, script_args=script_args("ddp", tmp_path), nnodes="2", flags=("--max-restarts", "2"))
+    job = make_job(
+        script=INPLACE,
+        script_args=script_args("ddp", tmp_path),
+        nnodes="2",
+        flags=("--max-restarts", "2", "--spare-ranks", "1"),
+    )
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == 2, timeout=90, what="every node's spare")
@@ -453,7 +463,10 @@ def test_a_rank_killed_while_a_join_is_pending_is_repaired_with_the_join(make_jo
     at a step the ranks have not reached): the survivors' failed collective takes them into the join's group,
     its node's spare takes its place there, c is admitted, and nothing committed is lost."""
     job = make_job(
-        script=INPLACE, script_args=script_args(model, tmp_path), nnodes="1:3", flags=("--max-restarts", "3")
+        script=INPLACE,
+        script_args=script_args(model, tmp_path),
+        nnodes="1:3",
+        flags=("--max-restarts", "3", "--spare-ranks", "1"),
     )
     job.start_node("a")
     job.start_node("b")

@@ -96,6 +96,10 @@ class ElasticJob:
             "30",
             "--monitor-interval",
             "0.05",
+            # A spare is a process importing torch and what a first step imports (~5 CPU-s on this machine) beside
+            # the ranks: the tests of spares ask for one (--spare-ranks 1 in their flags, which come later).
+            "--spare-ranks",
+            "0",
             "--event-log",
             str(self.events_path),
             "--log-dir",
