@@ -598,7 +598,7 @@ def test_throughput_smoke(out_dir: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_scale_events_smoke(out_dir: Path) -> None:
-    data = run_smoke("scale_events", out_dir)
+    data = run_smoke("scale_events", out_dir, "--step-time", "0.25")  # half the default: figures are not checked
     runs = {r["variant"]: r for r in data["samples"]["runs"]}
     assert set(runs) == {"hyperpodrun", "torchrun-noshare"}
     ours = runs["hyperpodrun"]

@@ -3,7 +3,8 @@
 argv: RUN_DIR. The state (global step) lives in RUN_DIR/state.json, written by rank 0 when
 elastic_event_detected() says so and at the end. Every step rank 0 appends {"step", "world"}
 to RUN_DIR/progress.jsonl. The job ends at the first step after RUN_DIR/stop exists
-(agreed through the same all-reduce), so tests decide when training is over.
+(agreed through the same all-reduce), so tests decide when training is over. A step pauses STEP_PAUSE_S after
+its all-reduce, so a rank leaves most of its core to the launchers and processes that start beside it.
 """
 
 import json
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from elastic_events import elastic_event_detected, restart_reason
 
+STEP_PAUSE_S = 0.005
 run = Path(sys.argv[1])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -40,6 +42,7 @@ while True:
     if t[0].item() != step * world:
         raise RuntimeError(f"ranks out of lockstep at step {step}: sum {t[0].item()} != {step * world}")
     step += 1
+    time.sleep(STEP_PAUSE_S)
     if rank == 0:
         with open(run / "progress.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "world": world, "ts": time.time()}) + "\n")
