@@ -70,7 +70,7 @@ CHECK_CALLS = {"smoke": 20_000, "quick": 200_000, "full": 1_000_000}
 ALLREDUCE_CALLS = {"smoke": 300, "quick": 3_000, "full": 20_000}
 #: Steps per run: the spare rank hyperpodrun starts once the ranks declared the in-process API is ready
 #: ~4 s (~10 steps) into a run here, and the steady window starts after it.
-TRAIN_STEPS = {"smoke": 12, "quick": 32, "full": 48}
+TRAIN_STEPS = {"smoke": 7, "quick": 32, "full": 48}
 TRAIN_REPS = {"smoke": 2, "quick": 10, "full": 16}
 WARMUP_STEPS = {"smoke": 2, "quick": 4, "full": 5}
 CPU_SAMPLE_INTERVAL_S = 0.2
