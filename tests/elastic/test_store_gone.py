@@ -1,8 +1,8 @@
 """A store gone for good ends the job within its documented deadline, the ranks saving first.
 
-etcd killed (SIGKILL) and never back: the launcher rode it out forever (still running at 69 s,
-36 s to die on SIGTERM). Now, after ``outage_timeout`` without the store, cooperative ranks save
-at a step of their own and exit, and the launcher ends with one line naming the lost store.
+etcd killed (SIGKILL) and never back: after ``outage_timeout`` without the store, cooperative ranks
+save at a step of their own and exit, and the launcher ends with one line naming the lost store
+instead of riding the outage out for ever.
 """
 
 from __future__ import annotations
