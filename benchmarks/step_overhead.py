@@ -69,7 +69,8 @@ NAME = "step_overhead"
 CHECK_CALLS = {"smoke": 20_000, "quick": 200_000, "full": 1_000_000}
 ALLREDUCE_CALLS = {"smoke": 300, "quick": 3_000, "full": 20_000}
 #: Steps per run: the spare rank hyperpodrun starts once the ranks declared the in-process API is ready
-#: ~4 s (~10 steps) into a run here, and the steady window starts after it.
+#: ~4 s (~10 steps) into a run here, and the steady window starts after it (the smoke checks the script, not
+#: the figure: its window comes before).
 TRAIN_STEPS = {"smoke": 7, "quick": 32, "full": 48}
 TRAIN_REPS = {"smoke": 2, "quick": 10, "full": 16}
 WARMUP_STEPS = {"smoke": 2, "quick": 4, "full": 5}
