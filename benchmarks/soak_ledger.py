@@ -20,10 +20,15 @@ unit-testable.
   after the step's all-reduce but before its record does that: its peers' records prove the
   all-reduce ran, and it needs every rank's gradients, so the step trained its whole batch. Only
   a failure may leave one; after a graceful event it is a problem.
+* An attempt belongs to the window of the last event injected before its first record, except an
+  unlogged one: it belongs where the job went past it (the next first record of a later step).
+  Its missing rank was lost after its peers had logged the step, so the event that cost the
+  record can come after the attempt's first line.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -58,6 +63,8 @@ class Attempt:
     world_size: int
     line: int
     ids_by_rank: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    #: The first line after ``line`` that starts an attempt of a later step: where the job went past this one.
+    passed_line: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -78,6 +85,11 @@ def attempts_of(records: Iterable[dict[str, Any]]) -> dict[int, list[Attempt]]:
             current = Attempt(step=step, world_size=world, line=line)
             tries.append(current)
         current.ids_by_rank[rank] = list(rec["sample_ids"])
+    starts = sorted((a.line, a.step) for tries in by_step.values() for a in tries)
+    for tries in by_step.values():
+        for attempt in tries:
+            after = starts[bisect.bisect_right(starts, (attempt.line, 1 << 62)) :]
+            attempt.passed_line = next((line for line, step in after if step > attempt.step), None)
     return by_step
 
 
@@ -139,8 +151,8 @@ def check_window(
 
     Graceful events may redo nothing; failures may redo only steps after ``committed``. Every
     kept attempt started in the window that is complete must hold exactly its step's batch. An
-    incomplete one the job went past is unlogged (see the module docstring): allowed after a
-    failure, a problem after a graceful event; at the log's end it is a step still being logged.
+    incomplete one the job went past in the window is unlogged (see the module docstring): allowed
+    after a failure, a problem after a graceful event; at the log's end it is a step still being logged.
     """
     redone: list[int] = []
     unlogged: list[int] = []
@@ -150,7 +162,8 @@ def check_window(
     problems: list[str] = []
     for step, tries in by_step.items():
         for index, attempt in enumerate(tries):
-            if not first_line <= attempt.line < end_line:
+            unlogged_at = attempt.passed_line if index == len(tries) - 1 and not attempt.complete else None
+            if not first_line <= (attempt.line if unlogged_at is None else unlogged_at) < end_line:
                 continue
             trained.add(step)
             if index > 0:

@@ -699,6 +699,21 @@ def test_soak_ledger_reads_a_rank_lost_after_the_all_reduce_as_unlogged(bench: A
     assert ledger.missing_steps(by_step, 4) == [2, 4]
 
 
+def test_soak_ledger_puts_an_unlogged_step_in_the_window_of_the_failure_that_cost_its_record(bench: Any) -> None:
+    """Rank 0 logged step 2, then rank 1 was killed before its record: the kill was injected after
+    step 2's first line. The step is the kill's to explain (unlogged in the failure's window), not a
+    problem of the graceful event before it."""
+    ledger = bench("soak_ledger")
+    log = [_rec(1, 0, 2, [1]), _rec(1, 1, 2, [2]), _rec(2, 0, 2, [3]), _rec(3, 0, 2, [5]), _rec(3, 1, 2, [6])]
+    by_step = ledger.attempts_of(log)
+    assert [by_step[s][-1].passed_line for s in (1, 2, 3)] == [2, 3, None]
+    before = ledger.check_window(by_step, first_line=0, end_line=3, graceful=True, committed=0, expected=_batches)
+    kill = ledger.check_window(by_step, first_line=3, end_line=99, graceful=False, committed=0, expected=_batches)
+    assert before.problems == () and before.steps_unlogged == ()
+    assert kill.steps_unlogged == (2,) and kill.problems == ()
+    assert ledger.missing_steps(by_step, 3) == [2]
+
+
 def test_soak_ledger_counts_lost_and_repeated_samples(bench: Any) -> None:
     ledger = bench("soak_ledger")
     by_step = ledger.attempts_of([_rec(1, 0, 2, [1]), _rec(1, 1, 2, [1]), _rec(2, 0, 1, [3, 4, 5])])
@@ -753,7 +768,9 @@ def test_soak_smoke(out_dir: Path) -> None:
     assert s["graceful_samples_lost"] == 0 and s["graceful_samples_repeated"] == 0 and s["graceful_steps_redone"] == 0
     assert s["committed_steps_redone"] == 0
     # Over the whole run every step was trained once by a full world on exactly its batch.
-    assert s["missing_steps_outside_failures"] == 0
+    run = data["samples"]["runs"][path]
+    windows = [(ev["kind"], ev["sample_line"], ev["check"]) for ev in run["events"]]
+    assert s["missing_steps_outside_failures"] == 0, f"missing steps {run['missing_steps']}; windows {windows}"
     assert s["final_samples_lost"] == 0 and s["final_samples_repeated"] == 0
     # Final parameters: the example's deterministic reduction trains the same bits at world 1, 2 and 3, so the
     # run with events ends exactly where the run without them does.
