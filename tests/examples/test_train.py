@@ -301,12 +301,25 @@ def test_elastic_run_ends_with_the_parameters_of_a_fixed_size_run(elastic_runs: 
     )
 
 
+def trained_by_one_process(tmp_path: Path, *args: str) -> dict:
+    """The final parameters (``--save-final``) of the example run with ``args`` by one plain process."""
+    plain_run(tmp_path, *args, "--run-dir", str(tmp_path / "plain"), "--save-final", str(tmp_path / "plain.pt"))
+    return torch.load(tmp_path / "plain.pt")
+
+
 def trained_by_one_and_two_ranks(
     tmp_path: Path, *args: str, fsdp: bool, nproc: int = 2, parallel: tuple[str, ...] = ()
 ) -> tuple[dict, dict]:
     """The final parameters (``--save-final``) of the example run with ``args`` by one plain process, and by
     ``nproc`` ranks under hyperpodrun (DDP, FSDP2 with ``fsdp``, or the ``parallel`` flags)."""
-    plain_run(tmp_path, *args, "--run-dir", str(tmp_path / "plain"), "--save-final", str(tmp_path / "plain.pt"))
+    return trained_by_one_process(tmp_path, *args), trained_by_ranks(
+        tmp_path, *args, fsdp=fsdp, nproc=nproc, parallel=parallel
+    )
+
+
+def trained_by_ranks(tmp_path: Path, *args: str, fsdp: bool, nproc: int = 2, parallel: tuple[str, ...] = ()) -> dict:
+    """The final parameters of the example run with ``args`` by ``nproc`` ranks under hyperpodrun (DDP, FSDP2
+    with ``fsdp``, or the ``parallel`` flags)."""
     cmd = hyperpodrun_cmd(
         "--standalone",
         "--nproc-per-node",
@@ -321,7 +334,7 @@ def trained_by_one_and_two_ranks(
     )
     proc = run(cmd, timeout=300, env=env())
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "two.pt")
+    return torch.load(tmp_path / "two.pt")
 
 
 def test_fsdp_training_matches_a_single_process(tmp_path: Path) -> None:
@@ -336,16 +349,24 @@ def test_fsdp_training_matches_a_single_process(tmp_path: Path) -> None:
         torch.testing.assert_close(fsdp[name], plain[name], rtol=0, atol=ELASTIC_ATOL, msg=f"parameter {name}")
 
 
+@pytest.fixture(scope="module")
+def fp64_plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[tuple[str, ...], dict]:
+    """The fp64 runs' arguments (their data cache shared) and the parameters one plain process trains with them."""
+    tmp = tmp_path_factory.mktemp("fp64")
+    args = (*SMALL, "--steps", "6", "--seed", "4", "--data-cache", str(tmp / "data"), "--dtype", "fp64")
+    return args, trained_by_one_process(tmp, *args)
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "hsdp"])
-def test_fp64_runs_at_two_world_sizes_agree_to_float64_precision(tmp_path: Path, parallel: str) -> None:
+def test_fp64_runs_at_two_world_sizes_agree_to_float64_precision(
+    tmp_path: Path, parallel: str, fp64_plain: tuple[tuple[str, ...], dict]
+) -> None:
     """--dtype fp64: weights, optimizer state and every reduction in float64, so the summation order of
     another world size moves parameters by ~1e-15, not fp32's ~1e-6: what the soak's check relies on.
     hsdp: 4 ranks in shard groups of 2 (a 2 x 2 mesh: reduce-scatter in each replica, all-reduce across them)."""
-    args = (*SMALL, "--steps", "6", "--seed", "4", "--data-cache", str(tmp_path / "data"), "--dtype", "fp64")
+    args, plain = fp64_plain
     hsdp = ("--hsdp", "--hsdp-shard-size", "2") if parallel == "hsdp" else ()
-    plain, two = trained_by_one_and_two_ranks(
-        tmp_path, *args, fsdp=parallel == "fsdp", nproc=4 if hsdp else 2, parallel=hsdp
-    )
+    two = trained_by_ranks(tmp_path, *args, fsdp=parallel == "fsdp", nproc=4 if hsdp else 2, parallel=hsdp)
     assert {v.dtype for v in plain.values()} == {v.dtype for v in two.values()} == {torch.float64}
     initial = Llama(LlamaConfig.from_name("tiny")).to(torch.float64)
     initial.init_weights(seed=4)

@@ -34,7 +34,7 @@ FSDP = sys.argv[2:3] == ["fsdp"] or HSDP
 INJECT, _, AT = (sys.argv[3] if sys.argv[3:] else "none=-1").partition("=")
 DIE_SENDING_AT = int(AT) if INJECT == "die-sending-at" else -1
 DIE_IN_REDUCTION_AT = int(AT) if INJECT == "die-in-reduction-at" else -1
-STEP_PAUSE_S = 0.005
+STEP_PAUSE_S = 0.02
 
 
 def log(name: str, record: dict) -> None:
