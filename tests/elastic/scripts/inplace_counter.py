@@ -12,7 +12,7 @@ RUN_DIR/progress.jsonl every step; every rank appends {"pid", "rank", "world", "
 parameters to RUN_DIR/final.jsonl. Training ends at the first step after RUN_DIR/stop exists
 (agreed through an all-reduce); while RUN_DIR/block exists, the first rank 0 blocks for good at the start
 of its next step (appending {"pid", "step"} to RUN_DIR/blocked.jsonl). A step is a few ms of gloo and a pause of
-STEP_PAUSE_S, several times faster than the launcher's monitor interval in the tests, and a rank leaves most of
+STEP_PAUSE_S, faster than the launcher's monitor interval in the tests, and a rank leaves most of
 its core to the processes that start beside it (spares, joiners, replacements) on a 2-core machine. A step whose
 collective fails (a peer was killed) is recovered in place: "how" is "recovered" for a survivor.
 """
