@@ -2,9 +2,9 @@
 
 Each worker (workers/*_job.py) logs the sample ids and the process id of every rank per
 optimizer step, and rank 0's loss per step. The elastic run must train, step for step, the
-same samples as a fixed-size run of the same script (one process, no launcher): no sample
-skipped or repeated across the change of world size, none trained twice; and its final loss
-must be within 1e-4 of the fixed-size run's.
+same samples as a fixed-size run of the framework's plain script (one process, no launcher): no
+sample skipped or repeated across the change of world size, none trained twice; and its final
+loss must be within 1e-4 of the fixed-size run's.
 
 Two script structures, the same frameworks:
 
@@ -59,22 +59,24 @@ def _steps(run_dir: Path) -> dict[int, list[dict]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The fixed-size run of a framework's job in a mode (one process, no launcher), made once per module."""
-    runs: dict[tuple[str, str], Path] = {}
+    """The fixed-size run of a framework's plain job: the ``restart`` script (the framework's own Trainer with
+    the callback), one process, no launcher; made once per module. Both modes' runs are compared with it, so an
+    in-place run must train what the framework trains without elastic_events' rounds."""
+    runs: dict[str, Path] = {}
 
-    def get(framework: str, mode: str) -> Path:
-        if (framework, mode) not in runs:
-            run_dir = tmp_path_factory.mktemp(f"ref-{framework}-{mode}")
+    def get(framework: str) -> Path:
+        if framework not in runs:
+            run_dir = tmp_path_factory.mktemp(f"ref-{framework}")
             proc = subprocess.run(
-                [sys.executable, str(WORKERS / FRAMEWORKS[framework]), str(run_dir), str(MAX_STEPS), mode],
+                [sys.executable, str(WORKERS / FRAMEWORKS[framework]), str(run_dir), str(MAX_STEPS), "restart"],
                 capture_output=True,
                 text=True,
                 timeout=300,
                 env=clean_env(),
             )
             assert proc.returncode == 0, proc.stderr[-3000:]
-            runs[framework, mode] = run_dir
-        return runs[framework, mode]
+            runs[framework] = run_dir
+        return runs[framework]
 
     return get
 
@@ -134,7 +136,7 @@ def test_grow_one_to_two(framework, mode, make_job, reference, tmp_path) -> None
     job.start_node("b")  # a joining node: in place, its ranks are admitted and hydrated; else every rank restarts at 2
     codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    pids = _assert_same_training(tmp_path, reference(framework, mode), worlds=[1, 2])
+    pids = _assert_same_training(tmp_path, reference(framework), worlds=[1, 2])
     _assert_event_path(job, tmp_path, mode, pids, newcomers=1)
     if mode == "restart":
         restarted = [e for e in job.events("workers_started") if e["world_size"] == 2]
@@ -161,7 +163,7 @@ def test_shrink_two_to_one(framework, mode, make_job, reference, tmp_path) -> No
     job.signal("b", signal.SIGTERM)  # preemption of node b: it leaves at the agreed step
     codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    pids = _assert_same_training(tmp_path, reference(framework, mode), worlds=[2, 1])
+    pids = _assert_same_training(tmp_path, reference(framework), worlds=[2, 1])
     _assert_event_path(job, tmp_path, mode, pids, newcomers=0)
     if mode == "restart":
         assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [1]
@@ -182,7 +184,7 @@ def test_restart_mode_process_turns_an_in_place_script_to_the_restart_path(
     job.start_node("b")
     codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    pids = _assert_same_training(tmp_path, reference(framework, "in_place"), worlds=[1, 2])
+    pids = _assert_same_training(tmp_path, reference(framework), worlds=[1, 2])
     _assert_event_path(job, tmp_path, "restart", pids, newcomers=1)
     assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [2]
     requested = job.events("restart_requested")
@@ -208,7 +210,7 @@ def test_grow_with_two_ranks_per_node_in_place(framework, make_job, reference, t
     job.start_node("b")
     codes = {n: p.wait(timeout=300) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    pids = _assert_same_training(tmp_path, reference(framework, "in_place"), worlds=[2, 4])
+    pids = _assert_same_training(tmp_path, reference(framework), worlds=[2, 4])
     assert pids[2] < pids[4] and len(pids[4]) == 4, f"node a's two ranks should have kept their processes: {pids}"
     assert [e["newcomers"] for e in job.events("hydrated")] == [2]
     assert job.events("checkpoint_loaded") == [] and list(tmp_path.glob("ckpt/elastic-step=*")) == []
