@@ -68,6 +68,7 @@ from elastic_events import (
     ElasticTraining,
     ElasticTrainingError,
     HSDPConfig,
+    init_process_group,
     leave_on_sigterm,
     restart_reason,
 )
@@ -331,8 +332,8 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if distributed:
-        dist.init_process_group(
+    if distributed:  # torch's call, formed as the rank's first round: a repair can end a gloo wait in it
+        init_process_group(
             "nccl" if use_cuda else "gloo",
             timeout=timedelta(seconds=cfg.timeout_s),
             device_id=device if use_cuda else None,

@@ -58,6 +58,7 @@ _LAZY = {
     "HydrationError": "elastic_events.errors",
     "StateMismatchError": "elastic_events.errors",
     "GroupError": "elastic_events.errors",
+    "init_process_group": "elastic_events.rounds.group",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -115,12 +116,15 @@ def test_the_step_time_is_floored_for_fast_loops(tmp_path) -> None:
     del writer
 
 
-def test_a_rank_blocked_on_a_live_peer_is_freed_when_the_launcher_publishes_a_repair(tmp_path) -> None:
+@pytest.mark.parametrize("how", ["tracked", "init_process_group"])
+def test_a_rank_blocked_on_a_live_peer_is_freed_when_the_launcher_publishes_a_repair(tmp_path, how) -> None:
     """Rank 1 waits in an all_reduce that rank 0 (alive, holding the group) never joins: gloo alone
-    would wait out the group's 60 s timeout; the repair event ends it at once, as a peer failure."""
+    would wait out the group's 60 s timeout; the repair event ends it at once, as a peer failure. The
+    group formed as a round engine forms it, or by the script with elastic_events.init_process_group."""
     writer = ControlWriter(tmp_path / "ctl", nproc=2)
+    env = {**os.environ, "HYPERPODRUN_ROUND": "1"}
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(rank), str(tmp_path / "ctl")])
+        subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(rank), str(tmp_path / "ctl"), how], env=env)
         for rank in (0, 1)
     ]
     try:

@@ -154,3 +154,31 @@ def test_the_collective_deadline_follows_the_step_time_above_its_floor(channel, 
         e.note_step()
         now[0] += 5.0
     assert e.collective_deadline_s() == pytest.approx(50.0)
+
+
+def _world_of_one() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30), wait_for_workers=False)
+
+
+def test_a_gloo_group_the_script_formed_with_torchs_call_is_said_to_be_unabortable_in_its_first_round(
+    channel, capfd
+) -> None:
+    abort.begin_round(7)  # what the abort knows is another round's: the script formed this group on its own
+    dist.init_process_group("gloo", store=_world_of_one(), rank=0, world_size=1)
+    e = make_engine(channel[1])
+    try:
+        assert e.start_group()
+        err = capfd.readouterr().err
+        assert "formed by torch.distributed.init_process_group" in err and "elastic_events.init_process_group" in err
+    finally:
+        e.close()  # tears the group down too
+
+
+def test_a_group_formed_by_elastic_events_init_process_group_is_the_engines_first_round(channel, capfd) -> None:
+    group.init_process_group("gloo", store=_world_of_one(), rank=0, world_size=1)
+    e = make_engine(channel[1])
+    try:
+        assert e.start_group() and abort.current_round() == e.round
+        assert "init_process_group" not in capfd.readouterr().err
+    finally:
+        e.close()  # tears the group down too

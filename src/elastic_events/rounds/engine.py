@@ -149,8 +149,21 @@ class RoundEngine:
     def start_group(self) -> bool:
         """Join the group torchrun / hyperpodrun started this process into; False without one."""
         self._use_device()
-        with abort.forming(self.round):
-            up = init_env_group(self.context, device=self.device, backend=self.backend, timeout_s=self.config.timeout_s)
+        if dist.is_initialized():  # the script formed it
+            if self.reader is not None and abort.current_round() != self.round and "gloo" in str(dist.get_backend()):
+                print(
+                    f"rank {self.rank}: the process group was formed by torch.distributed.init_process_group, so in "
+                    "this first round a repair cannot end a gloo collective that waits on a live peer (the launcher "
+                    "kills the rank instead); elastic_events.init_process_group (same arguments) forms it as a round",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            up = True
+        else:
+            with abort.forming(self.round):
+                up = init_env_group(
+                    self.context, device=self.device, backend=self.backend, timeout_s=self.config.timeout_s
+                )
         if up:
             self._entered()
         return up

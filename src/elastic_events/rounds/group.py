@@ -29,9 +29,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from elastic_events.contract import GroupAssignment, RankContext
+from elastic_events.contract import GroupAssignment, RankContext, rank_context
 from elastic_events.control import Event
 from elastic_events.errors import GroupError
+from elastic_events.rounds import abort
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +170,20 @@ def init_round_group(
             f"{spec.master_addr}:{spec.master_port} failed or timed out (limit {forming.total_seconds():.0f}s): {exc}"
         ) from exc
     return store
+
+
+def init_process_group(*args: Any, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` (same arguments), formed as the rank's first round.
+
+    :class:`~elastic_events.ElasticTraining` forms every later round itself and knows each one's
+    connections, so a repair can end a gloo collective that waits on a live peer (:mod:`.abort`).
+    A group the script forms with torch's own call exists before ElasticTraining does, and its
+    connections are unknown: in that first round such a wait lasts until the launcher kills the
+    rank, with the state it held. Formed here, the first round is like every other. (NCCL groups
+    are ended through their communicators, whoever formed them.)
+    """
+    with abort.forming(rank_context().round):
+        dist.init_process_group(*args, **kwargs)
 
 
 def init_env_group(context: RankContext, *, device: torch.device, backend: str, timeout_s: float) -> bool:

@@ -1,7 +1,9 @@
 """One of two gloo ranks for the repair-watch test: rank 1 blocks in a collective that rank 0 never joins.
 
-argv: RUN_DIR RANK CONTROL_FILE. Rank 0 stays alive and holds its end of the group (a peer that
-left the broken group) until rank 1 has a result. Rank 1 writes RUN_DIR/result.json: how long
+argv: RUN_DIR RANK CONTROL_FILE HOW. Rank 0 stays alive and holds its end of the group (a peer that
+left the broken group) until rank 1 has a result. HOW forms round 1's group: ``tracked`` (as a round
+engine does: abort.begin_round, then torch's call under abort.tracking) or ``init_process_group``
+(elastic_events.init_process_group, what a script calls; HYPERPODRUN_ROUND names the round). Rank 1 writes RUN_DIR/result.json: how long
 its all_reduce waited and what it raised. Both run a Watchdog on the control channel, so a
 repair event the test publishes must end rank 1's wait long before the group's 60 s timeout.
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import elastic_events
 from elastic_events.control import ControlReader
 from elastic_events.rounds import abort
 from elastic_events.rounds.watchdog import GlooAbort, Watchdog
@@ -26,7 +29,7 @@ GROUP_TIMEOUT = timedelta(seconds=60)
 
 
 def main() -> int:
-    run, rank, control = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    run, rank, control, how = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     port_file = run / "port"
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, 2, True, GROUP_TIMEOUT, wait_for_workers=False)
@@ -37,9 +40,12 @@ def main() -> int:
         while not port_file.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         store = dist.TCPStore("127.0.0.1", int(port_file.read_text()), 2, False, GROUP_TIMEOUT)
-    abort.begin_round(1)
-    with abort.tracking():
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=GROUP_TIMEOUT)
+    if how == "tracked":
+        abort.begin_round(1)
+        with abort.tracking():
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=GROUP_TIMEOUT)
+    else:
+        elastic_events.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=GROUP_TIMEOUT)
     broken: list[str] = []
     watch = Watchdog(
         ControlReader(control, rank), abort=GlooAbort(), on_broken=lambda _, why: broken.append(why)
