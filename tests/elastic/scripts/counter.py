@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from elastic_events import elastic_event_detected, restart_reason
 
-STEP_PAUSE_S = 0.02
+STEP_PAUSE_S = 0.005
 run = Path(sys.argv[1])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -12,7 +12,7 @@ RUN_DIR/progress.jsonl every step; every rank appends {"pid", "rank", "world", "
 parameters to RUN_DIR/final.jsonl. Training ends at the first step after RUN_DIR/stop exists
 (agreed through an all-reduce); while RUN_DIR/block exists, the first rank 0 blocks for good at the start
 of its next step (appending {"pid", "step"} to RUN_DIR/blocked.jsonl). A step is a few ms of gloo and a pause of
-STEP_PAUSE_S, faster than the launcher's monitor interval in the tests, and a rank leaves most of
+STEP_PAUSE_S, several times faster than the launcher's monitor interval in the tests, and a rank leaves most of
 its core to the processes that start beside it (spares, joiners, replacements) on a 2-core machine. A step whose
 collective fails (a peer was killed) is recovered in place: "how" is "recovered" for a survivor.
 """
@@ -34,7 +34,7 @@ FSDP = sys.argv[2:3] == ["fsdp"] or HSDP
 INJECT, _, AT = (sys.argv[3] if sys.argv[3:] else "none=-1").partition("=")
 DIE_SENDING_AT = int(AT) if INJECT == "die-sending-at" else -1
 DIE_IN_REDUCTION_AT = int(AT) if INJECT == "die-in-reduction-at" else -1
-STEP_PAUSE_S = 0.02
+STEP_PAUSE_S = 0.005
 
 
 def log(name: str, record: dict) -> None:
