@@ -88,8 +88,9 @@ def attempts_of(records: Iterable[dict[str, Any]]) -> dict[int, list[Attempt]]:
     starts = sorted((a.line, a.step) for tries in by_step.values() for a in tries)
     for tries in by_step.values():
         for attempt in tries:
-            after = starts[bisect.bisect_right(starts, (attempt.line, 1 << 62)) :]
-            attempt.passed_line = next((line for line, step in after if step > attempt.step), None)
+            first_after = bisect.bisect_right(starts, (attempt.line, 1 << 62))
+            later = (starts[i] for i in range(first_after, len(starts)))
+            attempt.passed_line = next((line for line, step in later if step > attempt.step), None)
     return by_step
 
 

@@ -96,7 +96,7 @@ class ElasticJob:
             "30",
             "--monitor-interval",
             "0.05",
-            # A spare is a process importing torch and what a first step imports (~5 CPU-s on this machine) beside
+            # A spare is a process importing torch and what a first step imports (~2.3 CPU-s here, measured) beside
             # the ranks: the tests of spares ask for one (--spare-ranks 1 in their flags, which come later).
             "--spare-ranks",
             "0",

@@ -2,9 +2,9 @@
 
 argv: RUN_DIR RANK CONTROL_FILE HOW. Rank 0 stays alive and holds its end of the group (a peer that
 left the broken group) until rank 1 has a result. HOW forms round 1's group: ``tracked`` (as a round
-engine does: abort.begin_round, then torch's call under abort.tracking) or ``init_process_group``
-(elastic_events.init_process_group, what a script calls; HYPERPODRUN_ROUND names the round). Rank 1 writes RUN_DIR/result.json: how long
-its all_reduce waited and what it raised. Both run a Watchdog on the control channel, so a
+engine does: torch's call under abort.forming) or ``init_process_group`` (elastic_events'
+call, what a script makes; HYPERPODRUN_ROUND names the round). Rank 1 writes RUN_DIR/result.json:
+how long its all_reduce waited and what it raised. Both run a Watchdog on the control channel, so a
 repair event the test publishes must end rank 1's wait long before the group's 60 s timeout.
 """
 
@@ -41,8 +41,7 @@ def main() -> int:
             time.sleep(0.01)
         store = dist.TCPStore("127.0.0.1", int(port_file.read_text()), 2, False, GROUP_TIMEOUT)
     if how == "tracked":
-        abort.begin_round(1)
-        with abort.tracking():
+        with abort.forming(1):
             dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=GROUP_TIMEOUT)
     else:
         elastic_events.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=GROUP_TIMEOUT)
