@@ -142,11 +142,13 @@ class Agent:
                 f"{', '.join(map(str, self._same_job))}): the ranks of both get LOCAL_RANK 0 upward (the same devices)"
             )
         try:
+            self._ranks.start_forkserver()
             self.run_rounds()
         finally:
             self.stop_ranks()
             self._signals.restore()
             self._wake.close()
+            self._ranks.stop_forkserver()
             if self._reaper is not None:
                 self._reaper.close()
             self._control.close()

@@ -158,7 +158,8 @@ def run(
             "--start-method",
             env="PET_START_METHOD",
             group=_WORKERS,
-            help="Accepted for compatibility (spawn, fork, forkserver); workers are always fresh processes.",
+            help="spawn or fork: each rank a fresh process (as torchrun runs a script); forkserver: ranks forked "
+            "from one server per node that imported torch once (fast starts, restarts and replacements).",
         ),
     ] = "spawn",
     role: Annotated[

@@ -13,11 +13,12 @@ from pathlib import Path
 from elastic_events.contract import RestartReason
 from elastic_events.control import ControlWriter
 from hyperpodrun.config import LaunchConfig
+from hyperpodrun.forkserver import ForkServer
 from hyperpodrun.logs import LogDirectory, RankLogs
 from hyperpodrun.reaper import Reaper
 from hyperpodrun.rendezvous import RoundInfo
 from hyperpodrun.sigterm import ranks_leaving_on_sigterm
-from hyperpodrun.supervisor import DEFAULT_PREFIX_TEMPLATE, WorkerGroup
+from hyperpodrun.supervisor import DEFAULT_PREFIX_TEMPLATE, WorkerGroup, child_setup, is_subreaper
 from hyperpodrun.worker_env import base_env, parked_env, parked_round, worker_env
 
 __all__ = ["RankStarter"]
@@ -42,6 +43,19 @@ class RankStarter:
         self.net_env: dict[str, str] = {}  # GLOO_SOCKET_IFNAME chosen once at join (netif.py)
         self.restart_count = 0  # failure restarts the job used so far (the round's; TORCHELASTIC_RESTART_COUNT)
         self.reaper: Reaper | None = None
+        self.forkserver: ForkServer | None = None
+
+    def start_forkserver(self) -> None:
+        """With ``--start-method forkserver``, start the node's fork server (:mod:`hyperpodrun.forkserver`) now:
+        it imports torch while the launcher joins the rendezvous. Needs the launcher to be a child subreaper."""
+        cfg = self.config
+        if cfg.start_method == "forkserver" and not cfg.no_python and self.forkserver is None and is_subreaper():
+            self.forkserver = ForkServer(python=cfg.python, env=base_env(cfg), preexec_fn=child_setup)
+
+    def stop_forkserver(self) -> None:
+        server, self.forkserver = self.forkserver, None
+        if server is not None:
+            server.close()
 
     def new_attempt(self) -> Path:
         """A new attempt folder of the run's logs."""
@@ -94,6 +108,7 @@ class RankStarter:
             prefix_template=cfg.log_line_prefix_template or DEFAULT_PREFIX_TEMPLATE,
             role=cfg.role,
             sigterm_leaves=lambda: ranks_leaving_on_sigterm(self._control.progress()),
+            forkserver=self.forkserver,
         )
         group.start()
         return group, attempt_dir

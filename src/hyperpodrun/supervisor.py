@@ -30,6 +30,7 @@ import psutil
 
 from elastic_events.contract import GroupAssignment
 from hyperpodrun.errors import LaunchError
+from hyperpodrun.forkserver import ForkedProcess, ForkServer
 from hyperpodrun.logs import RankLogs, StreamPump, open_for_child
 from hyperpodrun.reaper import Reaper
 
@@ -69,12 +70,21 @@ def become_subreaper() -> bool:
     return bool(was.value)
 
 
+def is_subreaper() -> bool:
+    """Orphaned descendants are re-parented to this process (see :func:`become_subreaper`)."""
+    if _prctl is None:
+        return False
+    now = ctypes.c_int(0)
+    _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(now), 0, 0, 0)
+    return bool(now.value)
+
+
 def restore_subreaper(was: bool) -> None:
     if _prctl is not None and not was:
         _prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
-def _child_setup() -> None:  # runs in the child between fork and exec: no Python-level locks
+def child_setup() -> None:  # runs in the child between fork and exec: no Python-level locks
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
@@ -148,7 +158,7 @@ def read_error_file(path: Path) -> str | None:
 class _Rank:
     local_rank: int
     global_rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     logs: RankLogs
     pumps: list[StreamPump] = field(default_factory=list)
     exit_time: float | None = None
@@ -169,8 +179,10 @@ class WorkerGroup:
         prefix_template: str = DEFAULT_PREFIX_TEMPLATE,
         role: str = "default",
         sigterm_leaves: Callable[[], Collection[int]] | None = None,
+        forkserver: ForkServer | None = None,
     ) -> None:
         self._reaper = reaper
+        self._forkserver = forkserver
         self._prefix_template = prefix_template
         self._role = role
         # The local ranks for which SIGTERM is a request to leave the job, not an end: stop() SIGKILLs them.
@@ -257,16 +269,20 @@ class WorkerGroup:
     ) -> _Rank:
         out_fd = None if logs.console_stdout else open_for_child(logs.stdout_file)
         err_fd = None if logs.console_stderr else open_for_child(logs.stderr_file)
+        proc: subprocess.Popen | ForkedProcess | None = None
         try:
-            proc = subprocess.Popen(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out_fd if out_fd is not None else subprocess.PIPE,
-                stderr=err_fd if err_fd is not None else subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=_child_setup,
-            )
+            if self._forkserver is not None:
+                proc = _fork(self._forkserver, command, env, out_fd, err_fd)
+            if proc is None:
+                proc = subprocess.Popen(
+                    command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_fd if out_fd is not None else subprocess.PIPE,
+                    stderr=err_fd if err_fd is not None else subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=child_setup,
+                )
         except OSError as e:
             raise LaunchError(f"cannot start worker {command[0]!r}: {e.strerror}") from None
         finally:
@@ -476,6 +492,30 @@ class WorkerGroup:
         for r in self._ranks:
             for pump in r.pumps:
                 pump.join(max(0.0, deadline - time.monotonic()))
+
+
+def _fork(
+    server: ForkServer, command: list[str], env: dict[str, str], out_fd: int | None, err_fd: int | None
+) -> ForkedProcess | None:
+    """A rank forked by the node's fork server (a pipe for a stream shown on the console); None if it cannot."""
+    pipes = {name: os.pipe() for name, fd in (("stdout", out_fd), ("stderr", err_fd)) if fd is None}
+    try:
+        proc = server.spawn(
+            command,
+            env=env,
+            stdout=out_fd if out_fd is not None else pipes["stdout"][1],
+            stderr=err_fd if err_fd is not None else pipes["stderr"][1],
+        )
+    finally:
+        for _, write_end in pipes.values():
+            os.close(write_end)
+    if proc is None:
+        for read_end, _ in pipes.values():
+            os.close(read_end)
+        return None
+    for name, (read_end, _) in pipes.items():
+        setattr(proc, name, open(read_end, "rb"))
+    return proc
 
 
 def _send(p: psutil.Process, sig: int) -> None:

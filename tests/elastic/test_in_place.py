@@ -78,20 +78,25 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, backend_
 
 
 @pytest.mark.parametrize(
-    ("backend_name", "nodes", "spares", "model"),
+    ("backend_name", "nodes", "spares", "model", "start_method"),
     [
         # the spare, torch already imported, takes the failed rank's place
-        pytest.param("c10d", ("a", "b"), 1, "ddp", id="c10d-2nodes-spare-ddp"),
-        pytest.param("etcd", ("a", "b"), 0, "ddp", id="etcd-2nodes-nospare-ddp"),  # a new process is started parked
-        pytest.param("c10d", ("a",), 1, "ddp", id="c10d-1node-spare-ddp"),  # 2 ranks on one node, nothing else to help
+        pytest.param("c10d", ("a", "b"), 1, "ddp", "spawn", id="c10d-2nodes-spare-ddp"),
+        # a new process is started parked
+        pytest.param("etcd", ("a", "b"), 0, "ddp", "spawn", id="etcd-2nodes-nospare-ddp"),
+        pytest.param("c10d", ("a", "b"), 0, "ddp", "forkserver", id="c10d-2nodes-forked-ddp"),  # ... forked
+        pytest.param("c10d", ("a",), 1, "ddp", "forkserver", id="c10d-1node-spare-ddp"),  # 2 ranks on one node
         # a survivor may wait on a live peer: it must let go of the broken group, or be replaced
-        pytest.param("c10d", ("a", "b", "c"), 1, "ddp", id="c10d-3nodes-spare-ddp"),
+        pytest.param("c10d", ("a", "b", "c"), 1, "ddp", "forkserver", id="c10d-3nodes-spare-ddp"),
         # the failed rank's shards come back from the snapshot its peer holds
-        pytest.param("c10d", ("a", "b"), 1, "fsdp", id="c10d-2nodes-spare-fsdp"),
-        pytest.param("etcd", ("a", "b", "c"), 1, "fsdp", id="etcd-3nodes-spare-fsdp"),  # three shards, one of them lost
+        pytest.param("c10d", ("a", "b"), 1, "fsdp", "forkserver", id="c10d-2nodes-spare-fsdp"),
+        # three shards, one of them lost
+        pytest.param("etcd", ("a", "b", "c"), 1, "fsdp", "forkserver", id="etcd-3nodes-spare-fsdp"),
     ],
 )
-def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spares, model, request, tmp_path) -> None:
+def test_a_killed_rank_is_replaced_in_place(
+    make_job, backend_name, nodes, spares, model, start_method, request, tmp_path
+) -> None:
     """kill -9 of one rank: its node replaces it (its spare, or a new process), parked; the survivors keep
     their processes and state, the replacement is hydrated from them, and no committed step is lost or trained twice.
 
@@ -110,6 +115,7 @@ def test_a_killed_rank_is_replaced_in_place(make_job, backend_name, nodes, spare
         script_args=script_args(model, tmp_path),
         nnodes=str(len(nodes)),
         flags=("--max-restarts", "3", *per_node),
+        start_method=start_method,
     )
     for name in nodes:
         job.start_node(name)
@@ -288,9 +294,15 @@ def test_a_repair_with_no_state_left_starts_again_from_step_0(make_job, tmp_path
 
     (lost,) = job.events("state_lost")
     steps = [p["step"] for p in job.progress()]
-    at = steps.index(1, 1)  # the first step of the new start
-    assert steps[:at] == list(range(1, at + 1)) and steps[at:] == list(range(1, len(steps) - at + 1)), steps
-    assert lost["lost_steps"] in (at, at + 1), (lost, steps)  # a peer may have finished the step rank 0 had not logged
+    # the new start's first step (a late node's join may have restarted the job from step 0 before it ran in-process)
+    at = len(steps) - 1 - steps[::-1].index(1)
+    lost_at = steps[at - 1]
+    assert steps[at - lost_at : at] == list(range(1, lost_at + 1)), steps
+    assert steps[at:] == list(range(1, len(steps) - at + 1)), steps
+    assert lost["lost_steps"] in (lost_at, lost_at + 1), (
+        lost,
+        steps,
+    )  # a peer may have finished a step rank 0 had not logged
     assert "training starts again from step 0" in job.stderr("a")
     assert job.events("snapshot_unavailable") and not job.events("snapshot_restored")
     assert [p["world"] for p in job.progress()][at:] == [1] * (len(steps) - at)  # node a alone, in place
@@ -389,8 +401,10 @@ def test_two_failures_in_a_row_are_each_repaired_in_place(make_job, model, tmp_p
 def test_a_failure_while_the_next_spare_is_still_starting_is_repaired_by_that_spare(make_job, tmp_path) -> None:
     """The first repair takes the ready spare and the agent starts the next one; rank 1 is killed again while
     that one is still importing torch. It takes the place anyway (it is further along than a new process,
-    which would also compete with it for the CPU); nothing is lost."""
+    which would also compete with it for the CPU); nothing is lost. Fresh processes: a spare forked from the
+    node's fork server has nothing left to import."""
     job = make_job(
+        start_method="spawn",
         script=INPLACE,
         script_args=script_args("ddp", tmp_path),
         nnodes="2",

@@ -16,17 +16,31 @@ FAIL = str(SCRIPTS / "fail.py")
 
 
 @pytest.mark.parametrize(
-    ("mode", "expected"),
+    ("mode", "expected", "start_method"),
     [
-        ("exit:3", "rank 1 (local rank 1, pid {pid}) exited with code 3"),
-        ("signal:SIGKILL", "rank 1 (local rank 1, pid {pid}) was killed by SIGKILL"),
-        ("raise:boom-from-rank-1", "exited with code 1: ValueError: boom-from-rank-1"),
+        ("exit:3", "rank 1 (local rank 1, pid {pid}) exited with code 3", "spawn"),
+        ("signal:SIGKILL", "rank 1 (local rank 1, pid {pid}) was killed by SIGKILL", "spawn"),
+        ("raise:boom-from-rank-1", "exited with code 1: ValueError: boom-from-rank-1", "spawn"),
+        # ranks forked from the node's fork server: the same statuses, the same root cause from the error file
+        ("signal:SIGKILL", "rank 1 (local rank 1, pid {pid}) was killed by SIGKILL", "forkserver"),
+        ("raise:boom-from-rank-1", "exited with code 1: ValueError: boom-from-rank-1", "forkserver"),
     ],
 )
-def test_failure_exit_status_and_root_cause(tmp_path: Path, mode: str, expected: str) -> None:
+def test_failure_exit_status_and_root_cause(tmp_path: Path, mode: str, expected: str, start_method: str) -> None:
     start = time.monotonic()
     proc = run(
-        hyperpodrun_cmd("--nproc-per-node", "2", "--log-dir", str(tmp_path), "--rdzv-id", "j", FAIL, mode),
+        hyperpodrun_cmd(
+            "--nproc-per-node",
+            "2",
+            "--start-method",
+            start_method,
+            "--log-dir",
+            str(tmp_path),
+            "--rdzv-id",
+            "j",
+            FAIL,
+            mode,
+        ),
         timeout=90,
     )
     assert time.monotonic() - start < 60, "the healthy sibling was waited for instead of stopped"
@@ -99,10 +113,28 @@ def _tree_pids(tmp_path: Path) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_signal_to_launcher_leaves_no_process_behind(tmp_path: Path, sig: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("sig", "start_method"),
+    [
+        (signal.SIGTERM, "spawn"),
+        (signal.SIGINT, "spawn"),
+        (signal.SIGKILL, "spawn"),
+        (signal.SIGTERM, "forkserver"),
+        (signal.SIGKILL, "forkserver"),  # the forked ranks' PR_SET_PDEATHSIG points at the launcher, not the server
+    ],
+)
+def test_signal_to_launcher_leaves_no_process_behind(tmp_path: Path, sig: signal.Signals, start_method: str) -> None:
     launcher = subprocess.Popen(
-        hyperpodrun_cmd("--nproc-per-node", "2", "--shutdown-timeout", "5", str(SCRIPTS / "tree.py"), str(tmp_path)),
+        hyperpodrun_cmd(
+            "--nproc-per-node",
+            "2",
+            "--start-method",
+            start_method,
+            "--shutdown-timeout",
+            "5",
+            str(SCRIPTS / "tree.py"),
+            str(tmp_path),
+        ),
         env=clean_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -112,6 +144,7 @@ def test_signal_to_launcher_leaves_no_process_behind(tmp_path: Path, sig: signal
         _wait_for_files([tmp_path / "pids_0", tmp_path / "pids_1"], timeout=60)
         pids = _tree_pids(tmp_path)
         assert len(pids) == 4 and all(psutil.pid_exists(p) for p in pids)
+        pids += [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]  # its reaper, a fork server
         launcher.send_signal(sig)
         code = launcher.wait(timeout=60)
         _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=15)

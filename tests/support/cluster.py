@@ -69,6 +69,7 @@ class ElasticJob:
         flags: tuple[str, ...] = (),
         script: Path = COUNTER,
         script_args: tuple[str, ...] | None = None,
+        start_method: str = "forkserver",
     ) -> None:
         self.run_dir = run_dir
         self.endpoint = endpoint or f"127.0.0.1:{free_port()}"
@@ -100,6 +101,10 @@ class ElasticJob:
             # the ranks: the tests of spares ask for one (--spare-ranks 1 in their flags, which come later).
             "--spare-ranks",
             "0",
+            # Ranks, spares and replacements forked from one server per launcher that imported torch once: the
+            # launchers' own tests (tests/launcher) cover the default, fresh processes, beside it.
+            "--start-method",
+            start_method,
             "--event-log",
             str(self.events_path),
             "--log-dir",

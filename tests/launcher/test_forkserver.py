@@ -1,0 +1,183 @@
+"""The fork server (``--start-method forkserver``): ranks forked from one interpreter that imported torch.
+
+The server and its forks are real processes; the test process plays the launcher (a child subreaper,
+so the forked ranks are re-parented to it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic_events.rounds.forkserver import RankJob, refusal
+from hyperpodrun.forkserver import ForkedProcess, ForkServer
+from hyperpodrun.supervisor import become_subreaper, child_setup, restore_subreaper
+from support.launch import SCRIPTS, clean_env, hyperpodrun_cmd, run
+
+PY = sys.executable
+
+PROBE = """\
+import json, os, sys, random
+import torch
+code = int(os.environ.get("PROBE_EXIT", "0"))
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "rank": os.environ.get("RANK"),
+                  "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "sid": os.getsid(0),
+                  "torch_rand": torch.rand(2).tolist(), "random": random.random(), "name": __name__}), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if os.environ.get("PROBE_RAISE"):
+    raise RuntimeError("probe failed on purpose")
+open(os.environ["PROBE_FILE"], "w").write("unflushed until exit") if os.environ.get("PROBE_FILE") else None
+sys.exit(code)
+"""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ForkServer]:
+    was = become_subreaper()
+    fs = ForkServer(python=PY, env=clean_env(), preexec_fn=child_setup)
+    try:
+        yield fs
+    finally:
+        fs.close()
+        restore_subreaper(was)
+
+
+def _fork(server: ForkServer, tmp_path: Path, *args: str, **env: str) -> tuple[ForkedProcess, Path, Path]:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    out, err = (
+        tmp_path / f"out{len(list(tmp_path.iterdir()))}.log",
+        tmp_path / f"err{len(list(tmp_path.iterdir()))}.log",
+    )
+    fds = [os.open(p, os.O_WRONLY | os.O_CREAT, 0o644) for p in (out, err)]
+    try:
+        proc = server.spawn(
+            [PY, "-u", str(script), *args], env=clean_env(**env), stdout=fds[0], stderr=fds[1], cwd=str(tmp_path)
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert proc is not None
+    return proc, out, err
+
+
+def test_a_forked_rank_runs_the_script_as_python_would(server: ForkServer, tmp_path: Path) -> None:
+    proc, out, err = _fork(server, tmp_path, "a", "--b", RANK="3")
+    assert proc.wait(timeout=30) == 0
+    seen = json.loads(out.read_text())
+    assert seen["argv"] == [str(tmp_path / "probe.py"), "a", "--b"]
+    assert seen["path0"] == str(tmp_path) and seen["cwd"] == str(tmp_path) and seen["name"] == "__main__"
+    assert seen["rank"] == "3"
+    assert seen["pid"] == proc.pid and seen["ppid"] == os.getpid()  # re-parented to the launcher
+    assert seen["pgid"] == seen["sid"] == proc.pid  # its own session, as start_new_session
+    assert err.read_text() == "to stderr\n"
+
+
+def test_each_forked_rank_draws_its_own_random_numbers(server: ForkServer, tmp_path: Path) -> None:
+    seen = []
+    for _ in range(2):
+        proc, out, _ = _fork(server, tmp_path)
+        assert proc.wait(timeout=30) == 0
+        seen.append(json.loads(out.read_text()))
+    assert seen[0]["torch_rand"] != seen[1]["torch_rand"]
+    assert seen[0]["random"] != seen[1]["random"]
+
+
+@pytest.mark.parametrize(
+    ("env", "code"),
+    [({"PROBE_EXIT": "3"}, 3), ({"PROBE_RAISE": "1"}, 1), ({}, 0)],
+    ids=["sys.exit(3)", "exception", "success"],
+)
+def test_a_forked_rank_exits_with_the_scripts_status(server: ForkServer, tmp_path: Path, env: dict, code: int) -> None:
+    proc, _, err = _fork(server, tmp_path, **env, PROBE_FILE=str(tmp_path / "written"))
+    assert proc.wait(timeout=30) == code
+    if code == 1:
+        assert "RuntimeError: probe failed on purpose" in err.read_text()
+    else:
+        assert (tmp_path / "written").read_text() == "unflushed until exit"  # the interpreter's exit flushed it
+
+
+def test_a_killed_forked_rank_reports_the_signal(server: ForkServer, tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    out = os.open(tmp_path / "out.log", os.O_WRONLY | os.O_CREAT, 0o644)
+    proc = server.spawn([PY, "-u", str(script)], env=clean_env(), stdout=out, stderr=out)
+    os.close(out)
+    assert proc is not None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    assert proc.poll() == -signal.SIGKILL
+
+
+def test_a_command_a_fork_cannot_run_is_refused_and_said_once(
+    server: ForkServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = os.open(tmp_path / "out.log", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for _ in range(2):
+            env = clean_env(PYTHONPATH="/somewhere/else")
+            assert server.spawn([PY, "-u", str(tmp_path / "x.py")], env=env, stdout=out, stderr=out) is None
+        assert server.spawn([PY, "-O", str(tmp_path / "x.py")], env=clean_env(), stdout=out, stderr=out) is None
+    finally:
+        os.close(out)
+    said = capsys.readouterr().err
+    assert said.count("PYTHONPATH differs") == 1 and "not run as python -u ('-O" in said
+    assert server.broken is None  # the server still forks other commands
+
+
+def test_a_dead_server_falls_back_to_fresh_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    was = become_subreaper()
+    fs = ForkServer(python=PY, env=clean_env())
+    try:
+        os.kill(fs.pid, signal.SIGKILL)
+        out = os.open(tmp_path / "out.log", os.O_WRONLY | os.O_CREAT, 0o644)
+        assert fs.spawn([PY, "-u", str(tmp_path / "x.py")], env=clean_env(), stdout=out, stderr=out) is None
+        os.close(out)
+        assert fs.broken is not None and "exited" in fs.broken
+        assert "ranks start as fresh processes" in capsys.readouterr().err
+    finally:
+        fs.close()
+        restore_subreaper(was)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([PY, "-u", "train.py", "--lr", "1"], RankJob(script="train.py", module=None, args=("--lr", "1"))),
+        ([PY, "-u", "-m", "pkg.train", "x"], RankJob(script=None, module="pkg.train", args=("x",))),
+        ([PY, "train.py"], "not run as python -u ('train.py')"),
+        ([PY, "-u", "-X", "importtime"], "interpreter option '-X'"),
+        (["/usr/bin/other-python", "-u", "t.py"], "not this interpreter"),
+    ],
+)
+def test_rank_job_reads_the_workers_command(argv: list[str], expected: RankJob | str) -> None:
+    job = RankJob.from_argv(argv)
+    assert job == expected if isinstance(expected, RankJob) else str(job).startswith(expected)
+
+
+def test_refusal_compares_the_variables_read_at_interpreter_start() -> None:
+    argv = [PY, "-u", "t.py"]
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    assert refusal(argv, {**base, "RANK": "1", "MASTER_PORT": "5"}, base) is None  # rank variables are read later
+    assert "OMP_NUM_THREADS differs" in str(refusal(argv, {**base, "OMP_NUM_THREADS": "4"}, base))
+    assert "LD_PRELOAD differs" in str(refusal(argv, {**base, "LD_PRELOAD": "x.so"}, base))
+
+
+def test_a_forkserver_job_forks_its_ranks_from_the_server() -> None:
+    cmd = hyperpodrun_cmd(
+        "--standalone", "--nproc-per-node", "2", "--start-method", "forkserver", str(SCRIPTS / "allreduce.py")
+    )
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(re.findall(r"^\[rank(\d)\]:rank=(\d) world=2 sum=3$", proc.stdout, re.M)) == [("0", "0"), ("1", "1")]
+    assert "fork server" not in proc.stderr  # nothing was refused, nothing fell back
