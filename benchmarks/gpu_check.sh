@@ -14,6 +14,8 @@
 #         the spare rank (does it touch the GPU?), the rank's TORCH_NCCL_ASYNC_ERROR_HANDLING
 #   A2    resume of A's run from its DCP checkpoint onto the GPU
 #   E     does prewarm() (what spares and parked ranks import) initialise CUDA?
+#   K     the example (tiny) on cuda + NCCL, 2 ranks forked from the node's fork server (--start-method
+#         forkserver): does every rank fork (no fallback line: the server must not load the CUDA driver)?
 #   B1    one process, NCCL world 1: 20 rounds formed/used/destroyed as hyperpodrun forms them (eager init
 #         bound to the device, split subgroup, gloo side group, DDP, broadcast_tensors), then 10 rounds torn
 #         down by _abort_process_group (the recover() path) and re-formed: time per round, leaks;
@@ -843,6 +845,11 @@ S["A2"] = {"status": status("A2"), "resumed": m.group(0) if m else None, "done":
 lines.append(f"A2 resume from DCP checkpoint onto GPU     : {S['A2']['status']}; {S['A2']['resumed'] or 'no resume line'}"
              + (f"; {last_error('A2')}" if parts.get("A2", {}).get("status") == "FAIL" else ""))
 
+k = "\n".join(log_lines("K"))
+S["K"] = {"status": status("K"), "done": "done:" in k, "fell_back": "fork server" in k}
+lines.append(f"K  2 ranks forked by the fork server        : {S['K']['status']}; finished={S['K']['done']}, "
+             f"fell back to fresh processes={S['K']['fell_back']}" + (f"; {last_error('K')}" if S["K"]["status"] == "FAIL" else ""))
+
 e = load("E_prewarm.json")
 S["E"] = e
 if e:
@@ -979,6 +986,8 @@ run_part A   150 60 bash "$WORK/part_a.sh"
 run_part A2   75 30 bash "$WORK/hpr.sh" A2 "$TRAIN" --model tiny --device cuda --steps 270 --log-every 10 --num-workers 2 \
   --metrics "$OUT/A2_metrics.jsonl" --run-dir "$WORK/run-A" --data-cache "$WORK/data"
 run_part E    45 15 "$PY" "$WORK/py/prewarm_check.py" "$OUT/E_prewarm.json"
+run_part K    60 25 bash "$WORK/hpr.sh" K --nproc-per-node 2 --start-method forkserver "$TRAIN" --model tiny --device cuda \
+  --steps 30 --log-every 10 --num-workers 0 --metrics "$OUT/K_metrics.jsonl" --run-dir "$WORK/run-K" --data-cache "$WORK/data"
 run_part B1  120 45 env TORCH_NCCL_ASYNC_ERROR_HANDLING=2 "$PY" "$WORK/py/nccl_cycle.py" cycles --graceful "${B1_GRACEFUL:-20}" \
   --broken "${B1_BROKEN:-10}" --out "$OUT/B1_cycles.json"
 run_part P    45 15 "$PY" "$WORK/py/pinned_check.py" "$OUT/P_pinned.json"

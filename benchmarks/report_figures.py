@@ -26,6 +26,7 @@ EXPECTED = {
     "throughput": "python benchmarks/throughput.py --quick",
     "soak": "python benchmarks/soak.py --smoke --paths in-process,process",
     "state_scaling": "python benchmarks/state_scaling.py --quick",
+    "start_method": "python benchmarks/start_method.py --quick",
 }
 DASH = "–"
 
@@ -458,6 +459,26 @@ def render_throughput(doc: Summary) -> list[str]:
     return table(["ranks", "efficiency", "speedup", "tokens/s"], rows)
 
 
+def render_start_method(doc: Summary) -> list[str]:
+    s = doc["summary"]
+    labels = {
+        "start_s": "launcher start to first step",
+        "restart_s": "rank killed to first step after the restart",
+        "cpu_s": "CPU-seconds of the whole run",
+    }
+    rows = [
+        [
+            labels[figure],
+            sec(s.get(f"spawn_{figure}_median")),
+            sec(s.get(f"forkserver_{figure}_median")),
+            ci_text(s.get(f"{figure}_ratio_ci"), 2),
+        ]
+        for figure in ("start_s", "restart_s", "cpu_s")
+    ]
+    head = f"{s.get('nproc')} ranks on one node, a rank killed and every rank restarted (`--max-restarts 1`):"
+    return [head, "", *table(["figure", "spawn (median)", "forkserver (median)", "forkserver / spawn"], rows)]
+
+
 def _final(diff: float | None) -> str:
     if diff is None:
         return DASH
@@ -615,6 +636,7 @@ RENDERERS: dict[str, Callable[[Summary], list[str]]] = {
     "throughput": render_throughput,
     "soak": render_soak,
     "state_scaling": render_state_scaling,
+    "start_method": render_start_method,
 }
 
 

@@ -241,3 +241,10 @@ def test_state_scaling_renders_a_row_per_size_and_says_what_failed(report: Modul
         "crash: no snapshot: no step at which every shard survived."
     ) in lines
     assert "Stopped early: llama-125m: hyperpodrun: 2 steps after the node_loss did not happen within 180s." in lines
+
+
+def test_start_method_renders_each_figure_as_a_paired_ratio(report: ModuleType) -> None:
+    lines = report.render_figures(report.load_summaries(FIXTURES)).splitlines()
+    assert (
+        "| rank killed to first step after the restart | 2.84 s | 1.02 s | 0.34, 95 % CI 0.32 – 0.36 (5 pairs) |"
+    ) in lines
