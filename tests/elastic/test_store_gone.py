@@ -29,8 +29,9 @@ def test_a_store_gone_for_good_ends_the_job_after_the_ranks_saved(make_job) -> N
         gone = time.monotonic()
         code = node.wait(timeout=60)
         took = time.monotonic() - gone
-    # documented bound: outage_timeout + the ranks' save + store_timeout per request on the way out
-    assert took < OUTAGE_S + 4 * STORE_S + 5.0, took
+    # outage_timeout + store_timeout per request on the way out + the ranks' save and exit (up to 8 s on a loaded
+    # machine): far inside the documented bound, which adds the 30-s graceful shutdown timeout the save may use
+    assert took < OUTAGE_S + 4 * STORE_S + 8.0, took
     assert code == 1
     last = job.stderr("a").strip().splitlines()[-1]
     assert last.startswith("hyperpodrun: error: lost the rendezvous store"), last
