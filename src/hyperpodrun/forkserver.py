@@ -79,13 +79,6 @@ class ForkedProcess:
                 os.close(pidfd)
         return self.returncode  # type: ignore[return-value]
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
 
 class ForkServer:
     """Starts the node's fork server at once (it imports while the launcher joins the rendezvous) and forks

@@ -138,9 +138,10 @@ def _serve(sock: socket.socket, launcher: int) -> _Forked | None:
             return None
         request = json.loads(message)
         why = refusal(request["argv"], request["env"], os.environ)
-        if why is None and _threads() > 1:
+        threads = _threads()
+        if why is None and threads > 1:
             why = (
-                f"the fork server runs {_threads()} threads and a fork keeps only one; importing torch starts an "
+                f"the fork server runs {threads} threads and a fork keeps only one; importing torch starts an "
                 "OpenMP worker unless OMP_NUM_THREADS=1"
             )
         if why is None and _accelerator_loaded():
