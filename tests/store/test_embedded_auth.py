@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +51,22 @@ def test_the_right_secret_gets_in(guarded: EmbeddedStoreServer) -> None:
 def test_a_client_without_the_secret_is_refused(guarded: EmbeddedStoreServer, secret: bytes | None, match: str) -> None:
     with pytest.raises(StoreAuthError, match=match):
         EmbeddedStoreClient(guarded.endpoint, secret=secret, connect_timeout=2.0)
+
+
+def test_a_secret_left_by_an_exited_publisher_is_not_sent(guarded: EmbeddedStoreServer) -> None:
+    """An agent killed before it removed its published secret leaves the file behind; a later server on the
+    same port is not that agent's, so the client must not send that secret (nor take it for this store's)."""
+    port = int(guarded.endpoint.rsplit(":", 1)[1])
+    publish = (
+        f"from hyperpodrun.store.auth import publish_local_secret; publish_local_secret('127.0.0.1', {port}, b'x' * 32)"
+    )
+    subprocess.run([sys.executable, "-c", publish], check=True, timeout=60)
+    try:
+        assert local_secret_path("127.0.0.1", port).exists()
+        with pytest.raises(StoreAuthError, match="requires the job's shared secret"):
+            EmbeddedStoreClient(guarded.endpoint, connect_timeout=2.0)
+    finally:
+        local_secret_path("127.0.0.1", port).unlink(missing_ok=True)
 
 
 def test_a_server_that_asks_no_proof_is_checked_against_this_hosts_secret_once(
@@ -149,7 +168,8 @@ def test_bad_secret_files_are_refused(
 def _drop_server_side(server: EmbeddedStoreServer) -> None:
     """What a network blip does: the server's end of every connection goes away."""
     for conn in list(server._conns):
-        conn.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):  # one whose client end is already gone, not yet removed by the server
+            conn.shutdown(socket.SHUT_RDWR)
 
 
 def test_reads_and_cas_ride_out_a_dropped_connection(guarded: EmbeddedStoreServer) -> None:

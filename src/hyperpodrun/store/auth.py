@@ -32,6 +32,7 @@ __all__ = [
     "new_secret",
     "publish_local_secret",
     "read_local_secret",
+    "unpublish_local_secret",
     "resolve_store_secret",
 ]
 
@@ -123,19 +124,65 @@ def local_secret_path(host: str, port: int) -> Path:
 
 
 def publish_local_secret(host: str, port: int, secret: bytes) -> Path:
-    """Write ``secret`` for this user's other agents on this host (atomically, mode 0600)."""
+    """Write ``secret`` for this user's other agents on this host (atomically, mode 0600), stamped with this
+    process's identity so that a file left by an agent killed before it could remove it is known as stale."""
     path = local_secret_path(host, port)
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as handle:
-        handle.write(secret)
+        handle.write(_owner_line(os.getpid()) + secret)
     os.replace(tmp, path)
     return path
 
 
+def unpublish_local_secret(path: Path, secret: bytes) -> None:
+    """Remove the file :func:`publish_local_secret` wrote, unless another agent's secret has replaced it."""
+    with contextlib.suppress(OSError):
+        if path.read_bytes() == _owner_line(os.getpid()) + secret:
+            path.unlink()
+
+
 def read_local_secret(host: str, port: int) -> bytes | None:
-    """The secret a local host agent published for ``host:port``, if any."""
+    """The secret a running local host agent published for ``host:port``; None when there is none, or when
+    the process that published it has gone (the port may now be another server's)."""
     try:
-        return local_secret_path(host, port).read_bytes() or None
+        data = local_secret_path(host, port).read_bytes()
     except (FileNotFoundError, StoreConfigError):
         return None
+    owner, sep, secret = data.partition(b"\n")
+    if not sep or not owner.startswith(_OWNER_TAG):
+        return None
+    pid = owner.removeprefix(_OWNER_TAG).split(b" ", 1)[0]
+    if not pid.isdigit() or _owner_line(int(pid)) != owner + b"\n":
+        return None
+    return secret or None
+
+
+_OWNER_TAG = b"publisher-pid="
+
+
+def _owner_line(pid: int) -> bytes:
+    """``publisher-pid=PID start=TICKS``: the start time tells a reused pid from the publisher."""
+    return b"%s%d start=%s\n" % (_OWNER_TAG, pid, _start_ticks(pid).encode())
+
+
+def _start_ticks(pid: int) -> str:
+    """When process ``pid`` started (``/proc/PID/stat`` field 22); ``gone`` when no such process runs (or only
+    its zombie), ``unknown`` where ``/proc`` is not there (liveness is then all that is checked)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return "gone" if Path("/proc/self/stat").exists() else _alive_or_gone(pid)
+    except OSError:
+        return _alive_or_gone(pid)
+    return "gone" if fields[0] in (b"Z", b"X") else fields[19].decode()
+
+
+def _alive_or_gone(pid: int) -> str:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "gone"
+    except PermissionError:
+        pass
+    return "unknown"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hyperpodrun.store.auth import publish_local_secret
+from hyperpodrun.store.auth import publish_local_secret, unpublish_local_secret
 from hyperpodrun.store.base import (
     LeaseExpiredError,
     StoreAddressInUseError,
@@ -216,11 +216,9 @@ class EmbeddedStoreServer:
 
     def _unpublish(self) -> None:
         """Remove the published secret, unless another agent's has replaced it since."""
-        if self._published is not None:
-            with contextlib.suppress(OSError):
-                if self._published.read_bytes() == self._secret:
-                    self._published.unlink()
-            self._published = None
+        if self._published is not None and self._secret:
+            unpublish_local_secret(self._published, self._secret)
+        self._published = None
 
     def __enter__(self) -> EmbeddedStoreServer:
         return self.start()
