@@ -135,6 +135,38 @@ def test_a_command_a_fork_cannot_run_is_refused_and_said_once(
     assert server.broken is None  # the server still forks other commands
 
 
+THREADS = """\
+import json, os, torch
+a = torch.randn(256, 256)
+print(json.dumps({"threads": torch.get_num_threads(), "product_ok": bool(torch.allclose((a @ a.T), (a @ a.T).T)),
+                  "omp_env": os.environ.get("OMP_NUM_THREADS")}), flush=True)
+"""
+
+
+def test_a_job_that_sets_no_thread_count_is_forked_with_a_fresh_processs_count(tmp_path: Path) -> None:
+    """One rank per node and no ``OMP_NUM_THREADS``: the server imports torch with OpenMP at one thread (so it
+    stays forkable), and each rank gets the thread count a fresh interpreter picks, not the server's one."""
+    env = {k: v for k, v in clean_env().items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    fresh = subprocess.run([PY, "-c", "import torch; print(torch.get_num_threads())"], env=env, capture_output=True)
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS)
+    was = become_subreaper()
+    fs = ForkServer(python=PY, env=env, preexec_fn=child_setup)
+    try:
+        fd = os.open(tmp_path / "out.log", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            proc = fs.spawn([PY, "-u", str(script)], env=env, stdout=fd, stderr=fd, cwd=str(tmp_path))
+        finally:
+            os.close(fd)
+        assert proc is not None, "refused: the server was not forkable"
+        assert proc.wait(timeout=60) == 0, (tmp_path / "out.log").read_text()
+    finally:
+        fs.close()
+        restore_subreaper(was)
+    seen = json.loads((tmp_path / "out.log").read_text())
+    assert seen == {"threads": int(fresh.stdout), "product_ok": True, "omp_env": None}, (seen, fresh.stdout)
+
+
 def test_a_dead_server_falls_back_to_fresh_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     was = become_subreaper()
     fs = ForkServer(python=PY, env=clean_env())

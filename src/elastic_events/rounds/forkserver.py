@@ -25,7 +25,8 @@ What differs from a fresh ``python`` process, by construction: the modules above
 ``PYTHON*``, ``LD_*`` or thread-pool variables differ from the server's is refused); the process's
 command line and ``/proc/<pid>/environ`` are the server's; the string-hash seed is shared by the node's
 ranks. Python's, torch's and NumPy's global random generators are seeded in each rank from the OS, as in a
-fresh process.
+fresh process. A job that sets no thread count has the server import torch with OpenMP at one thread (so it
+stays forkable) and each rank set the count a fresh interpreter picks.
 """
 
 from __future__ import annotations
@@ -107,6 +108,33 @@ def _accelerator_loaded() -> bool:
         return False
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Startup:
+    """The server's environment as it started, and whether it imported torch with OpenMP pinned to one thread."""
+
+    env: Mapping[str, str]
+    openmp_pinned: bool
+
+
+def _pin_openmp() -> _Startup:
+    """Have the imports start no OpenMP worker when the job sets no thread count.
+
+    A fork keeps only the thread that forks, so a server with an OpenMP worker could fork no rank (importing
+    torch starts one unless ``OMP_NUM_THREADS=1``). libgomp reads the variable once, when torch loads it, so it
+    is set in the server's own environment before that; each forked rank then gets the count a fresh
+    interpreter would have picked (:func:`_openmp_threads_of_a_fresh_process`)."""
+    env = dict(os.environ)
+    pinned = not any(name in env for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+    if pinned:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    return _Startup(env=env, openmp_pinned=pinned)
+
+
+def _openmp_threads_of_a_fresh_process() -> int:
+    """libgomp's default without ``OMP_NUM_THREADS``: the CPUs this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
 def _preload() -> None:
     import torch  # noqa: F401 - what the server exists to import once
     import torch.distributed  # noqa: F401
@@ -123,7 +151,7 @@ class _Forked:
     job: RankJob
 
 
-def _serve(sock: socket.socket, launcher: int) -> _Forked | None:
+def _serve(sock: socket.socket, launcher: int, startup: _Startup) -> _Forked | None:
     """Answer the launcher until it closes the socket (None); in a forked rank, its job."""
     try:
         sock.send(json.dumps({"ready": os.getpid()}).encode())
@@ -137,13 +165,10 @@ def _serve(sock: socket.socket, launcher: int) -> _Forked | None:
         if not message:
             return None
         request = json.loads(message)
-        why = refusal(request["argv"], request["env"], os.environ)
+        why = refusal(request["argv"], request["env"], startup.env)
         threads = _threads()
         if why is None and threads > 1:
-            why = (
-                f"the fork server runs {threads} threads and a fork keeps only one; importing torch starts an "
-                "OpenMP worker unless OMP_NUM_THREADS=1"
-            )
+            why = f"the fork server runs {threads} threads and a fork keeps only one"
         if why is None and _accelerator_loaded():
             why = "the fork server loaded the CUDA driver (a fork could not use the device)"
         if why is not None or len(fds) != 2:
@@ -167,7 +192,7 @@ def _serve(sock: socket.socket, launcher: int) -> _Forked | None:
         if intermediate == 0:
             rank = _fork_rank(pid_r, pid_w)  # returns only in the rank
             sock.close()
-            _become_rank(request, fds, launcher=launcher, gate=rank)
+            _become_rank(request, fds, launcher=launcher, gate=rank, startup=startup)
             return _Forked(job)
         if intermediate > 0:
             os.close(pid_w)
@@ -197,7 +222,7 @@ def _fork_rank(pid_r: int, pid_w: int) -> int:
     os._exit(0)
 
 
-def _become_rank(request: Mapping, fds: Sequence[int], *, launcher: int, gate: int) -> None:
+def _become_rank(request: Mapping, fds: Sequence[int], *, launcher: int, gate: int, startup: _Startup) -> None:
     """In the forked rank: own session, re-parented to the launcher, the rank's streams and environment."""
     os.setsid()
     os.read(gate, 1)  # EOF: the intermediate exited
@@ -224,6 +249,8 @@ def _become_rank(request: Mapping, fds: Sequence[int], *, launcher: int, gate: i
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.default_generator.seed()
+        if startup.openmp_pinned:
+            torch.set_num_threads(_openmp_threads_of_a_fresh_process())
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
@@ -250,8 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     launcher = os.getppid()
     sock = socket.socket(fileno=int(argv[0]))
+    startup = _pin_openmp()
     _preload()
-    forked = _serve(sock, launcher)
+    forked = _serve(sock, launcher, startup)
     if forked is None:
         # The launcher is done with the server, which ran no user code: skip the interpreter's teardown of
         # torch (0.7 s here), which the launcher's exit would otherwise wait for.
