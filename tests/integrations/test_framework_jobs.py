@@ -214,3 +214,39 @@ def test_grow_with_two_ranks_per_node_in_place(framework, make_job, reference, t
     assert pids[2] < pids[4] and len(pids[4]) == 4, f"node a's two ranks should have kept their processes: {pids}"
     assert [e["newcomers"] for e in job.events("hydrated")] == [2]
     assert job.events("checkpoint_loaded") == [] and list(tmp_path.glob("ckpt/elastic-step=*")) == []
+
+
+@pytest.mark.parametrize("event", ["join", "leave"])
+def test_lightning_hsdp_adds_or_removes_a_replica_on_the_restart_path(event, make_job, reference, tmp_path) -> None:
+    """Lightning's ``ModelParallelStrategy`` with the model sharded over a node's 2 ranks and replicated across
+    nodes (:func:`hsdp_mesh`): a node that joins adds a replica (mesh 1 x 2 -> 2 x 2), one that leaves removes
+    one (2 x 2 -> 1 x 2); the sharded checkpoint is saved and loaded at the new size, and the run trains what
+    one process trains."""
+    job = make_job(
+        nnodes="1:2",
+        flags=(*RDZV_CONF, "--nproc-per-node", "2", "--scaling-timeout", "10"),
+        script=WORKERS / FRAMEWORKS["lightning"],
+        script_args=(str(tmp_path), str(MAX_STEPS), "restart", "hsdp"),
+    )
+    worlds = [2, 4] if event == "join" else [4, 2]
+    job.start_node("a")
+    if event == "leave":
+        job.start_node("b")
+    wait_until(
+        lambda: len(list(tmp_path.glob("held-*"))) == worlds[0],
+        timeout=180,
+        what="the first round's ranks to hold at step 8",
+    )
+    if event == "join":
+        job.start_node("b")
+    else:
+        job.signal("b", signal.SIGTERM)  # preemption of node b: it leaves at the agreed step
+    codes = {n: p.wait(timeout=300) for n, p in job.nodes.items()}
+    assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
+    pids = _assert_same_training(tmp_path, reference("lightning"), worlds=worlds)
+    assert not pids[2] & pids[4] and len(pids[4]) == 4, pids  # the restart path: every rank a new process
+    meshes = [(r["world"], tuple(r["shape"])) for path in tmp_path.glob("mesh-*.jsonl") for r in _read(path)]
+    assert sorted(meshes) == sorted([(2, (1, 2))] * 2 + [(4, (2, 2))] * 4), meshes
+    (saved,) = tmp_path.glob("ckpt/elastic-step=*.ckpt")
+    assert saved.is_dir(), f"{saved} should be a sharded (distributed) checkpoint"
+    assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [worlds[1]]

@@ -1,4 +1,4 @@
-"""Elastic Lightning 2.x ``Trainer`` (DDP strategy): one callback, its data loader, in-place scale events.
+"""Elastic Lightning 2.x ``Trainer`` (DDP; HSDP on the restart path): one callback, its data loader, in-place scale events.
 
 Before (torchrun, fixed size)::
 
@@ -56,6 +56,8 @@ How it works, in Lightning's own terms:
   and the epoch's end stay right.
 * **RNG.** At a new world size, and after every in-place event, every rank is
   reseeded from ``(seed, step, rank)`` when training starts.
+* **HSDP** (restart path): ``ModelParallelStrategy`` with ``fully_shard`` on :func:`hsdp_mesh` in the
+  module's ``configure_model``; Lightning's sharded checkpoint loads onto the new round's mesh.
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ from elastic_events.integrations.common import (
 )
 from elastic_events.integrations.inplace import elastic_init, rounds
 from elastic_events.rounds.config import ElasticConfig
+from elastic_events.rounds.mesh import HSDPConfig, build_mesh, plan_layout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "ElasticCallback",
@@ -101,6 +107,7 @@ __all__ = [
     "ElasticConfig",
     "elastic_init",
     "elastic_resume_checkpoint",
+    "hsdp_mesh",
 ]
 
 CHECKPOINT = "elastic-step={step}.ckpt"
@@ -112,6 +119,15 @@ def elastic_resume_checkpoint(dirpath: str | os.PathLike) -> str | None:
     """The newest complete elastic checkpoint in ``dirpath`` (None: start from scratch)."""
     found = newest_marked(Path(dirpath), r"elastic-step=(\d+)\.ckpt", MARKER)
     return str(found) if found is not None else None
+
+
+def hsdp_mesh(trainer: Trainer, config: HSDPConfig | None = None) -> DeviceMesh:
+    """The round's ``("replicate", "shard")`` mesh, for ``fully_shard(..., mesh=hsdp_mesh(self.trainer))`` in a
+    module's ``configure_model`` under ``ModelParallelStrategy(data_parallel_size=WORLD_SIZE,
+    tensor_parallel_size=1)``: sharded over a node's ranks (or ``config.shard_size``), replicated across
+    nodes. Every rank trains its own samples (data parallel over replicas x shards). Collective."""
+    layout = plan_layout(config or HSDPConfig(), world_size=trainer.world_size, local_world_size=trainer.num_devices)
+    return build_mesh(layout, trainer.strategy.root_device)
 
 
 class _FullEpochSampler(ElasticSampler):
