@@ -216,6 +216,40 @@ def test_grow_with_two_ranks_per_node_in_place(framework, make_job, reference, t
     assert job.events("checkpoint_loaded") == [] and list(tmp_path.glob("ckpt/elastic-step=*")) == []
 
 
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_a_finished_job_admits_no_joiner_and_an_abort_at_exit_is_success(framework, make_job, tmp_path) -> None:
+    """The framework's callback says when training is over: a launcher that arrives after it is not admitted
+    (the job is not trained again at 2 ranks), and the finished rank's abort at exit is not a failure."""
+    (tmp_path / "linger").touch()  # the worker waits after training, then aborts (workers/job_common.py)
+    steps = 6  # one epoch, ending before the hold at step 8
+    job = make_job(
+        nnodes="1:2",
+        flags=RDZV_CONF,
+        script=WORKERS / FRAMEWORKS[framework],
+        script_args=(str(tmp_path), str(steps), "restart"),
+    )
+    a = job.start_node("a")
+    wait_until(lambda: (tmp_path / "finished").exists(), timeout=180, what="rank 0's training to finish")
+    b = job.start_node("b")
+    b_id = next(e["node"] for e in job.events("agent_started") if e["pid"] == b.pid)
+    wait_until(
+        lambda: any(b_id in e.get("standbys", ()) for e in job.events("scale_held")),
+        timeout=60,
+        what="the decider to hold scale events with b waiting",
+    )
+    (tmp_path / "crash").touch()
+    assert a.wait(timeout=60) == 0, job.stderr("a")[-3000:]
+    assert b.wait(timeout=60) == 0, job.stderr("b")[-3000:]
+    trained = _steps(tmp_path)
+    assert sorted(trained) == list(range(1, steps + 1)), "a step is missing or was trained twice"
+    assert {r["world"] for recs in trained.values() for r in recs} == {1}
+    assert len({r["pid"] for recs in trained.values() for r in recs}) == 1  # never restarted
+    assert not job.events("scale_decided"), job.events("scale_decided")
+    assert [e["step"] for e in job.events("training_finished")] == [steps]
+    assert "after its training finished; counted as success" in job.stderr("a")
+    assert not job.events("worker_failed")
+
+
 @pytest.mark.parametrize("event", ["join", "leave"])
 def test_lightning_hsdp_adds_or_removes_a_replica_on_the_restart_path(event, make_job, reference, tmp_path) -> None:
     """Lightning's ``ModelParallelStrategy`` with the model sharded over a node's 2 ranks and replicated across

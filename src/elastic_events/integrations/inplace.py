@@ -269,11 +269,13 @@ class Rounds:
         if self.engine is not None:
             self.engine.set_phase(RankPhase.FAILED)
 
-    def finished(self) -> None:
-        """The framework's training ended on this rank: no further event is acted on."""
-        if self.engine is not None and self._reader is not None:
-            self.engine.set_phase(RankPhase.FINISHED)
-            eventlog.emit(Record.TRAINING_FINISHED)
+    def finished(self, *, step: int) -> None:
+        """The framework's training ended on this rank at ``step``: no further event is acted on, in place or on
+        the restart path (the launcher admits no joiner and takes a crash at exit for success)."""
+        reader = self._reader
+        if reader is not None:
+            reader.set_phase(RankPhase.FINISHED)
+            eventlog.emit(Record.TRAINING_FINISHED, step=step)
 
     # ------------------------------------------------------------- internals
     def _hydrate(self, event: Event, *, module: torch.nn.Module, kept: Kept | None) -> dict[str, Any] | None:

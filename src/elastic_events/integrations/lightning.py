@@ -358,7 +358,7 @@ class ElasticCallback(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """``fit`` completed (Lightning calls it on no exception): the end of training, unless it stopped for an event."""
         if not self.stopped_for_event and self._in_place_event is None:
-            rounds().finished()
+            rounds().finished(step=trainer.global_step)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and self.stopped_for_event and self.exit_on_event and not self.in_place:  # fit() exits itself

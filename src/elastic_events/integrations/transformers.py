@@ -386,7 +386,7 @@ class ElasticCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if not self.stopped_for_event and self._in_place_event is None:  # the end of training, not of a round
-            rounds().finished()
+            rounds().finished(step=state.global_step)
         if self.stopped_for_event and self.exit_on_event and not self.in_place:  # ElasticTrainer.train exits itself
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()

@@ -12,12 +12,11 @@ the first round holds at step 8 (HOLD_AT) until the launcher has announced a sca
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-from job_common import GLOBAL_BATCH, MICRO_BATCH, Samples, hold_for_event, log_step
+from job_common import GLOBAL_BATCH, MICRO_BATCH, Samples, end_of_training, hold_for_event, log_step
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from elastic_events.integrations.transformers import (
@@ -88,6 +87,4 @@ trainer = (ElasticTrainer if in_place else Trainer)(
     callbacks=[ElasticCallback(global_batch=GLOBAL_BATCH), Record(model)],
 )
 trainer.train(resume_from_checkpoint=elastic_resume_checkpoint(args.output_dir))
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)
+end_of_training(run)

@@ -50,3 +50,19 @@ def hold_for_event(run: Path, *, rank: int, step: int) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no scale event announced within {HOLD_TIMEOUT:g}s of holding at step {HOLD_AT}")
         time.sleep(0.02)
+
+
+def end_of_training(run: Path) -> None:
+    """Exit 0 without the interpreter's teardown; with RUN_DIR/linger, first say the training is over
+    (RUN_DIR/finished), wait for RUN_DIR/crash, and abort (SIGABRT), as torch's gloo teardown did at exit."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if (run / "linger").exists():
+        (run / "finished").touch()
+        deadline = time.monotonic() + HOLD_TIMEOUT
+        while not (run / "crash").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.abort()
+    os._exit(0)  # skip interpreter finalization: torch's gloo teardown can abort there (pytorch/pytorch#179291)

@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import torch
 import torch.distributed as dist
-from job_common import GLOBAL_BATCH, MICRO_BATCH, Samples, hold_for_event, log_step
+from job_common import GLOBAL_BATCH, MICRO_BATCH, Samples, end_of_training, hold_for_event, log_step
 
 from elastic_events.integrations.lightning import ElasticCallback, elastic_init, elastic_resume_checkpoint, hsdp_mesh
 
@@ -106,6 +106,4 @@ if in_place:
     elastic.fit(trainer, model, loader, ckpt_path=elastic_resume_checkpoint(run / "ckpt"))
 else:
     trainer.fit(model, loader, ckpt_path=elastic_resume_checkpoint(run / "ckpt"))
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)  # skip interpreter finalization: torch's gloo teardown can abort there (SIGABRT, pytorch/pytorch#179291)
+end_of_training(run)
