@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from support.cluster import wait_until
+from support.finished import assert_finished_once, join_after_the_end
 from support.jsonl import read_jsonl
 from support.launch import clean_env
 
@@ -228,26 +229,12 @@ def test_a_finished_job_admits_no_joiner_and_an_abort_at_exit_is_success(framewo
         script=WORKERS / FRAMEWORKS[framework],
         script_args=(str(tmp_path), str(steps), "restart"),
     )
-    a = job.start_node("a")
-    wait_until(lambda: (tmp_path / "finished").exists(), timeout=180, what="rank 0's training to finish")
-    b = job.start_node("b")
-    b_id = next(e["node"] for e in job.events("agent_started") if e["pid"] == b.pid)
-    wait_until(
-        lambda: any(b_id in e.get("standbys", ()) for e in job.events("scale_held")),
-        timeout=60,
-        what="the decider to hold scale events with b waiting",
-    )
-    (tmp_path / "crash").touch()
-    assert a.wait(timeout=60) == 0, job.stderr("a")[-3000:]
-    assert b.wait(timeout=60) == 0, job.stderr("b")[-3000:]
+    join_after_the_end(job, tmp_path, finish_timeout=180)
     trained = _steps(tmp_path)
     assert sorted(trained) == list(range(1, steps + 1)), "a step is missing or was trained twice"
     assert {r["world"] for recs in trained.values() for r in recs} == {1}
     assert len({r["pid"] for recs in trained.values() for r in recs}) == 1  # never restarted
-    assert not job.events("scale_decided"), job.events("scale_decided")
-    assert [e["step"] for e in job.events("training_finished")] == [steps]
-    assert "after its training finished; counted as success" in job.stderr("a")
-    assert not job.events("worker_failed")
+    assert_finished_once(job, steps=steps)
 
 
 @pytest.mark.parametrize("event", ["join", "leave"])
