@@ -115,27 +115,46 @@ class ForkServer:
         return self._proc.pid
 
     def spawn(
-        self, argv: Sequence[str], *, env: Mapping[str, str], stdout: int, stderr: int, cwd: str | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        stdout: int,
+        stderr: int,
+        cwd: str | None = None,
+        wait_ready: bool = True,
     ) -> ForkedProcess | None:
         """Fork a rank running ``argv`` with ``env``, its streams on the descriptors ``stdout``/``stderr``
-        (the caller keeps and closes its own); None when it must be started as a fresh process instead."""
+        (the caller keeps and closes its own); None when it must be started as a fresh process instead.
+
+        ``wait_ready``: wait for the server's imports (up to its ready timeout) if they are not done; False:
+        None at once then (a parked rank or a spare, whose start must not hold the launcher's loop)."""
         with self._lock:
             if self.broken is None:
                 try:
+                    if not self._take_ready(wait=wait_ready):
+                        return None
                     return self._spawn(argv, env=env, stdout=stdout, stderr=stderr, cwd=cwd or os.getcwd())
                 except (OSError, ValueError, TimeoutError) as e:
                     self._break(f"{type(e).__name__}: {e}")
             self._say_once(f"the fork server is unusable ({self.broken}): ranks start as fresh processes")
             return None
 
+    def _take_ready(self, *, wait: bool) -> bool:
+        """Whether the server has finished its imports, reading its ready message (waited for when ``wait``)."""
+        if self._ready:
+            return True
+        if not wait and not select.select([self._sock], [], [], 0)[0]:
+            return False
+        reply = self._receive(self._ready_deadline - time.monotonic(), "its imports (the ready message)")
+        if "ready" not in reply:
+            raise ValueError(f"unexpected first message {reply!r}")
+        self._ready = True
+        return True
+
     def _spawn(
         self, argv: Sequence[str], *, env: Mapping[str, str], stdout: int, stderr: int, cwd: str
     ) -> ForkedProcess | None:
-        if not self._ready:
-            reply = self._receive(self._ready_deadline - time.monotonic(), "its imports (the ready message)")
-            if "ready" not in reply:
-                raise ValueError(f"unexpected first message {reply!r}")
-            self._ready = True
         request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd}).encode()
         self._sock.settimeout(SPAWN_TIMEOUT_S)
         socket.send_fds(self._sock, [request], [stdout, stderr])

@@ -110,5 +110,5 @@ class RankStarter:
             sigterm_leaves=lambda: ranks_leaving_on_sigterm(self._control.progress()),
             forkserver=self.forkserver,
         )
-        group.start()
+        group.start(parked=rnd is None)
         return group, attempt_dir

@@ -202,25 +202,30 @@ class WorkerGroup:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, *, parked: bool = False) -> None:
+        """Start the local ranks; ``parked`` ranks (a standby's) do not wait for the fork server's imports: the
+        launcher's loop goes on at once (they start as fresh processes while the server is not ready)."""
         for local_rank in range(self.assignment.nproc_per_node):
-            self._ranks.append(self._spawn(local_rank))
+            self._ranks.append(self._spawn(local_rank, wait_for_server=not parked))
         self.state = WorkerState.HEALTHY
 
-    def _spawn(self, local_rank: int) -> _Rank:
+    def _spawn(self, local_rank: int, *, wait_for_server: bool = True) -> _Rank:
         return self._start_process(
             self._command,
             {**self._base_env, **self._rank_env[local_rank]},
             self._logs[local_rank],
             local_rank=local_rank,
             global_rank=self.assignment.global_rank(local_rank),
+            wait_for_server=wait_for_server,
         )
 
     def start_spare(self, command: list[str], *, env: dict[str, str], logs: RankLogs) -> int:
         """Start a spare (see :mod:`elastic_events.rounds.spare`) beside the ranks; its pid. It is stopped with them."""
         if self._spare is not None and self._spare.proc.poll() is None:
             raise ValueError(f"a spare (pid {self._spare.proc.pid}) is already running")
-        self._spare = self._start_process(command, {**self._base_env, **env}, logs, local_rank=-1, global_rank=-1)
+        self._spare = self._start_process(
+            command, {**self._base_env, **env}, logs, local_rank=-1, global_rank=-1, wait_for_server=False
+        )
         return self._spare.proc.pid
 
     @property
@@ -265,14 +270,21 @@ class WorkerGroup:
         return spare.proc.pid
 
     def _start_process(
-        self, command: list[str], env: dict[str, str], logs: RankLogs, *, local_rank: int, global_rank: int
+        self,
+        command: list[str],
+        env: dict[str, str],
+        logs: RankLogs,
+        *,
+        local_rank: int,
+        global_rank: int,
+        wait_for_server: bool = True,
     ) -> _Rank:
         out_fd = None if logs.console_stdout else open_for_child(logs.stdout_file)
         err_fd = None if logs.console_stderr else open_for_child(logs.stderr_file)
         proc: subprocess.Popen | ForkedProcess | None = None
         try:
             if self._forkserver is not None:
-                proc = _fork(self._forkserver, command, env, out_fd, err_fd)
+                proc = _fork(self._forkserver, command, env, out_fd, err_fd, wait_ready=wait_for_server)
             if proc is None:
                 proc = subprocess.Popen(
                     command,
@@ -495,7 +507,13 @@ class WorkerGroup:
 
 
 def _fork(
-    server: ForkServer, command: list[str], env: dict[str, str], out_fd: int | None, err_fd: int | None
+    server: ForkServer,
+    command: list[str],
+    env: dict[str, str],
+    out_fd: int | None,
+    err_fd: int | None,
+    *,
+    wait_ready: bool,
 ) -> ForkedProcess | None:
     """A rank forked by the node's fork server (a pipe for a stream shown on the console); None if it cannot."""
     pipes = {name: os.pipe() for name, fd in (("stdout", out_fd), ("stderr", err_fd)) if fd is None}
@@ -505,6 +523,7 @@ def _fork(
             env=env,
             stdout=out_fd if out_fd is not None else pipes["stdout"][1],
             stderr=err_fd if err_fd is not None else pipes["stderr"][1],
+            wait_ready=wait_ready,
         )
     finally:
         for _, write_end in pipes.values():

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,6 +166,32 @@ def test_a_job_that_sets_no_thread_count_is_forked_with_a_fresh_processs_count(t
         restore_subreaper(was)
     seen = json.loads((tmp_path / "out.log").read_text())
     assert seen == {"threads": int(fresh.stdout), "product_ok": True, "omp_env": None}, (seen, fresh.stdout)
+
+
+def test_a_start_that_must_not_wait_is_not_forked_while_the_server_imports(tmp_path: Path) -> None:
+    """A standby's parked ranks and a spare must not hold the launcher's loop for the server's imports (seconds):
+    until the server is ready they start as fresh processes (None here), without breaking it; after, forked."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    was = become_subreaper()
+    fs = ForkServer(python=PY, env=clean_env(), preexec_fn=child_setup)
+    try:
+        fd = os.open(tmp_path / "out.log", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            t0 = time.monotonic()
+            early = fs.spawn([PY, "-u", str(script)], env=clean_env(), stdout=fd, stderr=fd, wait_ready=False)
+            waited = time.monotonic() - t0
+            forked = fs.spawn([PY, "-u", str(script)], env=clean_env(), stdout=fd, stderr=fd)  # waits for it
+            later = fs.spawn([PY, "-u", str(script)], env=clean_env(), stdout=fd, stderr=fd, wait_ready=False)
+        finally:
+            os.close(fd)
+        assert early is None and waited < 0.5, waited  # the server was still importing torch
+        assert fs.broken is None
+        assert forked is not None and later is not None  # ready: forked with or without waiting
+        assert forked.wait(timeout=60) == 0 and later.wait(timeout=60) == 0
+    finally:
+        fs.close()
+        restore_subreaper(was)
 
 
 def test_a_dead_server_falls_back_to_fresh_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

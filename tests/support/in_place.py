@@ -105,7 +105,8 @@ def committed_steps(job) -> list[int]:
 
     Rank 0 logs no step only where a repair gave it a peer's newer state: a rank killed mid all-reduce can
     leave one survivor a step ahead (it had every peer's share), and the repair resumes all from it; rank 0's
-    ``recovered`` record is then at the step it did not log."""
+    ``recovered`` record is then at the step it did not log. A restart of every rank from nothing (rank 0 noted
+    ``fresh`` again) starts the count over."""
     # auto (the default) times a round's first steps with a snapshot every other step: up to 2 steps redone then
     interval = max([2, *(e["every"] for e in job.events("snapshot_interval"))])
     assert all(e["redone"] <= interval for e in job.events("snapshot_restored")), job.events("snapshot_restored")
@@ -125,8 +126,14 @@ def committed_steps(job) -> list[int]:
         and (e["event"] == "snapshot_restored" or logged_past(e))
     ]
     adopted = {r["step"] for r in worlds(job) if r["rank"] == 0 and r["how"] == "recovered"}
+    # Each start of rank 0 after the first that began from nothing (these scripts keep no checkpoint): a restart of
+    # every rank, e.g. a node that registered after the first round had started and whose join took the restart path.
+    restarts = sum(1 for r in worlds(job) if r["rank"] == 0 and r["how"] == "fresh") - 1
     steps: list[int] = []
     for step in (p["step"] for p in progress):
+        if steps and step == 1 and restarts > 0:
+            restarts -= 1
+            steps = []  # the restarted job trains from step 1 again
         if steps and step == steps[-1] + 2 and step - 1 in adopted:
             steps.append(step - 1)  # committed by the peer rank 0 resumed from
         if steps and step <= steps[-1]:
