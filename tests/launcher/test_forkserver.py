@@ -6,6 +6,7 @@ so the forked ranks are re-parented to it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,15 +41,22 @@ sys.exit(code)
 """
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ForkServer]:
+@contextlib.contextmanager
+def _own_server(env: dict[str, str], preexec_fn: Callable[[], None] | None = child_setup) -> Iterator[ForkServer]:
+    """A fork server of this test process, made a child subreaper for as long as the server runs."""
     was = become_subreaper()
-    fs = ForkServer(python=PY, env=clean_env(), preexec_fn=child_setup)
+    fs = ForkServer(python=PY, env=env, preexec_fn=preexec_fn)
     try:
         yield fs
     finally:
         fs.close()
         restore_subreaper(was)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ForkServer]:
+    with _own_server(clean_env()) as fs:
+        yield fs
 
 
 def _fork(server: ForkServer, tmp_path: Path, *args: str, **env: str) -> tuple[ForkedProcess, Path, Path]:
@@ -151,9 +159,7 @@ def test_a_job_that_sets_no_thread_count_is_forked_with_a_fresh_processs_count(t
     fresh = subprocess.run([PY, "-c", "import torch; print(torch.get_num_threads())"], env=env, capture_output=True)
     script = tmp_path / "threads.py"
     script.write_text(THREADS)
-    was = become_subreaper()
-    fs = ForkServer(python=PY, env=env, preexec_fn=child_setup)
-    try:
+    with _own_server(env) as fs:
         fd = os.open(tmp_path / "out.log", os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             proc = fs.spawn([PY, "-u", str(script)], env=env, stdout=fd, stderr=fd, cwd=str(tmp_path))
@@ -161,9 +167,6 @@ def test_a_job_that_sets_no_thread_count_is_forked_with_a_fresh_processs_count(t
             os.close(fd)
         assert proc is not None, "refused: the server was not forkable"
         assert proc.wait(timeout=60) == 0, (tmp_path / "out.log").read_text()
-    finally:
-        fs.close()
-        restore_subreaper(was)
     seen = json.loads((tmp_path / "out.log").read_text())
     assert seen == {"threads": int(fresh.stdout), "product_ok": True, "omp_env": None}, (seen, fresh.stdout)
 
@@ -173,9 +176,7 @@ def test_a_start_that_must_not_wait_is_not_forked_while_the_server_imports(tmp_p
     until the server is ready they start as fresh processes (None here), without breaking it; after, forked."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    was = become_subreaper()
-    fs = ForkServer(python=PY, env=clean_env(), preexec_fn=child_setup)
-    try:
+    with _own_server(clean_env()) as fs:
         fd = os.open(tmp_path / "out.log", os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             t0 = time.monotonic()
@@ -189,24 +190,16 @@ def test_a_start_that_must_not_wait_is_not_forked_while_the_server_imports(tmp_p
         assert fs.broken is None
         assert forked is not None and later is not None  # ready: forked with or without waiting
         assert forked.wait(timeout=60) == 0 and later.wait(timeout=60) == 0
-    finally:
-        fs.close()
-        restore_subreaper(was)
 
 
 def test_a_dead_server_falls_back_to_fresh_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    was = become_subreaper()
-    fs = ForkServer(python=PY, env=clean_env())
-    try:
+    with _own_server(clean_env(), preexec_fn=None) as fs:
         os.kill(fs.pid, signal.SIGKILL)
         out = os.open(tmp_path / "out.log", os.O_WRONLY | os.O_CREAT, 0o644)
         assert fs.spawn([PY, "-u", str(tmp_path / "x.py")], env=clean_env(), stdout=out, stderr=out) is None
         os.close(out)
         assert fs.broken is not None and "exited" in fs.broken
         assert "ranks start as fresh processes" in capsys.readouterr().err
-    finally:
-        fs.close()
-        restore_subreaper(was)
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 _MIN_SECRET_BYTES = 16
+#: The first line of a published secret file: ``publisher-pid=PID start=TICKS`` (see :func:`publish_local_secret`).
+_OWNER_TAG = b"publisher-pid="
 
 
 def new_secret() -> bytes:
@@ -156,9 +158,6 @@ def read_local_secret(host: str, port: int) -> bytes | None:
     if not pid.isdigit() or _owner_line(int(pid)) != owner + b"\n":
         return None
     return secret or None
-
-
-_OWNER_TAG = b"publisher-pid="
 
 
 def _owner_line(pid: int) -> bytes:
