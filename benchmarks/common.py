@@ -432,12 +432,14 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 
 def result_tag(args: argparse.Namespace) -> str:
-    """The result's tag: ``--tag`` when given, else ``fsdp`` or ``hsdp`` when ``--train-args`` shards the
-    example (``--fsdp``, ``--hsdp``)."""
+    """The result's tag: ``--tag`` when given, else ``layouts`` when ``--layouts`` compares several, else
+    ``fsdp`` or ``hsdp`` when ``--train-args`` shards the example (``--fsdp``, ``--hsdp``)."""
     import shlex
 
     if args.tag:
         return str(args.tag)
+    if getattr(args, "layouts", None):
+        return "layouts"
     train = shlex.split(getattr(args, "train_args", "") or "")
     return next((flag[2:] for flag in ("--fsdp", "--hsdp") if flag in train), "")
 

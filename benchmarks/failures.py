@@ -36,6 +36,8 @@ analysis reuses ``scale_analysis`` (medians and ratios per kind and variant).
 
     python benchmarks/failures.py [--quick | --smoke] [--seed N] [--kinds rank_crash,hang,node_loss]
         [--launchers hyperpodrun,hyperpodrun-restart,torchrun-noshare,torchrun]
+    python benchmarks/failures.py --quick --launchers hyperpodrun,torchrun-noshare --nproc-per-node 2 \
+        --global-batch 8 --kinds rank_crash,node_loss --layouts ddp,fsdp,hsdp   # layouts in one run
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from failure_analysis import (
     repair_mode,
     target_report,
 )
+from layouts import LAYOUT_FLAGS, plot_layouts, run_label, summarize_by_layout
 from scale_analysis import (
     OURS,
     bytes_moved,
@@ -93,6 +96,7 @@ from scale_events import (
     Timers,
     add_scenario_arguments,
     chosen_launchers,
+    chosen_layouts,
     run_variants,
 )
 
@@ -409,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
     args.launchers = chosen_launchers(args, DEFAULT_VARIANTS)
+    layouts = chosen_layouts(args)
     for k in args.kinds:
         if k not in KINDS:
             raise SystemExit(f"--kinds: unknown failure kind {k!r}; choose from {', '.join(KINDS)}")
@@ -447,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             "nodes": 2,
             "nproc_per_node": timers.nproc_per_node,
             "nnodes": "1:2",
+            "layouts": {layout: list(LAYOUT_FLAGS[layout]) for layout in layouts},
         },
         baseline="torchrun --nnodes 1:2 (c10d, --max-restarts), the same script and failures in the same run: "
         "every worker restarts and resumes from the last periodic checkpoint",
@@ -461,22 +467,13 @@ def main(argv: list[str] | None = None) -> int:
         timers=timers,
         event_timeout=event_timeout,
         settle_steps=settle,
+        layouts=layouts,
     )
-    summary = summarize_events(runs)
-    summary["phases_from_failure_median_s"] = phase_medians(runs)
-    summary["rejoin_after_node_loss"] = rejoin_summary(runs)
-    summary["hyperpodrun_spans"] = phase_breakdown(runs)
-    summary["hyperpodrun_bytes_moved"] = moved_by_kind(runs)
-    summary["modes"] = {run["variant"]: [ev.get("mode") for ev in run["events"]] for run in runs}
-    summary["job_deaths"] = {run["variant"]: int(run["failure"] is not None) for run in runs}
-    baseline = next((v for v in ("torchrun-noshare", "torchrun") if v in args.launchers), None)
-    if "hyperpodrun" in args.launchers:
-        summary["targets"] = {
-            k: target_report(
-                summary, kind=k, baseline=baseline or "torchrun-noshare", hang_timeout_s=timers.hang_timeout_s
-            )
-            for k in args.kinds
-        }
+
+    def summarize(part: list[dict[str, Any]]) -> dict[str, Any]:
+        return summarize_failures(part, launchers=args.launchers, kinds=args.kinds, timers=timers)
+
+    summary = summarize_by_layout(runs, summarize) if layouts else summarize(runs)
     result.samples["runs"] = runs
     result.summary = summary
     result.notes += [
@@ -487,21 +484,47 @@ def main(argv: list[str] | None = None) -> int:
         "All nodes share this machine's CPUs; process start-up (Python + torch import) is a large part of every "
         "restart here and is slower when the machine is busy.",
     ]
-    plot(result, runs, summary, result.plot_path(args.out))
+    if layouts:
+        plot_layouts(result, summary["layout_comparison"], result.plot_path(args.out))
+    else:
+        plot(result, runs, summary, result.plot_path(args.out))
     path = result.write(args.out)
     print_report(runs, summary)
     print(f"wrote {path}")
     return 0
 
 
+def summarize_failures(
+    runs: list[dict[str, Any]], *, launchers: tuple[str, ...], kinds: tuple[str, ...], timers: FailureTimers
+) -> dict[str, Any]:
+    """Medians and ratios per failure kind and variant, phases, rejoins, bytes moved, modes, the targets."""
+    summary = summarize_events(runs)
+    summary["phases_from_failure_median_s"] = phase_medians(runs)
+    summary["rejoin_after_node_loss"] = rejoin_summary(runs)
+    summary["hyperpodrun_spans"] = phase_breakdown(runs)
+    summary["hyperpodrun_bytes_moved"] = moved_by_kind(runs)
+    summary["modes"] = {run["variant"]: [ev.get("mode") for ev in run["events"]] for run in runs}
+    summary["job_deaths"] = {run["variant"]: int(run["failure"] is not None) for run in runs}
+    baseline = next((v for v in ("torchrun-noshare", "torchrun") if v in launchers), None)
+    if "hyperpodrun" in launchers:
+        summary["targets"] = {
+            k: target_report(
+                summary, kind=k, baseline=baseline or "torchrun-noshare", hang_timeout_s=timers.hang_timeout_s
+            )
+            for k in kinds
+        }
+    return summary
+
+
 def print_report(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """The events, one row each, then each layout's summary lines (the one summary without ``--layouts``)."""
     rows = []
     for run in runs:
         for ev in run["events"]:
             ph = ev.get("phases_s") or {}
             rows.append(
                 (
-                    run["variant"],
+                    run_label(run),
                     ev["kind"],
                     ev.get("last_old_step", ev["at_step"]),
                     ev["outcome"],
@@ -541,23 +564,28 @@ def print_report(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
             if ev.get("rejoin", {}).get("outcome") == "ok":
                 r = ev["rejoin"]
                 print(
-                    f"{run['variant']}: node {ev['node']} started again after its loss at step {ev['last_old_step']}: "
+                    f"{run_label(run)}: node {ev['node']} started again after its loss at step {ev['last_old_step']}: "
                     f"{r['mode']}, downtime {_fmt(r['downtime_s'])} s, steps lost {r['steps_lost']}"
                 )
+    for layout, part in summary["by_layout"].items() if "by_layout" in summary else ((None, summary),):
+        print_summary(part, prefix=f"[{layout}] " if layout else "")
+
+
+def print_summary(summary: dict[str, Any], *, prefix: str = "") -> None:
     for kind, by_variant in summary["by_kind"].items():
         for variant, s in by_variant.items():
             print(
-                f"{kind} {variant}: {s['ok']}/{s['n']} ok, median downtime {_fmt(s['downtime_median_s'])} s, "
+                f"{prefix}{kind} {variant}: {s['ok']}/{s['n']} ok, median downtime {_fmt(s['downtime_median_s'])} s, "
                 f"steps lost {_fmt(s['steps_lost_median'])}, lost time {_fmt(s['lost_time_median_s'])} s, "
                 f"detect {_fmt(s['detect_median_s'])} s"
             )
     for ratio in ("downtime_ratio", "lost_time_ratio"):
         for ours, by_base in summary[ratio].items():
             for base, ratios in by_base.items():
-                print(f"{ratio} {ours} / {base}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+                print(f"{prefix}{ratio} {ours} / {base}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     for kind, report in (summary.get("targets") or {}).items():
         print(
-            f"issue 11 targets, {kind}: "
+            f"{prefix}issue 11 targets, {kind}: "
             + ", ".join(
                 f"{name} {_fmt(t['value'])} (<= {t['target']:g}: {'met' if t['met'] else 'not met' if t['met'] is False else '-'})"
                 for name, t in report.items()

@@ -200,8 +200,54 @@ SCALE_KINDS = ("join", "leave", "yield", "rejoin")
 FAILURE_KINDS = ("rank_crash", "hang", "node_loss")
 
 
+def render_layouts(doc: Summary, render: Callable[[Summary], list[str]]) -> list[str]:
+    """A run that compared layouts (``--layouts``): one row per event kind and layout, then each layout's
+    section as ``render`` draws a one-layout run."""
+    s = doc["summary"]
+    base = next(
+        (
+            TORCHRUN_LABEL[b["baseline"]["variant"]]
+            for by in s["layout_comparison"].values()
+            for b in by.values()
+            if b["baseline"]["variant"] in TORCHRUN_LABEL
+        ),
+        "the baseline",
+    )
+    rows = []
+    for kind, by_layout in s["layout_comparison"].items():
+        for layout in s["layouts"]:
+            c = by_layout.get(layout)
+            if c is None:
+                continue
+            ours, theirs = c["hyperpodrun"], c["baseline"]
+            moved = [b for b in c["bytes_moved"] if b is not None]
+            rows.append(
+                [
+                    kind,
+                    layout,
+                    ratio(c["downtime_ratio"]),
+                    f"{sec(ours['downtime_median_s'])} (pause {sec(ours['pause_median_s'])}), "
+                    f"{steps(ours['steps_lost_median'])} lost, {ours['modes'].count('in-place')}/{len(ours['modes'])} "
+                    "in place",
+                    f"{sec(theirs['downtime_median_s'])}, {steps(theirs['steps_lost_median'])} lost",
+                    ", ".join(_mb(b) for b in moved) if moved else DASH,
+                ]
+            )
+    lines = table(
+        ["event", "layout", f"in place / {base}: downtime", "in place: downtime (pause), lost", base, "bytes sent"],
+        rows,
+    )
+    for layout in s["layouts"]:
+        flags = " ".join(dig(doc, "params", "layouts", layout) or []) or "no layout flag"
+        lines += ["", f"**{layout}** (`{flags}`):", ""]
+        lines += render({**doc, "summary": s["by_layout"][layout]})
+    return lines
+
+
 def render_scale_events(doc: Summary) -> list[str]:
     s = doc["summary"]
+    if "by_layout" in s:
+        return render_layouts(doc, render_scale_events)
     extra = [k for k in s["by_kind"] if k not in SCALE_KINDS]
     lines = event_table(doc, [*SCALE_KINDS, *extra], pause=True, detect=False)
     phases = dig(s, "hyperpodrun_phases", OURS) or {}
@@ -255,6 +301,8 @@ def bytes_moved(s: Mapping[str, Any]) -> list[str]:
 
 def render_failures(doc: Summary) -> list[str]:
     s = doc["summary"]
+    if "by_layout" in s:
+        return render_layouts(doc, render_failures)
     lines = event_table(doc, FAILURE_KINDS, pause=False, detect=True)
     rejoin = s.get("rejoin_after_node_loss") or {}
     if rejoin:

@@ -38,7 +38,12 @@ same way (``torchft_peer.py``) and the survivors' pause is reported beside ours.
 A launcher that hangs or exits is recorded as such, with its output tail, and its scenario
 stops there. Every launcher run has a hard deadline and every process tree is killed at the end.
 
+``--layouts ddp,fsdp,hsdp`` runs every launcher variant once per model layout (a replicated model, FSDP2
+over the world, HSDP with a replica per node; :mod:`layouts`), all in the same run, and compares them.
+
     python benchmarks/scale_events.py [--quick | --smoke] [--launchers hyperpodrun,hyperpodrun-restart,torchrun-noshare,torchrun]
+    python benchmarks/scale_events.py --quick --launchers hyperpodrun,torchrun-noshare --nproc-per-node 2 \
+        --global-batch 8 --layouts ddp,fsdp,hsdp
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import argparse
 import dataclasses
 import functools
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -76,6 +82,7 @@ from common import (
     torchrun_cmd,
 )
 from hyperpodrun.device_plan import DevicePlan
+from layouts import LAYOUT_FLAGS, layout_train, parse_layouts, plot_layouts, run_label, summarize_by_layout
 from scale_analysis import (
     OURS,
     VARIANTS,
@@ -459,8 +466,23 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, *, default_launchers
         default=Timers.nproc_per_node,
         help="ranks per simulated node [1]; with --train-args=--hsdp a node is one replica",
     )
+    parser.add_argument(
+        "--layouts",
+        default=None,
+        help="run every launcher once per model layout, from ddp,fsdp,hsdp (e.g. ddp,fsdp,hsdp), and compare them",
+    )
     add_train_arguments(parser, global_batch=4, micro_batch=2)
     parser.set_defaults(seq_len=128)
+
+
+def chosen_layouts(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--layouts`` checked (else one line and exit); () without it: the one layout ``--train-args`` gives."""
+    if args.layouts is None:
+        return ()
+    try:
+        return parse_layouts(args.layouts, train_extra=shlex.split(args.train_args or ""))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def chosen_launchers(args: argparse.Namespace, defaults: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
@@ -478,18 +500,51 @@ def run_variants(
     *,
     name: str,
     out: Path,
+    train: TrainArgs,
+    layouts: tuple[str, ...] = (),
     **settings: Any,
 ) -> list[dict[str, Any]]:
-    """One scenario per launcher variant, one after the other, in ``out/work/<name>/<variant>``."""
+    """One scenario per launcher variant, one after the other, in ``out/work/<name>/<variant>``; with
+    ``layouts``, every variant once per layout (``out/work/<name>/<layout>/<variant>``), each run marked with it."""
     work_root = out / "work" / name
     shutil.rmtree(work_root, ignore_errors=True)
     runs = []
-    for variant in launchers:
-        run = drive(scenario_type(variant, work=work_root / variant, data_cache=out / "data-cache", **settings))
-        runs.append(run)
-        if run["failure"]:
-            print(f"{name}: {variant} failed: {run['failure'].splitlines()[0]}", flush=True)
+    for layout in layouts or (None,):
+        for variant in launchers:
+            work = work_root / variant if layout is None else work_root / layout / variant
+            run_train = train if layout is None else layout_train(train, layout)
+            if layout is not None:
+                print(f"{name}: {variant}, layout {layout} ...", flush=True)
+            run = drive(scenario_type(variant, work=work, data_cache=out / "data-cache", train=run_train, **settings))
+            if layout is not None:
+                run["layout"] = layout
+            runs.append(run)
+            if run["failure"]:
+                print(f"{name}: {run_label(run)} failed: {run['failure'].splitlines()[0]}", flush=True)
     return runs
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians and ratios per event kind and variant, hyperpodrun's phases, bytes moved and modes."""
+    summary = summarize_events(runs)
+    summary["hyperpodrun_phases"] = phase_breakdown(runs)
+    summary["hyperpodrun_bytes_moved"] = moved_by_kind(runs)
+    summary["hyperpodrun_modes"] = {
+        run["variant"]: [ev.get("mode") for ev in run["events"]] for run in runs if run["variant"] in OURS
+    }
+    return summary
+
+
+def print_ratios(summary: dict[str, Any], *, prefix: str = "") -> None:
+    for ratio in ("downtime_ratio", "lost_time_ratio"):
+        for ours, by_base in summary[ratio].items():
+            for base, ratios in by_base.items():
+                print(f"{prefix}{ratio} {ours} / {base}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    for variant, phases in summary["hyperpodrun_phases"].items():
+        print(
+            f"{prefix}{variant} phases, median s: "
+            + ", ".join(f"{k.removesuffix('_median_s')} {v:.2f}" for k, v in phases.items() if v is not None)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -498,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
     args.launchers = chosen_launchers(args, DEFAULT_VARIANTS)
+    layouts = chosen_layouts(args)
     timers = Timers(step_time_s=args.step_time, nproc_per_node=args.nproc_per_node)
     train = TrainArgs.from_namespace(args, steps=1_000_000, min_step_time=args.step_time, ckpt_every=args.ckpt_every)
     events = SCENARIO[args.mode]
@@ -518,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             "nnodes": "1:2",
             "rdzv_backend": "c10d (hyperpodrun: embedded store; torchrun: TCPStore)",
             "torchrun_rdzv_conf": timers.torchrun_rdzv_conf(),
+            "layouts": {layout: list(LAYOUT_FLAGS[layout]) for layout in layouts},
         },
         baseline="torchrun --nnodes 1:2 (c10d), the same script and scenario in the same run, with and without "
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (yield = SIGTERM of the newest node; rejoin = it starts again)",
@@ -532,16 +589,14 @@ def main(argv: list[str] | None = None) -> int:
         timers=timers,
         event_timeout=event_timeout,
         settle_steps=SETTLE_STEPS[args.mode],
+        layouts=layouts,
     )
-    summary = summarize_events(runs)
-    summary["hyperpodrun_phases"] = phase_breakdown(runs)
-    summary["hyperpodrun_bytes_moved"] = moved_by_kind(runs)
-    summary["hyperpodrun_modes"] = {
-        run["variant"]: [ev.get("mode") for ev in run["events"]] for run in runs if run["variant"] in OURS
-    }
+    summary = summarize_by_layout(runs, summarize) if layouts else summarize(runs)
     result.samples["runs"] = runs
     result.summary = summary
-    if torchft_peer.available():
+    if layouts:
+        print(f"{NAME}: torchft's peer scenario runs without --layouts (it has one layout)")
+    elif torchft_peer.available():
         print(f"{NAME}: torchft {torchft_peer.CYCLES[args.mode]} join/leave cycle(s) ...", flush=True)
         try:
             peer = torchft_peer.measure(args.mode, args.out / "work" / NAME / "torchft")
@@ -575,14 +630,17 @@ def main(argv: list[str] | None = None) -> int:
             "of every restart here and is slower when the machine is busy."
         ),
     ]
-    plot(result, runs, summary, result.plot_path(args.out))
+    if layouts:
+        plot_layouts(result, summary["layout_comparison"], result.plot_path(args.out))
+    else:
+        plot(result, runs, summary, result.plot_path(args.out))
     path = result.write(args.out)
     rows = []
     for run in runs:
         for ev in run["events"]:
             rows.append(
                 (
-                    run["variant"],
+                    run_label(run),
                     f"{ev['kind']} {ev['node']}",
                     f"{ev['from_world']}->{ev['to_world']}",
                     ev["outcome"],
@@ -611,15 +669,8 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
-    for ratio in ("downtime_ratio", "lost_time_ratio"):
-        for ours, by_base in summary[ratio].items():
-            for base, ratios in by_base.items():
-                print(f"{ratio} {ours} / {base}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    for variant, phases in summary["hyperpodrun_phases"].items():
-        print(
-            f"{variant} phases, median s: "
-            + ", ".join(f"{k.removesuffix('_median_s')} {v:.2f}" for k, v in phases.items() if v is not None)
-        )
+    for layout, part in summary["by_layout"].items() if layouts else ((None, summary),):
+        print_ratios(part, prefix=f"[{layout}] " if layout else "")
     if "torchft" in summary:
         ft = summary["torchft"]
         print(
