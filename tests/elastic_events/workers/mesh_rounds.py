@@ -1,5 +1,6 @@
-"""One rank of ``test_mesh_reuse``: three rounds of a 2-rank gloo job, each torn down before the next, meshes
-1 x 2, 2 x 1, then 1 x 2 again (with other subgroups made first, so its subgroups get other names). Each round
+"""One rank of ``test_mesh_reuse``: four rounds of a 2-rank gloo job, each torn down before the next, meshes
+1 x 2, 2 x 1, 1 x 2 again (with other subgroups made first, so its subgroups get other names), then 1 x 2
+with the two processes' ranks swapped (as an event renumbers ranks). Each round
 shards a small model on its mesh (FSDP2) and trains two steps; writes what each round saw as JSON.
 
     python mesh_rounds.py RANK PORT OUT.json
@@ -18,11 +19,12 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from elastic_events.rounds.mesh import MeshLayout, build_mesh
 
-ROUNDS = ((1, 2, 0), (2, 1, 1), (1, 2, 3))  # replicas, shard size, extra subgroups made before the mesh
+#: replicas, shard size, extra subgroups made before the mesh, whether the two processes swap ranks
+ROUNDS = ((1, 2, 0, False), (2, 1, 1, False), (1, 2, 3, False), (1, 2, 0, True))
 
 
 def main() -> None:
-    rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    process, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     computed = [0]
     compute = ShardingPropagator.propagate_op_sharding_non_cached
 
@@ -31,9 +33,10 @@ def main() -> None:
         return compute(self, *args, **kwargs)
 
     ShardingPropagator.propagate_op_sharding_non_cached = counted  # type: ignore[method-assign]
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, 2, process == 0, timeout=timedelta(seconds=60))
     seen, meshes = [], []
-    for number, (replicas, shard, extra) in enumerate(ROUNDS):
+    for number, (replicas, shard, extra, swapped) in enumerate(ROUNDS):
+        rank = 1 - process if swapped else process
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore(f"round{number}", store),
@@ -65,6 +68,9 @@ def main() -> None:
                 "computed": computed[0] - before,
                 "group_names": list(mesh._dim_group_names),
                 "resolved": live,
+                "rank": rank,
+                "coordinate": mesh.get_coordinate(),
+                "local_shards": {k: v.to_local().tolist() for k, v in model.state_dict().items()},
                 "weights": weights,
             }
         )
