@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from common import BenchmarkResult, TrainArgs, pyplot
+from scale_analysis import BASELINES
 
 #: The example trainer's flags per layout.
 LAYOUT_FLAGS: dict[str, tuple[str, ...]] = {"ddp": (), "fsdp": ("--fsdp",), "hsdp": ("--hsdp",)}
 #: What the comparison reads of each layout's summary, for hyperpodrun in place and the baseline.
 OURS = "hyperpodrun"
-BASELINES = ("torchrun-noshare", "torchrun")
 _COMPARED = ("downtime_median_s", "pause_median_s", "steps_lost_median")
 
 
