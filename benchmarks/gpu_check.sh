@@ -28,6 +28,9 @@
 #   C3/C1/C4  llama3.2-1b (the example's largest preset that fits one GPU), DDP world 1: tokens/s under
 #         hyperpodrun (API live), a bare loop without hyperpodrun's API, and torchrun (API inert)
 #   D     llama3.2-1b with --fsdp (FSDP2 on CUDA) under hyperpodrun: tokens/s
+#   H     the example (tiny) with --hsdp on cuda + NCCL at world 1 under hyperpodrun: the ("replicate", "shard")
+#         mesh built on the CUDA device, FSDP2 on it, a DCP checkpoint of the sharded state
+#   H3/H4 llama3.2-1b with --hsdp: tokens/s under hyperpodrun and under torchrun (issue 26's overhead, world 1)
 #   F     --deterministic-reduce on CUDA (deterministic algorithms + SDPA)
 #   G     how long a SIGKILLed process's GPU memory takes to come back (a replacement rank on the same GPU)
 set -uo pipefail
@@ -916,6 +919,20 @@ for n in ("C3", "C1", "C4", "D"):
     if parts.get(n, {}).get("status") in ("FAIL", "TIMEOUT"):
         lines.append(f"   {n}: {last_error(n)}")
 
+h_log = "\n".join(log_lines("H"))
+S["H"] = {"status": status("H"), "done": "done:" in h_log, "mesh_line": next((ln for ln in log_lines("H") if "HSDP" in ln), ""),
+          "error": last_error("H") if "done:" not in h_log else ""}
+lines.append(f"H  example tiny --hsdp, cuda+NCCL w1      : {S['H']['status']}; finished={S['H']['done']} {S['H']['error']}")
+h_tp = {"hyperpodrun --hsdp": tokens_per_s("H3_hpr_1b_hsdp.metrics.jsonl", TPS_1B),
+        "torchrun --hsdp": tokens_per_s("H4_torchrun_1b_hsdp.metrics.jsonl", TPS_1B)}
+S["H"]["tokens_per_s_1b"] = h_tp
+S["H"]["hyperpodrun/torchrun"] = ratio(h_tp["hyperpodrun --hsdp"], h_tp["torchrun --hsdp"])
+lines.append("H  llama3.2-1b --hsdp w1, tok/s           : " + ", ".join(f"{k} {v}" for k, v in h_tp.items())
+             + f"; hyperpodrun/torchrun {S['H']['hyperpodrun/torchrun']}; H3 {status('H3')}, H4 {status('H4')}")
+for n in ("H", "H3", "H4"):
+    if parts.get(n, {}).get("status") in ("FAIL", "TIMEOUT"):
+        lines.append(f"   {n}: {last_error(n)}")
+
 f_log = "\n".join(log_lines("F"))
 S["F"] = {"status": status("F"), "done": "done:" in f_log, "error": last_error("F") if "done:" not in f_log else ""}
 lines.append(f"F  --deterministic-reduce on CUDA          : {S['F']['status']}; finished={S['F']['done']} {S['F']['error']}")
@@ -988,6 +1005,8 @@ run_part A2   75 30 bash "$WORK/hpr.sh" A2 "$TRAIN" --model tiny --device cuda -
 run_part E    45 15 "$PY" "$WORK/py/prewarm_check.py" "$OUT/E_prewarm.json"
 run_part K    60 25 bash "$WORK/hpr.sh" K --nproc-per-node 2 --start-method forkserver "$TRAIN" --model tiny --device cuda \
   --steps 30 --log-every 10 --num-workers 0 --metrics "$OUT/K_metrics.jsonl" --run-dir "$WORK/run-K" --data-cache "$WORK/data"
+run_part H    75 25 bash "$WORK/hpr.sh" H "$TRAIN" --model tiny --device cuda --hsdp --steps 40 --log-every 10 \
+  --ckpt-every 20 --num-workers 0 --metrics "$OUT/H_metrics.jsonl" --run-dir "$WORK/run-H" --data-cache "$WORK/data"
 run_part B1  120 45 env TORCH_NCCL_ASYNC_ERROR_HANDLING=2 "$PY" "$WORK/py/nccl_cycle.py" cycles --graceful "${B1_GRACEFUL:-20}" \
   --broken "${B1_BROKEN:-10}" --out "$OUT/B1_cycles.json"
 run_part P    45 15 "$PY" "$WORK/py/pinned_check.py" "$OUT/P_pinned.json"
@@ -1002,6 +1021,9 @@ run_part C1   90 35 "$PY" "$WORK/py/bare_loop.py" --model llama3.2-1b --seq-len 
 run_part C4  120 45 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 "$TRAIN" "${COMMON_1B[@]}" \
   --metrics "$OUT/C4_torchrun_1b_ddp.metrics.jsonl" --run-dir "$WORK/run-C4"
 run_part D   120 45 bash "$WORK/hpr.sh" D "$TRAIN" "${COMMON_1B[@]}" --fsdp --metrics "$OUT/D_hpr_1b_fsdp.metrics.jsonl" --run-dir "$WORK/run-D"
+run_part H3  120 45 bash "$WORK/hpr.sh" H3 "$TRAIN" "${COMMON_1B[@]}" --hsdp --metrics "$OUT/H3_hpr_1b_hsdp.metrics.jsonl" --run-dir "$WORK/run-H3"
+run_part H4  120 45 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 "$TRAIN" "${COMMON_1B[@]}" --hsdp \
+  --metrics "$OUT/H4_torchrun_1b_hsdp.metrics.jsonl" --run-dir "$WORK/run-H4"
 run_part F    60 20 "$PY" "$TRAIN" --model tiny --device cuda --deterministic-reduce --steps 4 --log-every 1 --num-workers 0 \
   --run-dir "$WORK/run-F" --data-cache "$WORK/data"
 run_part G    45 20 "$PY" "$WORK/py/kill_release.py" "$OUT/G_kill_release.json"
