@@ -14,7 +14,7 @@
 #         the spare rank (does it touch the GPU?), the rank's TORCH_NCCL_ASYNC_ERROR_HANDLING
 #   A2    resume of A's run from its DCP checkpoint onto the GPU
 #   E     does prewarm() (what spares and parked ranks import) initialise CUDA?
-#   K     the example (tiny) on cuda + NCCL, 2 ranks forked from the node's fork server (--start-method
+#   K     the example (tiny) on cuda + NCCL, 1 rank per GPU (2 at most) forked from the node's fork server (--start-method
 #         forkserver): does every rank fork (no fallback line: the server must not load the CUDA driver)?
 #   B1    one process, NCCL world 1: 20 rounds formed/used/destroyed as hyperpodrun forms them (eager init
 #         bound to the device, split subgroup, gloo side group, DDP, broadcast_tensors), then 10 rounds torn
@@ -30,7 +30,8 @@
 #   D     llama3.2-1b with --fsdp (FSDP2 on CUDA) under hyperpodrun: tokens/s
 #   H     the example (tiny) with --hsdp on cuda + NCCL at world 1 under hyperpodrun: the ("replicate", "shard")
 #         mesh built on the CUDA device, FSDP2 on it, a DCP checkpoint of the sharded state
-#   H3/H4 llama3.2-1b with --hsdp: tokens/s under hyperpodrun and under torchrun (issue 26's overhead, world 1)
+#   H3/H5/H4 llama3.2-1b with --hsdp: tokens/s under hyperpodrun, the same without the commit check, and under
+#         torchrun (issue 26's overhead, world 1)
 #   F     --deterministic-reduce on CUDA (deterministic algorithms + SDPA)
 #   G     how long a SIGKILLed process's GPU memory takes to come back (a replacement rank on the same GPU)
 set -uo pipefail
@@ -75,6 +76,7 @@ run_part() {  # NAME LIMIT_S MIN_S CMD... : run CMD under `timeout` unless less 
   fi
   (( limit > remain )) && limit=$remain
   echo "$name: $*" >> "$OUT/commands.txt"
+  rm -rf "$OUT/$name".* "$OUT/${name}"_* "$WORK/run-$name"  # an earlier run's files in the same OUT (metrics append)
   echo "[$name] running, limit ${limit}s ..."
   local t0 rc dt status
   t0=$(date +%s.%N)
@@ -82,6 +84,7 @@ run_part() {  # NAME LIMIT_S MIN_S CMD... : run CMD under `timeout` unless less 
   rc=$?
   dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
   sweep
+  case $name in C?|D|H?) rm -rf "$WORK/run-$name" ;; esac  # a 1B run's final checkpoint is ~15 GB of the disk
   if (( rc == 0 )); then status=PASS; elif (( rc == 124 || rc == 137 )); then status=TIMEOUT; else status=FAIL; fi
   printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$dt" "$limit" >> "$PARTS"
   echo "[$name] $status (rc $rc, ${dt}s)"
@@ -201,16 +204,28 @@ EOF
 cat > "$WORK/py/prewarm_check.py" <<'EOF'
 """What a spare or a parked rank does before it has a GPU: import torch, elastic_events.rounds.spare, prewarm(). CUDA untouched?"""
 import json, os, subprocess, sys, time
-import torch
-import torch.distributed  # noqa: F401
 
-res = {}
+
+def libcuda_mapped():
+    with open("/proc/self/maps") as maps:
+        return any("libcuda.so" in line for line in maps)
+
+
+res = {"libcuda_mapped_at_start": libcuda_mapped()}
+import torch  # noqa: E402
+import torch.distributed  # noqa: F401,E402
+
+res["libcuda_mapped_after_import_torch"] = libcuda_mapped()
 t = time.perf_counter()
 import elastic_events.rounds.spare  # noqa: F401,E402
 from elastic_events.rounds.joining import prewarm  # noqa: E402
 prewarm()
 res["imports_and_prewarm_s"] = round(time.perf_counter() - t, 2)
 res["cuda_initialized_after_prewarm"] = torch.cuda.is_initialized()
+res["libcuda_mapped_after_prewarm"] = libcuda_mapped()
+from elastic_events.rounds.forkserver import accelerator_initialised  # noqa: E402
+
+res["driver_initialised_after_prewarm"] = accelerator_initialised()  # the fork server's test: False lets it fork
 
 
 def listed():
@@ -858,7 +873,10 @@ S["E"] = e
 if e:
     lines.append(f"E  spare/parked imports + prewarm()        : {status('E')}; CUDA initialised={e.get('cuda_initialized_after_prewarm')}, "
                  f"on GPU after prewarm={e.get('on_gpu_after_prewarm')}, after set_device={e.get('on_gpu_after_set_device')}, "
-                 f"after first tensor={e.get('on_gpu_after_first_tensor')}")
+                 f"after first tensor={e.get('on_gpu_after_first_tensor')}; libcuda mapped: at start "
+                 f"{e.get('libcuda_mapped_at_start')}, after import torch {e.get('libcuda_mapped_after_import_torch')}, "
+                 f"after prewarm {e.get('libcuda_mapped_after_prewarm')}; driver initialised (fork server's test) "
+                 f"{e.get('driver_initialised_after_prewarm')}")
 else:
     lines.append(f"E  spare/parked imports + prewarm()        : {status('E')} {last_error('E')}")
 
@@ -924,12 +942,15 @@ S["H"] = {"status": status("H"), "done": "done:" in h_log, "mesh_line": next((ln
           "error": last_error("H") if "done:" not in h_log else ""}
 lines.append(f"H  example tiny --hsdp, cuda+NCCL w1      : {S['H']['status']}; finished={S['H']['done']} {S['H']['error']}")
 h_tp = {"hyperpodrun --hsdp": tokens_per_s("H3_hpr_1b_hsdp.metrics.jsonl", TPS_1B),
+        "hyperpodrun --hsdp, no commit check": tokens_per_s("H5_hpr_1b_hsdp_nocommit.metrics.jsonl", TPS_1B),
         "torchrun --hsdp": tokens_per_s("H4_torchrun_1b_hsdp.metrics.jsonl", TPS_1B)}
 S["H"]["tokens_per_s_1b"] = h_tp
 S["H"]["hyperpodrun/torchrun"] = ratio(h_tp["hyperpodrun --hsdp"], h_tp["torchrun --hsdp"])
+S["H"]["commit check on/off"] = ratio(h_tp["hyperpodrun --hsdp"], h_tp["hyperpodrun --hsdp, no commit check"])
 lines.append("H  llama3.2-1b --hsdp w1, tok/s           : " + ", ".join(f"{k} {v}" for k, v in h_tp.items())
-             + f"; hyperpodrun/torchrun {S['H']['hyperpodrun/torchrun']}; H3 {status('H3')}, H4 {status('H4')}")
-for n in ("H", "H3", "H4"):
+             + f"; hyperpodrun/torchrun {S['H']['hyperpodrun/torchrun']}, commit check on/off {S['H']['commit check on/off']}"
+             + f"; H3 {status('H3')}, H5 {status('H5')}, H4 {status('H4')}")
+for n in ("H", "H3", "H5", "H4"):
     if parts.get(n, {}).get("status") in ("FAIL", "TIMEOUT"):
         lines.append(f"   {n}: {last_error(n)}")
 
@@ -1003,7 +1024,8 @@ run_part A   150 60 bash "$WORK/part_a.sh"
 run_part A2   75 30 bash "$WORK/hpr.sh" A2 "$TRAIN" --model tiny --device cuda --steps 270 --log-every 10 --num-workers 2 \
   --metrics "$OUT/A2_metrics.jsonl" --run-dir "$WORK/run-A" --data-cache "$WORK/data"
 run_part E    45 15 "$PY" "$WORK/py/prewarm_check.py" "$OUT/E_prewarm.json"
-run_part K    60 25 bash "$WORK/hpr.sh" K --nproc-per-node 2 --start-method forkserver "$TRAIN" --model tiny --device cuda \
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')  # NCCL takes one rank per GPU
+run_part K    60 25 bash "$WORK/hpr.sh" K --nproc-per-node "$(( GPUS > 2 ? 2 : GPUS > 0 ? GPUS : 1 ))" --start-method forkserver "$TRAIN" --model tiny --device cuda \
   --steps 30 --log-every 10 --num-workers 0 --metrics "$OUT/K_metrics.jsonl" --run-dir "$WORK/run-K" --data-cache "$WORK/data"
 run_part H    75 25 bash "$WORK/hpr.sh" H "$TRAIN" --model tiny --device cuda --hsdp --steps 40 --log-every 10 \
   --ckpt-every 20 --num-workers 0 --metrics "$OUT/H_metrics.jsonl" --run-dir "$WORK/run-H" --data-cache "$WORK/data"
@@ -1022,6 +1044,8 @@ run_part C4  120 45 "$PY" -m torch.distributed.run --standalone --nproc-per-node
   --metrics "$OUT/C4_torchrun_1b_ddp.metrics.jsonl" --run-dir "$WORK/run-C4"
 run_part D   120 45 bash "$WORK/hpr.sh" D "$TRAIN" "${COMMON_1B[@]}" --fsdp --metrics "$OUT/D_hpr_1b_fsdp.metrics.jsonl" --run-dir "$WORK/run-D"
 run_part H3  120 45 bash "$WORK/hpr.sh" H3 "$TRAIN" "${COMMON_1B[@]}" --hsdp --metrics "$OUT/H3_hpr_1b_hsdp.metrics.jsonl" --run-dir "$WORK/run-H3"
+run_part H5  120 45 bash "$WORK/hpr.sh" H5 "$TRAIN" "${COMMON_1B[@]}" --hsdp --no-commit-check \
+  --metrics "$OUT/H5_hpr_1b_hsdp_nocommit.metrics.jsonl" --run-dir "$WORK/run-H5"
 run_part H4  120 45 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 "$TRAIN" "${COMMON_1B[@]}" --hsdp \
   --metrics "$OUT/H4_torchrun_1b_hsdp.metrics.jsonl" --run-dir "$WORK/run-H4"
 run_part F    60 20 "$PY" "$TRAIN" --model tiny --device cuda --deterministic-reduce --steps 4 --log-every 1 --num-workers 0 \
