@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_events.rounds.forkserver import RankJob, refusal
+from elastic_events.rounds.forkserver import CUDA_ERROR_NOT_INITIALIZED, RankJob, accelerator_initialised, refusal
 from hyperpodrun.forkserver import ForkedProcess, ForkServer
 from hyperpodrun.supervisor import become_subreaper, child_setup, restore_subreaper
 from support.launch import SCRIPTS, clean_env, hyperpodrun_cmd, run
@@ -215,6 +215,51 @@ def test_a_dead_server_falls_back_to_fresh_processes(tmp_path: Path, capsys: pyt
 def test_rank_job_reads_the_workers_command(argv: list[str], expected: RankJob | str) -> None:
     job = RankJob.from_argv(argv)
     assert job == expected if isinstance(expected, RankJob) else str(job).startswith(expected)
+
+
+LIBCUDA = "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"
+MAPS_WITH_DRIVER = [
+    "7f00-7f10 r--p 00000000 08:01 12 /usr/lib/libc.so.6\n",
+    f"7f20-7f30 r-xp 00000000 08:01 13 {LIBCUDA}\n",
+]
+
+
+class FakeDriver:
+    """libcuda as ctypes would load it: ``cuDeviceGetCount`` answers ``answer``; records the path it was loaded from."""
+
+    def __init__(self, answer: int) -> None:
+        self.answer, self.paths = answer, []
+
+    def __call__(self, path: str) -> FakeDriver:
+        self.paths.append(path)
+        return self
+
+    def cuDeviceGetCount(self, count: object) -> int:  # noqa: N802 - the driver's name
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "initialised"),
+    [(CUDA_ERROR_NOT_INITIALIZED, False), (0, True), (100, True)],  # 100: CUDA_ERROR_NO_DEVICE, after cuInit
+    ids=["loaded-not-initialised", "initialised", "initialised-no-device"],
+)
+def test_a_loaded_driver_stops_forks_only_once_initialised(answer: int, initialised: bool) -> None:
+    """The server's imports can map libcuda without cuInit: the server may still fork then, not after cuInit."""
+    driver = FakeDriver(answer)
+    assert accelerator_initialised(lambda: MAPS_WITH_DRIVER, driver) is initialised
+    assert driver.paths == [LIBCUDA]  # the mapped library itself, not whichever the loader finds by name
+
+
+def test_no_driver_mapped_lets_the_server_fork_and_an_unaskable_one_stops_it() -> None:
+    never = FakeDriver(0)
+    assert accelerator_initialised(lambda: MAPS_WITH_DRIVER[:1], never) is False
+    assert never.paths == []
+
+    def unloadable(path: str) -> FakeDriver:
+        raise OSError(f"{path}: cannot open shared object file")
+
+    assert accelerator_initialised(lambda: MAPS_WITH_DRIVER, unloadable) is True
+    assert accelerator_initialised() is False  # this CPU machine's own process: no driver mapped
 
 
 def test_refusal_compares_the_variables_read_at_interpreter_start() -> None:

@@ -2,8 +2,8 @@
 
 ``hyperpodrun --start-method forkserver`` starts one per node (:mod:`hyperpodrun.forkserver` is its
 client). It imports what every rank imports (torch, ``torch.distributed`` and what the first step
-imports, :func:`~elastic_events.rounds.joining.prewarm`: 3-4 CPU-seconds a rank on a CPU) and touches
-no accelerator; each rank, spare and replacement is then a fork of it that starts in milliseconds.
+imports, :func:`~elastic_events.rounds.joining.prewarm`: 3-4 CPU-seconds a rank on a CPU) and initialises
+no accelerator (:func:`accelerator_initialised` is checked before each fork); each rank, spare and replacement is then a fork of it that starts in milliseconds.
 
 Protocol, over the ``AF_UNIX``/``SOCK_SEQPACKET`` socket inherited as the file descriptor in ``argv``:
 
@@ -39,10 +39,11 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["RankJob", "main", "refusal", "server_command"]
+__all__ = ["RankJob", "accelerator_initialised", "main", "refusal", "server_command"]
 
 USAGE = "python -u -m elastic_events.rounds.forkserver SOCKET_FD"
 #: Variables read when the interpreter or a native library starts: a rank must have the server's values.
@@ -99,13 +100,38 @@ def _threads() -> int:
         return 1
 
 
-def _accelerator_loaded() -> bool:
-    """The CUDA driver is loaded in this process: a fork could not use the device."""
+#: What ``cuDeviceGetCount`` answers before ``cuInit``: the driver is loaded but not initialised.
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def _own_maps() -> list[str]:
     try:
         with open("/proc/self/maps") as maps:
-            return any("libcuda.so" in line for line in maps)
+            return maps.readlines()
     except OSError:
+        return []
+
+
+def accelerator_initialised(
+    maps: Callable[[], Sequence[str]] = _own_maps,
+    driver: Callable[[str], Any] = ctypes.CDLL,
+) -> bool:
+    """The CUDA driver is initialised in this process (``cuInit`` ran): a forked child could not use the device.
+
+    A driver that is only loaded does not stop a fork: what the server imports can map ``libcuda.so`` without
+    initialising it (seen with torch 2.11+cu130 on an H200), and each forked rank then initialises its own. The loaded driver is asked
+    without being initialised: before ``cuInit``, ``cuDeviceGetCount`` answers ``CUDA_ERROR_NOT_INITIALIZED``.
+    A driver that is mapped but cannot be asked counts as initialised (the rank then starts fresh).
+    """
+    path = next((line.split()[-1] for line in maps() if "libcuda.so" in line), None)
+    if path is None:
         return False
+    try:
+        count = ctypes.c_int()
+        answer = driver(path).cuDeviceGetCount(ctypes.byref(count))
+    except (OSError, AttributeError):
+        return True
+    return answer != CUDA_ERROR_NOT_INITIALIZED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,8 +195,8 @@ def _serve(sock: socket.socket, launcher: int, startup: _Startup) -> _Forked | N
         threads = _threads()
         if why is None and threads > 1:
             why = f"the fork server runs {threads} threads and a fork keeps only one"
-        if why is None and _accelerator_loaded():
-            why = "the fork server loaded the CUDA driver (a fork could not use the device)"
+        if why is None and accelerator_initialised():
+            why = "the CUDA driver is initialised in the fork server (a fork could not use the device)"
         if why is not None or len(fds) != 2:
             for fd in fds:
                 os.close(fd)
