@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from support.bench_events import event
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / "benchmarks"
 SCRIPT_TIMEOUT_S = 600
@@ -235,25 +237,17 @@ def test_lost_time_is_the_delay_against_a_run_without_the_event(bench: Any) -> N
 def test_summarize_events_ratios_and_failures(bench: Any) -> None:
     se = bench("scale_events")
 
-    def ok(kind: str, downtime: float, lost: int, mode: str | None = None) -> dict[str, Any]:
-        return {
-            "kind": kind,
-            "outcome": "ok",
-            "downtime_s": downtime,
-            "pause_s": downtime - 0.5,
-            "steps_lost": lost,
-            "lost_time_s": downtime + 0.5 * lost,
-            "detect_s": 1.0,
-            **({"mode": mode} if mode else {}),
-        }
-
     runs = [
         {
             "variant": "hyperpodrun",
-            "events": [ok("join", 1.0, 0, "in-place"), ok("leave", 0.5, 0, "in-place"), ok("leave", 1.5, 0, "restart")],
+            "events": [
+                event("join", 1.0, 0, mode="in-place"),
+                event("leave", 0.5, 0, mode="in-place"),
+                event("leave", 1.5, 0, mode="restart"),
+            ],
         },
-        {"variant": "hyperpodrun-restart", "events": [ok("join", 4.0, 0, "restart")]},
-        {"variant": "torchrun-noshare", "events": [ok("join", 8.0, 4), ok("leave", 10.0, 6)]},
+        {"variant": "hyperpodrun-restart", "events": [event("join", 4.0, 0, mode="restart")]},
+        {"variant": "torchrun-noshare", "events": [event("join", 8.0, 4), event("leave", 10.0, 6)]},
         {"variant": "torchrun", "events": [{"kind": "join", "outcome": "hang"}]},
     ]
     s = se.summarize_events(runs)

@@ -8,34 +8,22 @@ from typing import Any
 
 import pytest
 
-
-def _event(kind: str, downtime: float, lost: int, *, mode: str | None = None, moved: int | None = None) -> dict:
-    return {
-        "kind": kind,
-        "outcome": "ok",
-        "downtime_s": downtime,
-        "pause_s": downtime - 0.5,
-        "steps_lost": lost,
-        "lost_time_s": downtime + 0.5 * lost,
-        "detect_s": 0.1,
-        **({"mode": mode} if mode else {}),
-        **({"bytes_moved": moved} if mode else {}),
-    }
+from support.bench_events import event
 
 
 def _runs() -> list[dict[str, Any]]:
     return [
-        {"variant": "hyperpodrun", "layout": "ddp", "events": [_event("join", 1.0, 0, mode="in-place")]},
-        {"variant": "torchrun-noshare", "layout": "ddp", "events": [_event("join", 10.0, 4)]},
+        {"variant": "hyperpodrun", "layout": "ddp", "events": [event("join", 1.0, 0, mode="in-place")]},
+        {"variant": "torchrun-noshare", "layout": "ddp", "events": [event("join", 10.0, 4)]},
         {
             "variant": "hyperpodrun",
             "layout": "hsdp",
             "events": [
-                _event("join", 2.0, 0, mode="in-place", moved=3_000_000),
-                _event("join", 4.0, 0, mode="restart"),
+                event("join", 2.0, 0, mode="in-place", moved=3_000_000),
+                event("join", 4.0, 0, mode="restart"),
             ],
         },
-        {"variant": "torchrun-noshare", "layout": "hsdp", "events": [_event("join", 8.0, 2), _event("join", 8.0, 6)]},
+        {"variant": "torchrun-noshare", "layout": "hsdp", "events": [event("join", 8.0, 2), event("join", 8.0, 6)]},
     ]
 
 
