@@ -3,7 +3,8 @@
 ``hyperpodrun --start-method forkserver`` starts one per node (:mod:`hyperpodrun.forkserver` is its
 client). It imports what every rank imports (torch, ``torch.distributed`` and what the first step
 imports, :func:`~elastic_events.rounds.joining.prewarm`: 3-4 CPU-seconds a rank on a CPU) and initialises
-no accelerator (:func:`accelerator_initialised` is checked before each fork); each rank, spare and replacement is then a fork of it that starts in milliseconds.
+no accelerator (:func:`accelerator_initialised` is checked before each fork); each rank, spare and
+replacement is then a fork of it that starts in milliseconds.
 
 Protocol, over the ``AF_UNIX``/``SOCK_SEQPACKET`` socket inherited as the file descriptor in ``argv``:
 
@@ -118,10 +119,11 @@ def accelerator_initialised(
 ) -> bool:
     """The CUDA driver is initialised in this process (``cuInit`` ran): a forked child could not use the device.
 
-    A driver that is only loaded does not stop a fork: what the server imports can map ``libcuda.so`` without
-    initialising it (seen with torch 2.11+cu130 on an H200), and each forked rank then initialises its own. The loaded driver is asked
-    without being initialised: before ``cuInit``, ``cuDeviceGetCount`` answers ``CUDA_ERROR_NOT_INITIALIZED``.
-    A driver that is mapped but cannot be asked counts as initialised (the rank then starts fresh).
+    A driver that is only loaded does not stop a fork: what the server imports can map ``libcuda.so`` (it
+    was mapped in the server with torch 2.11+cu130 on an H200), and each forked rank then initialises its
+    own. The loaded driver is asked without being initialised: before ``cuInit``, ``cuDeviceGetCount``
+    answers ``CUDA_ERROR_NOT_INITIALIZED``. A driver that is mapped but cannot be asked counts as
+    initialised (the rank then starts fresh).
     """
     path = next((line.split()[-1] for line in maps() if "libcuda.so" in line), None)
     if path is None:
