@@ -14,8 +14,9 @@
 #         the spare rank (does it touch the GPU?), the rank's TORCH_NCCL_ASYNC_ERROR_HANDLING
 #   A2    resume of A's run from its DCP checkpoint onto the GPU
 #   E     does prewarm() (what spares and parked ranks import) initialise CUDA?
-#   K     the example (tiny) on cuda + NCCL, 1 rank per GPU (2 at most) forked from the node's fork server (--start-method
-#         forkserver): does every rank fork (no fallback line: the server must not load the CUDA driver)?
+#   K     the example (tiny) on cuda + NCCL, one rank per GPU (2 at most) forked from the node's fork server
+#         (--start-method forkserver): does every rank fork (no fallback line: the server must not initialise
+#         the CUDA driver)?
 #   B1    one process, NCCL world 1: 20 rounds formed/used/destroyed as hyperpodrun forms them (eager init
 #         bound to the device, split subgroup, gloo side group, DDP, broadcast_tensors), then 10 rounds torn
 #         down by _abort_process_group (the recover() path) and re-formed: time per round, leaks;
@@ -76,7 +77,7 @@ run_part() {  # NAME LIMIT_S MIN_S CMD... : run CMD under `timeout` unless less 
   fi
   (( limit > remain )) && limit=$remain
   echo "$name: $*" >> "$OUT/commands.txt"
-  rm -rf "$OUT/$name".* "$OUT/${name}"_* "$WORK/run-$name"  # an earlier run's files in the same OUT (metrics append)
+  rm -rf "$OUT/$name".* "$OUT/${name}"_*  # an earlier run's files in the same OUT (metrics append)
   echo "[$name] running, limit ${limit}s ..."
   local t0 rc dt status
   t0=$(date +%s.%N)

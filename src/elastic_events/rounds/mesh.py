@@ -117,9 +117,9 @@ def build_mesh(layout: MeshLayout, device: torch.device) -> DeviceMesh:
     subgroups were destroyed with that round ("Could not resolve the process group registered under the
     name ..."). So the first mesh of each shape is kept, and a later round of the same shape gets that same
     object back with the new round's subgroups in it: the cached specs name it, and it resolves to the live
-    groups, and it takes this rank's coordinates in it from the new round's mesh. Its cache stays warm: the first step after an event that returns to a shape seen before does
-    not compute DTensor's ~50 propagations again (about 1.2 s of CPU on the tiny model here; a new shape
-    still pays them).
+    groups, and it takes this rank's coordinates in it from the new round's mesh. Its cache stays warm: the
+    first step after an event that returns to a shape seen before does not compute DTensor's ~50
+    propagations again (about 1.2 s of CPU on the tiny model here; a new shape still pays them).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
