@@ -26,6 +26,9 @@
 #   B2    in-memory snapshots (elastic_events.rounds.snapshot.Replicator) of a 190M-parameter Llama + fused AdamW on
 #         the GPU: 2 ranks share the GPU over gloo; copies checked bit for bit; step time without / every
 #         step / every 5th; D2H bandwidth pageable vs pinned; pinned memory held
+#   O     HSDP's copy one step back (benchmarks/own_copy.py --quick): a ~2 GB local state copied to pinned host
+#         memory every step, after the optimizer step beside the next forward/backward (the product's way)
+#         against in the pre-step hook (the optimizer waits for it) and no copy; each copy checked
 #   C3/C1/C4  llama3.2-1b (the example's largest preset that fits one GPU), DDP world 1: tokens/s under
 #         hyperpodrun (API live), a bare loop without hyperpodrun's API, and torchrun (API inert)
 #   D     llama3.2-1b with --fsdp (FSDP2 on CUDA) under hyperpodrun: tokens/s
@@ -917,6 +920,16 @@ if s:
 else:
     lines.append(f"B2 snapshots                               : {status('B2')} {last_error('B2')}")
 
+o = load("O_own_copy/own_copy_cuda_quick.json")
+S["O"] = o["summary"] if o else None
+if o:
+    os_ = o["summary"]
+    lines.append(f"O  copy one step back, {os_['state_mb']} MB, ms/step : {status('O')}; " + ", ".join(f"{k} {v}" for k, v in os_["step_ms"].items())
+                 + f"; at_seal/none {os_['at_seal_over_none']['ratio']}, overlapped/none {os_['overlapped_over_none']['ratio']} "
+                 f"(CI {os_['overlapped_over_none']['ci_low']}-{os_['overlapped_over_none']['ci_high']}); copies checked {os_['copies_checked']}")
+else:
+    lines.append(f"O  copy one step back                      : {status('O')} {last_error('O')}")
+
 TPS_1B = 8 * 1024
 c1 = load("C1_bare_1b.json")
 tp = {"bare (no hyperpodrun API)": c1.get("tokens_per_s") if c1 else None,
@@ -1033,6 +1046,7 @@ run_part H    75 25 bash "$WORK/hpr.sh" H "$TRAIN" --model tiny --device cuda --
 run_part B1  120 45 env TORCH_NCCL_ASYNC_ERROR_HANDLING=2 "$PY" "$WORK/py/nccl_cycle.py" cycles --graceful "${B1_GRACEFUL:-20}" \
   --broken "${B1_BROKEN:-10}" --out "$OUT/B1_cycles.json"
 run_part P    45 15 "$PY" "$WORK/py/pinned_check.py" "$OUT/P_pinned.json"
+run_part O    90 30 "$PY" "$REPO/benchmarks/own_copy.py" --quick --out "$OUT/O_own_copy"
 run_part B1m  60 20 env TORCH_NCCL_ASYNC_ERROR_HANDLING=1 TORCH_NCCL_ENABLE_MONITORING=0 "$PY" "$WORK/py/nccl_cycle.py" cycles --graceful 6 --broken 4 --out "$OUT/B1m_cycles.json"
 run_part B1a_aeh1 50 20 env TORCH_NCCL_ASYNC_ERROR_HANDLING=1 "$PY" "$WORK/py/nccl_cycle.py" abort_blocked --out "$OUT/B1a_aeh1.json"
 run_part B1a_aeh0 50 20 env TORCH_NCCL_ASYNC_ERROR_HANDLING=0 "$PY" "$WORK/py/nccl_cycle.py" abort_blocked --out "$OUT/B1a_aeh0.json"

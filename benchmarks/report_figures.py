@@ -27,6 +27,7 @@ EXPECTED = {
     "soak": "python benchmarks/soak.py --smoke --paths in-process,process",
     "state_scaling": "python benchmarks/state_scaling.py --quick",
     "start_method": "python benchmarks/start_method.py --quick",
+    "own_copy": "python benchmarks/own_copy.py --quick",
 }
 DASH = "–"
 
@@ -438,6 +439,23 @@ def render_hydration(doc: Summary) -> list[str]:
     ]
 
 
+def render_own_copy(doc: Summary) -> list[str]:
+    s = doc["summary"]
+    step = s.get("step_ms") or {}
+
+    def ratio(key: str) -> str:
+        ci = s.get(key) or {}
+        return f"{num(ci.get('ratio'))} (95 % CI {num(ci.get('ci_low'))} – {num(ci.get('ci_high'))})"
+
+    return [
+        f"HSDP's copy one step back, {num(s.get('state_mb'), 0)} MB of state on {s.get('device')}: a step with the copy "
+        f"after the optimizer step (the product's) / without a copy **{ratio('overlapped_over_none')}**; with the "
+        f"copy in the pre-step hook / without {ratio('at_seal_over_none')}; {num(step.get('none'))} / "
+        f"{num(step.get('overlapped'))} / {num(step.get('at_seal'))} ms a step; {s.get('copies_checked')} copies "
+        "checked against the state of their step."
+    ]
+
+
 def render_checkpoint(doc: Summary) -> list[str]:
     s = doc["summary"]
     rows = []
@@ -685,6 +703,7 @@ RENDERERS: dict[str, Callable[[Summary], list[str]]] = {
     "soak": render_soak,
     "state_scaling": render_state_scaling,
     "start_method": render_start_method,
+    "own_copy": render_own_copy,
 }
 
 

@@ -793,3 +793,17 @@ def test_framework_events_smoke(out_dir: Path) -> None:
         assert s[f"{kind}_downtime_ratio_in_place_over_restart"] == pytest.approx(
             s[f"{kind}_in-place_downtime_s"] / s[f"{kind}_restart_downtime_s"]
         )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_own_copy_smoke(out_dir: Path) -> None:
+    """Every variant timed in each repetition, and every copy it took checked against the state of its step."""
+    data = run_smoke("own_copy", out_dir)
+    s, samples = data["summary"], data["samples"]
+    assert samples["copies_checked"] == 2 * data["params"]["reps"] == s["copies_checked"]  # at_seal, overlapped
+    assert all(len(samples["step_s"][v]) == data["params"]["reps"] for v in ("none", "at_seal", "overlapped"))
+    assert all(positive(ms) for ms in s["step_ms"].values())
+    for key in ("at_seal_over_none", "overlapped_over_none", "overlapped_over_at_seal"):
+        ci = s[key]
+        assert ci["n"] == 2 and positive(ci["ratio"]) and ci["ci_low"] <= ci["ratio"] <= ci["ci_high"], (key, ci)

@@ -217,6 +217,12 @@ def test_the_smaller_benchmarks_render_their_ratio_first(report: ModuleType) -> 
         "ops per node ~ N^–, failed at N = [64]."
     ) in lines
     assert "| 1 | 1.00 | 1.00 | 2449 |" in lines and "| 4 (oversubscribed) | 0.44 | 1.76 | 4320 |" in lines
+    assert (
+        "HSDP's copy one step back, 2048 MB of state on Test GPU: a step with the copy after the optimizer step "
+        "(the product's) / without a copy **1.01 (95 % CI 1.00 – 1.02)**; with the copy in the pre-step hook / "
+        "without 1.40 (95 % CI 1.38 – 1.42); 100 / 101.50 / 140 ms a step; 10 copies checked against the state of "
+        "their step."
+    ) in lines
 
 
 def test_the_snapshot_figure_names_the_intervals_auto_chose(report: ModuleType) -> None:

@@ -1,4 +1,5 @@
-"""HSDP's copy one step back (elastic_events.rounds.own_copy): what it holds after the live state moves on."""
+"""HSDP's copy one step back (elastic_events.rounds.own_copy): what it holds after the live state moves on,
+and while the copy of the next step is under way."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ def trained_once() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, opt)
+    return model, opt
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
     model(torch.ones(3, 4)).sum().backward()
     opt.step()
-    return model, opt
 
 
 def piece_of(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, small: dict) -> Piece:
@@ -31,36 +37,78 @@ def piece_of(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, smal
     )
 
 
+def values(piece: Piece) -> list[torch.Tensor]:
+    """The tensors a copy holds, as the live tensors' dtypes and shapes."""
+    return [t.view(e.dtype).view(e.local_shape) for t, e in zip(piece.tensors, piece.layout.entries, strict=True)]
+
+
+def start(own: OwnCopy, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    c = capture(model, opt)
+    own.start(c.layout, c.tensors)
+
+
 def test_the_copy_keeps_the_state_and_small_state_of_its_step_while_the_live_ones_move_on() -> None:
     model, opt = trained_once()
     sampler = {"position": 40}
     before = [t.clone() for t in capture(model, opt).tensors]
     own = OwnCopy()
     assert own.piece() is None and own.step is None
-    own.take(piece_of(model, opt, step=5, small={"step": 5, "sampler": sampler}))
+    start(own, model, opt)  # the post-step hook of step 5
+    own.seal(piece_of(model, opt, step=5, small={"step": 5, "sampler": sampler}))  # the pre-step hook of 6
 
-    opt.step()  # the step the copy was taken before: the live weights and momentum change
+    opt.step()  # the step the copy was sealed before: the live weights and momentum change
     sampler["position"] = 48
     kept = own.piece()
     assert kept is not None and (kept.step, kept.owner) == (5, 1) and own.step == 5
     assert kept.small == {"step": 5, "sampler": {"position": 40}}  # a copy, not the live sampler state
     after = capture(model, opt).tensors
-    for live, old, copied, entry in zip(after, before, kept.tensors, kept.layout.entries, strict=True):
+    for live, old, copied, entry in zip(after, before, values(kept), kept.layout.entries, strict=True):
         assert not torch.equal(live, old), entry.key  # each tensor of the state moved on
-        assert torch.equal(copied.view(entry.dtype).view(entry.local_shape), old), entry.key
-    assert own.nbytes == kept.layout.nbytes and own.taken == 1
+        assert torch.equal(copied, old), entry.key
+    assert (own.taken, own.overlapped) == (1, 1)
 
 
-def test_a_copy_after_the_optimizer_state_appears_grows_the_buffer() -> None:
+def test_the_sealed_copy_stays_whole_while_the_next_one_is_copied_until_it_is_sealed() -> None:
+    """A rank of shard 0 that applied step s while shard 1 did not blocks in step s + 1 between the copy's
+    start and its seal: it must still hold s - 1 there. With one buffer the start would overwrite it."""
+    model, opt = trained_once()
+    own = OwnCopy()
+    own.take(piece_of(model, opt, step=4, small={"step": 4}))
+    at_4 = [t.clone() for t in capture(model, opt).tensors]
+    train(model, opt)  # step 5 applied
+    at_5 = [t.clone() for t in capture(model, opt).tensors]
+    start(own, model, opt)  # its post-step hook: the copy of 5 starts, not sealed
+    kept = own.piece()
+    assert kept is not None and kept.step == 4
+    for copied, old, entry in zip(values(kept), at_4, kept.layout.entries, strict=True):
+        assert torch.equal(copied, old), entry.key
+    assert any(not torch.equal(a, b) for a, b in zip(at_4, at_5, strict=True))
+
+    own.seal(piece_of(model, opt, step=5, small={"step": 5}))  # the pre-step hook of 6
+    train(model, opt)  # step 6 applied
+    start(own, model, opt)  # and the copy of 6 starts, into the buffer that held 4
+    kept = own.piece()
+    assert kept is not None and kept.step == 5
+    for copied, old, entry in zip(values(kept), at_5, kept.layout.entries, strict=True):
+        assert torch.equal(copied, old), entry.key
+    assert own.nbytes == 2 * kept.layout.nbytes  # two buffers, no more, however many steps
+    assert (own.taken, own.overlapped) == (2, 1)
+
+
+def test_a_seal_without_a_started_copy_of_its_layout_copies_at_once() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     own = OwnCopy()
-    own.take(piece_of(model, opt, step=0, small={"step": 0}))  # before the first step: no momentum yet
-    weights_only = own.nbytes
-    model(torch.ones(3, 4)).sum().backward()
-    opt.step()
-    own.take(piece_of(model, opt, step=1, small={"step": 1}))
+    own.seal(piece_of(model, opt, step=0, small={"step": 0}))  # a round's first step: nothing started
+    weights_only = own.piece()
+    assert weights_only is not None and own.overlapped == 0
+    start(own, model, opt)  # started before the optimizer state appeared: weights only
+    train(model, opt)  # the first step: momentum appears
+    own.seal(piece_of(model, opt, step=1, small={"step": 1}))  # another layout: copied at the seal
     kept = own.piece()
-    assert kept is not None and kept.step == 1 and own.nbytes > weights_only
+    assert kept is not None and kept.step == 1 and own.overlapped == 0
+    assert kept.layout.nbytes > weights_only.layout.nbytes
     assert [e.key[0] for e in kept.layout.entries].count("optim") == 2  # momentum of weight and bias
+    for copied, live, entry in zip(values(kept), capture(model, opt).tensors, kept.layout.entries, strict=True):
+        assert torch.equal(copied, live), entry.key

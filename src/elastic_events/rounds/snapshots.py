@@ -58,8 +58,10 @@ class Snapshots:
 
         HSDP with two replicas or more: the other replicas hold every shard, so nothing is sent; the
         live local state is described (:attr:`replicas`), for a failure's repair to send from, and copied
-        locally before each optimizer step (:attr:`own`, :mod:`.own_copy`)."""
+        locally after each optimizer step (:attr:`own`, :mod:`.own_copy`)."""
         e, s = self.engine, self.state
+        if self.own is not None:
+            self.own.close()
         self.replicas, self.own = False, None
         if e.reader is None or not e.distributed or e.world_size < 2 or not s.sharded:
             return
@@ -182,21 +184,26 @@ class Snapshots:
         return back if back is not None and back.step < step else None
 
     def recapture(self) -> None:
-        """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here)."""
+        """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here).
+        HSDP with replicas: the copy of the state the step left starts (:meth:`OwnCopy.start`)."""
         if self.replicator is None and not self.replicas:
             return
         c, s = self.captured, self.state
         if c is None or c.count != optimizer_state_count(s.optimizer):
-            self.captured = capture(s.built_model(), s.optimizer)
+            c = self.captured = capture(s.built_model(), s.optimizer)
+        if self.own is not None:
+            buffers = {b.data_ptr() for b in s.built_model().buffers()}  # a forward may write them
+            self.own.start(c.layout, c.tensors, forward_written=buffers)
 
     def wait(self) -> None:
         """The optimizer's pre-step hook: no step is committed before every copy of the last snapshot exists
         (and the live tensors being sent must not change yet). A peer's failure raises ``PeerFailureError``.
-        HSDP with replicas: the local state is copied before the step changes it."""
+        HSDP with replicas: the copy of the local state started after the last step is sealed as the state
+        at this one, before the step changes it."""
         if self.replicator is not None:
             self.replicator.wait(broken=self.engine.broken)
         if self.own is not None:
-            self.own.take(self.piece(self.state.step))
+            self.own.seal(self.piece(self.state.step))
 
     def stop(self, *, broken: bool) -> Replicator | None:
         """End this round's replication (``broken``: at once, keeping what is held) and return it."""
