@@ -129,23 +129,20 @@ def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     tensor is missing or its shard's shape or offset on the new mesh is not the piece's (another
     world size, or another rank's piece).
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     entries = {e.key: (e, t) for e, t in zip(piece.layout.entries, local_tensors(piece), strict=True)}
     live = get_model_state_dict(model)  # the fresh model's tensors by DCP FQN, DTensors where sharded
-    options = StateDictOptions(full_state_dict=False)
-    model_sd: dict[str, ValueType] = {}
-    for fqn, like in live.items():
-        if ("model", fqn) not in entries:
-            raise SnapshotError(f"{fqn}: not in rank {piece.owner}'s snapshot of step {piece.step}")
-        if not isinstance(like, torch.Tensor):
-            raise SnapshotError(f"{fqn}: a {type(like).__name__} in the model's state dict, not a tensor")
-        model_sd[fqn] = _like(*entries[("model", fqn)], like)
-    set_model_state_dict(model, model_sd, options=options)
+    # Into the model's own local shards (the state dict's tensors are views of them): a DTensor ``copy_`` would
+    # compute a sharding propagation per shape on a new mesh, 0.24 s of a join's 0.67 s on the tiny model.
+    with torch.no_grad():
+        for fqn, like in live.items():
+            if ("model", fqn) not in entries:
+                raise SnapshotError(f"{fqn}: not in rank {piece.owner}'s snapshot of step {piece.step}")
+            if not isinstance(like, torch.Tensor):
+                raise SnapshotError(f"{fqn}: a {type(like).__name__} in the model's state dict, not a tensor")
+            entry, tensor = entries[("model", fqn)]
+            _local_of(entry, like).copy_(tensor)
     if optimizer is None:
         return
     state: dict[str, dict[str, Any]] = {}
@@ -183,15 +180,16 @@ def _load_optimizer(
     optimizer.load_state_dict({"state": {index[fqn]: s for fqn, s in state.items()}, "param_groups": groups})
 
 
-def _like(entry: Entry, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (a local shard) as the model holds ``like``: a DTensor on the same mesh and placements."""
+def _local_of(entry: Entry, like: torch.Tensor) -> torch.Tensor:
+    """The local tensor of ``like`` (a model's or optimizer's tensor on the new mesh) that ``entry``'s shard
+    fills; :class:`SnapshotError` when the new mesh places another shard here."""
     from torch.distributed.tensor import DTensor
 
     name = ".".join(entry.key[1:])
     if tuple(like.shape) != entry.global_shape:
         raise SnapshotError(f"{name}: shape {tuple(like.shape)} in the model, {entry.global_shape} in the snapshot")
     if not isinstance(like, DTensor):
-        return tensor.to(like.device, copy=True)
+        return like
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offsets = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
@@ -201,6 +199,16 @@ def _like(entry: Entry, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tenso
             f"{name}: the new mesh holds {tuple(shape)} at {at} here, the snapshot {entry.local_shape} at "
             f"{entry.offset} (another world size, or another rank's piece)"
         )
+    return like.to_local()
+
+
+def _like(entry: Entry, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (a local shard) as the model holds ``like``: a DTensor on the same mesh and placements."""
+    from torch.distributed.tensor import DTensor
+
+    _local_of(entry, like)
+    if not isinstance(like, DTensor):
+        return tensor.to(like.device, copy=True)
     return DTensor.from_local(
         tensor.to(like.device, copy=True),
         like.device_mesh,
