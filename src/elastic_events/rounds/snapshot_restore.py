@@ -18,14 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from elastic_events.rounds.snapshot import Entry, Piece, SnapshotError, group_names
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.state_dict import ValueType
 
 __all__ = ["RestorePlan", "SnapshotReport", "assemble", "load_local_state", "local_tensors", "plan_restore"]
 
