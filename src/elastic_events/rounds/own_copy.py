@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence, Set
 
 import torch
 
@@ -63,15 +63,17 @@ class OwnCopy:
         self.taken = 0  # copies sealed
         self.overlapped = 0  # of them, copies started after the step before (not at the seal)
 
-    def start(self, layout: Layout, tensors: Sequence[torch.Tensor], *, forward_written: Iterable[int] = ()) -> None:
+    def start(
+        self, layout: Layout, tensors: Sequence[torch.Tensor], *, forward_written: Set[int] = frozenset()
+    ) -> None:
         """Start copying the live local state (``tensors``, in ``layout``'s order) as the optimizer step just
         applied left it. ``forward_written``: the data pointers of tensors a forward may change (the model's
         buffers); on a GPU they are copied on the current stream, ahead of the next forward's kernels."""
-        self._pending = self._copy(layout, tensors, set(forward_written))
+        self._pending = self._copy(layout, tensors, forward_written)
 
-    def _copy(self, layout: Layout, tensors: Sequence[torch.Tensor], written: set[int]) -> _Buffer:
+    def _copy(self, layout: Layout, tensors: Sequence[torch.Tensor], written: Set[int]) -> _Buffer:
         buffer = self._free(layout.nbytes)
-        if buffer.layout != layout:
+        if buffer.layout is not layout and buffer.layout != layout:
             buffer.layout, buffer.views = layout, layout.views(buffer.flat)
         buffer.done = None
         stream = self._stream
@@ -100,8 +102,8 @@ class OwnCopy:
         state appeared), ``piece``'s tensors are copied now. On a GPU the current stream (the optimizer's
         kernels about to be queued) waits for the copy."""
         buffer, self._pending = self._pending, None
-        if buffer is None or buffer.layout != piece.layout:
-            buffer = self._copy(piece.layout, piece.tensors, set())
+        if buffer is None or (buffer.layout is not piece.layout and buffer.layout != piece.layout):
+            buffer = self._copy(piece.layout, piece.tensors, frozenset())
         else:
             self.overlapped += 1
         if buffer.done is not None and self._stream is not None:

@@ -52,6 +52,7 @@ class Snapshots:
         self._carrying = False  # the step under way has the last snapshot streaming beside it
         self.replicas = False  # HSDP with 2 replicas or more this round: live state described, no copies
         self.own: OwnCopy | None = None  # HSDP with 2 replicas or more: the local state before the last step
+        self._written: tuple[Captured | None, frozenset[int]] = (None, frozenset())  # its buffers' data pointers
 
     def start(self) -> None:
         """Start this round's snapshots if they apply (collective: every rank decides the same way).
@@ -192,8 +193,9 @@ class Snapshots:
         if c is None or c.count != optimizer_state_count(s.optimizer):
             c = self.captured = capture(s.built_model(), s.optimizer)
         if self.own is not None:
-            buffers = {b.data_ptr() for b in s.built_model().buffers()}  # a forward may write them
-            self.own.start(c.layout, c.tensors, forward_written=buffers)
+            if self._written[0] is not c:  # the model's buffers, which a forward may write
+                self._written = (c, frozenset(b.data_ptr() for b in s.built_model().buffers()))
+            self.own.start(c.layout, c.tensors, forward_written=self._written[1])
 
     def wait(self) -> None:
         """The optimizer's pre-step hook: no step is committed before every copy of the last snapshot exists
