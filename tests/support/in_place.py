@@ -44,9 +44,12 @@ def script_args(model: str, run_dir: Path) -> tuple[str, ...]:
 
 
 def pid_of_rank(job, rank: int, *, timeout: float = 60) -> int:
-    """The pid of the newest process that recorded ``rank``'s world (waiting for the first such record)."""
+    """The pid of the newest process that recorded ``rank``'s world (waiting for the first such record). A
+    process that left records rank 0 of a world of 1 (it has no group): its ``left`` record names no rank."""
     mine = wait_until(
-        lambda: [r for r in worlds(job) if r["rank"] == rank], timeout=timeout, what=f"rank {rank}'s record"
+        lambda: [r for r in worlds(job) if r["rank"] == rank and r["how"] != "left"],
+        timeout=timeout,
+        what=f"rank {rank}'s record",
     )
     return mine[-1]["pid"]
 
