@@ -120,10 +120,15 @@ def run_steps(snapshots: Snapshots, replicator: FakeReplicator, state: SimpleNam
 
 @pytest.fixture
 def faked(monkeypatch: pytest.MonkeyPatch):
+    return started_at(monkeypatch, step=10)
+
+
+def started_at(monkeypatch: pytest.MonkeyPatch, *, step: int):
+    """A round of ``auto`` snapshots started at ``step``: the engine, state and replicator faked."""
     clock = [100.0]
     monkeypatch.setattr("elastic_events.rounds.snapshots.time.monotonic", lambda: clock[0])
     engine = FakeEngine(ElasticConfig(snapshot_every=AUTO, snapshot_overhead=0.02), peers=[(0.004, 0.12)])
-    state = SimpleNamespace(step=10)
+    state = SimpleNamespace(step=step)
     snapshots = Snapshots(engine, state)  # type: ignore[arg-type]
     replicator = FakeReplicator(clock)
     snapshots.replicator = replicator  # type: ignore[assignment]
@@ -150,6 +155,22 @@ def test_auto_times_steps_with_and_without_a_snapshot_then_agrees_on_the_largest
     run_steps(snapshots, replicator, state, 10, step_s=0.1)
     assert replicator.taken == [10, 11, 13, 15, 20, 25]  # every 5th step from the choice on
     assert len(engine.agreed) == 1  # one agreement per round
+
+
+def test_the_first_snapshot_after_the_choice_comes_within_the_chosen_interval(monkeypatch) -> None:
+    """Started at step 11, timing snapshots 12 and 14, choosing every 5 at step 16: the next multiple of 5 (20)
+    would leave 6 steps since 14, and a failure then would redo more steps than the interval. Step 16 is taken."""
+    snapshots, replicator, engine, state = started_at(monkeypatch, step=11)
+    replicator.slowdown, replicator.wait_s = 0.008, 0.002
+    run_steps(snapshots, replicator, state, 2 * CALIBRATION_STEPS, step_s=0.1)
+    assert snapshots.choice is None and replicator.taken == [11, 12, 14]
+    run_steps(snapshots, replicator, state, 1, step_s=0.1)
+    assert state.step == 16 and snapshots.every == 5
+    assert replicator.taken == [11, 12, 14, 16]
+    run_steps(snapshots, replicator, state, 10, step_s=0.1)
+    assert replicator.taken == [11, 12, 14, 16, 20, 25]
+    gaps = [b - a for a, b in zip(replicator.taken, replicator.taken[1:])]
+    assert max(gaps) <= snapshots.every
 
 
 def test_a_snapshot_the_step_hides_is_taken_every_step(faked) -> None:

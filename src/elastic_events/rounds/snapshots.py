@@ -49,6 +49,7 @@ class Snapshots:
         self.captured: Captured | None = None  # the local state's live tensors
         self._calibration: Calibration | None = None  # auto: this round's timings until the choice
         self._last_take: float | None = None  # auto: when take() last returned (monotonic)
+        self._snapshot_step = 0  # the step of this round's last snapshot
         self._carrying = False  # the step under way has the last snapshot streaming beside it
         self.replicas = False  # HSDP with 2 replicas or more this round: live state described, no copies
         self.own: OwnCopy | None = None  # HSDP with 2 replicas or more: the local state before the last step
@@ -123,11 +124,15 @@ class Snapshots:
             calibration.add(time.monotonic() - self._last_take, carried=self._carrying)
             if calibration.done:
                 self._choose(calibration)
-                due = not s.step % self.every
+                # every multiple of the interval from here on; now as well if the first multiple would leave more
+                # than the interval since the last snapshot (a failure redoes at most the interval's steps)
+                first = s.step + (-s.step % self.every)
+                due = first == s.step or first - self._snapshot_step > self.every
             else:
                 due = not self._carrying  # while timing, every other step carries a snapshot
         if replicator.failed is None and due:
             replicator.snapshot(self.piece(s.step))
+            self._snapshot_step = s.step
         self._carrying = due
         self._last_take = time.monotonic()
 
