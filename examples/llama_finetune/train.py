@@ -494,11 +494,17 @@ def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime) -> torch.optim.Optimizer:
-    """AdamW, no decay on norm weights; the same LR at every world size."""
+    """AdamW, no decay on norm weights; the same LR at every world size.
+
+    Its fused kernel on CUDA and on CPU alike: one op a param group. On a sharded model that is also one
+    DTensor sharding propagation a group where the per-parameter loop (CPU's default) computes one per op
+    and shape: on a mesh new to the process, 0.77 s of the tiny model's first HSDP step here against 0.12 s.
+    The kernel is elementwise, so a shard's values do not depend on where the shard starts."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=rt.device.type == "cuda")
+    fused = rt.device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
