@@ -231,8 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     ci = ratio_ci([o / a for o, a in zip(t["overlapped"], t["at_seal"], strict=True)])
     summary["overlapped_over_at_seal"] = {k: round(v, 4) for k, v in ci.items()}
     result.samples, result.summary = data, summary
-    plot(data, result.plot_path(ns.out))
-    path = result.write(ns.out)
+    path = result.write(ns.out)  # before the plot: a GPU machine may lack matplotlib
+    try:
+        plot(data, result.plot_path(ns.out))
+    except ImportError as exc:
+        print(f"own_copy: no plot ({exc})", file=sys.stderr)
     print(
         format_table(
             ["device", "state MB", "none ms", "at_seal ms", "overlapped ms", "at_seal/none", "overlapped/none"],
