@@ -10,7 +10,8 @@ in training. Variants interleaved, ``--reps`` times:
 
 * ``none``: no copy (the baseline);
 * ``at_seal``: started and sealed in the pre-step hook (the copy, then the optimizer);
-* ``overlapped``: started in the post-step hook, sealed in the next pre-step hook (the product's way).
+* ``overlapped``: started after the optimizer step, sealed in the next pre-step hook (the product's way, which
+  starts it at the step's end, in ``elastic_event_detected()``).
 
 Each copy is checked: the sealed bytes equal the state at their step. On a CPU both copies are plain
 ``memcpy`` on the step's thread, so they should cost the same; the comparison that matters is a GPU's.

@@ -112,3 +112,34 @@ def test_a_seal_without_a_started_copy_of_its_layout_copies_at_once() -> None:
     assert [e.key[0] for e in kept.layout.entries].count("optim") == 2  # momentum of weight and bias
     for copied, live, entry in zip(values(kept), capture(model, opt).tensors, kept.layout.entries, strict=True):
         assert torch.equal(copied, live), entry.key
+
+
+def test_snapshots_start_the_copy_at_the_steps_end_once_and_seal_it_before_the_next_optimizer_step() -> None:
+    """What the script changes after ``optimizer.step()`` (here it halves the weight) is in the copy: it starts
+    at ``elastic_event_detected()`` (:meth:`Snapshots.take`), once however often that is called."""
+    from types import SimpleNamespace
+
+    from elastic_events.rounds.config import ElasticConfig
+    from elastic_events.rounds.snapshots import Snapshots
+
+    model, opt = trained_once()
+    state = SimpleNamespace(step=1, optimizer=opt, optimizer_steps=[1, 1], built_model=lambda: model)
+    snapshots = Snapshots(SimpleNamespace(config=ElasticConfig()), state)  # type: ignore[arg-type]
+    own = snapshots.own = OwnCopy()
+    snapshots.replicas, snapshots.captured = True, capture(model, opt)
+    snapshots.piece = lambda step: piece_of(model, opt, step=step, small={"step": step})  # type: ignore[method-assign]
+    with torch.no_grad():
+        model.weight.mul_(0.5)  # the script, after the optimizer step
+    at_1 = [t.clone() for t in capture(model, opt).tensors]
+    snapshots.take()
+    snapshots.take()  # elastic_event_detected() twice in one step: one copy
+    assert own.started == 1
+    snapshots.wait()  # the pre-step hook of step 2
+    train(model, opt)
+    kept = own.piece()
+    assert kept is not None and kept.step == 1 and (own.taken, own.overlapped) == (1, 1)
+    for copied, old, entry in zip(values(kept), at_1, kept.layout.entries, strict=True):
+        assert torch.equal(copied, old), entry.key
+    state.optimizer_steps, state.step = [2, 2], 2
+    snapshots.take()  # the next step's end: a new copy
+    assert own.started == 2

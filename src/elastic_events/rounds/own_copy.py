@@ -6,9 +6,9 @@ and not on others. FSDP2 reduces each shard index's gradients among that index's
 ranks of shard 0 may complete the reduction and apply step ``s + 1`` while the only surviving rank of
 shard 1 (whose replica peer died) stays at ``s``. No rank then holds every shard at one step.
 
-:class:`OwnCopy` closes that gap. Right after optimizer step ``s`` is applied (the optimizer's
-post-step hook) it starts copying the local state into a buffer of its own (:meth:`OwnCopy.start`);
-in the pre-step hook of step ``s + 1``, with that step's collectives completed (:mod:`.commit`) and
+:class:`OwnCopy` closes that gap. At the end of step ``s`` (``elastic_event_detected()``, after
+anything the script changed after ``optimizer.step()``) it starts copying the local state into a
+buffer of its own (:meth:`OwnCopy.start`); in the optimizer's pre-step hook of step ``s + 1``, with that step's collectives completed (:mod:`.commit`) and
 before anything is applied, the copy is sealed as the state at ``s`` (:meth:`OwnCopy.seal`: the
 small state, the sampler's included, is taken then). A rank that applied ``s + 1`` still holds ``s``
 until its next pre-step hook. It cannot reach that hook, because its next step's collectives need the
@@ -60,16 +60,17 @@ class OwnCopy:
         self._sealed: _Buffer | None = None
         self._piece: Piece | None = None  # the sealed copy: its tensors are views into ``_sealed``
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.started = 0  # copies started before their seal
         self.taken = 0  # copies sealed
-        self.overlapped = 0  # of them, copies started after the step before (not at the seal)
+        self.overlapped = 0  # of them, copies started before the seal (not at it)
 
     def start(
         self, layout: Layout, tensors: Sequence[torch.Tensor], *, forward_written: Set[int] = frozenset()
     ) -> None:
-        """Start copying the live local state (``tensors``, in ``layout``'s order) as the optimizer step just
-        applied left it. ``forward_written``: the data pointers of tensors a forward may change (the model's
+        """Start copying the live local state (``tensors``, in ``layout``'s order) as the last step left it. ``forward_written``: the data pointers of tensors a forward may change (the model's
         buffers); on a GPU they are copied on the current stream, ahead of the next forward's kernels."""
         self._pending = self._copy(layout, tensors, forward_written)
+        self.started += 1
 
     def _copy(self, layout: Layout, tensors: Sequence[torch.Tensor], written: Set[int]) -> _Buffer:
         buffer = self._free(layout.nbytes)

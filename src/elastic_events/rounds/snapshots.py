@@ -54,6 +54,7 @@ class Snapshots:
         self.replicas = False  # HSDP with 2 replicas or more this round: live state described, no copies
         self.own: OwnCopy | None = None  # HSDP with 2 replicas or more: the local state before the last step
         self._written: tuple[Captured | None, frozenset[int]] = (None, frozenset())  # its buffers' data pointers
+        self._own_started: int | None = None  # the optimizer steps ended when the copy one step back last started
 
     def start(self) -> None:
         """Start this round's snapshots if they apply (collective: every rank decides the same way).
@@ -64,7 +65,7 @@ class Snapshots:
         e, s = self.engine, self.state
         if self.own is not None:
             self.own.close()
-        self.replicas, self.own = False, None
+        self.replicas, self.own, self._own_started = False, None, None
         if e.reader is None or not e.distributed or e.world_size < 2 or not s.sharded:
             return
         layout = e.layout()
@@ -111,7 +112,10 @@ class Snapshots:
         self._last_take = None  # the round's first step (a new loader iterator, the first snapshot) is not timed
 
     def take(self, every: int | None = None) -> None:
-        """After step :attr:`TrainState.step`: snapshot it in the background, if it is one to keep."""
+        """After step :attr:`TrainState.step`: snapshot it in the background, if it is one to keep. HSDP with
+        replicas: start the copy one step back of the state the step left."""
+        if self.own is not None:
+            self._start_own()
         replicator, s = self.replicator, self.state
         if replicator is None:
             return
@@ -135,6 +139,22 @@ class Snapshots:
             self._snapshot_step = s.step
         self._carrying = due
         self._last_take = time.monotonic()
+
+    def _start_own(self) -> None:
+        """Start the copy one step back (:meth:`OwnCopy.start`) of the state the last optimizer step left, once
+        per optimizer step, at the step's end: what the script changed after ``optimizer.step()`` is in it.
+        Sealed in the next optimizer's pre-step hook (:meth:`wait`); without this call, copied there."""
+        own, s = self.own, self.state
+        ended = s.optimizer_steps[1]
+        if own is None or self._own_started == ended:
+            return
+        c = self.captured
+        if c is None or c.count != optimizer_state_count(s.optimizer):
+            c = self.captured = capture(s.built_model(), s.optimizer)
+        if self._written[0] is not c:  # the model's buffers, which a forward may write
+            self._written = (c, frozenset(b.data_ptr() for b in s.built_model().buffers()))
+        own.start(c.layout, c.tensors, forward_written=self._written[1])
+        self._own_started = ended
 
     def _choose(self, calibration: Calibration) -> None:
         """``auto``: the round's interval from every rank's timings (collective: all ranks are here at the
@@ -190,17 +210,12 @@ class Snapshots:
         return back if back is not None and back.step < step else None
 
     def recapture(self) -> None:
-        """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here).
-        HSDP with replicas: the copy of the state the step left starts (:meth:`OwnCopy.start`)."""
+        """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here)."""
         if self.replicator is None and not self.replicas:
             return
         c, s = self.captured, self.state
         if c is None or c.count != optimizer_state_count(s.optimizer):
-            c = self.captured = capture(s.built_model(), s.optimizer)
-        if self.own is not None:
-            if self._written[0] is not c:  # the model's buffers, which a forward may write
-                self._written = (c, frozenset(b.data_ptr() for b in s.built_model().buffers()))
-            self.own.start(c.layout, c.tensors, forward_written=self._written[1])
+            self.captured = capture(s.built_model(), s.optimizer)
 
     def wait(self) -> None:
         """The optimizer's pre-step hook: no step is committed before every copy of the last snapshot exists
