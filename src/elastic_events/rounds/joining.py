@@ -45,7 +45,7 @@ from elastic_events.rounds.hydration import (
 )
 from elastic_events.rounds.replica_hydration import hydrate_from_replicas
 from elastic_events.rounds.replica_plan import Holding, ReplicaPlanError, plan_replicas
-from elastic_events.rounds.snapshot import Piece, capture, optimizer_state_count, recv_body, recv_header, send_piece
+from elastic_events.rounds.snapshot import Piece, recv_body, recv_header, send_piece
 from elastic_events.rounds.snapshot_restore import (
     RestorePlan,
     SnapshotReport,
@@ -381,11 +381,8 @@ class Joiner:
     # ------------------------------------------------------------------ HSDP
     def _live_piece_now(self) -> Piece:
         """This rank's live local state at its step (captured again if the optimizer's state changed)."""
-        s, snapshots = self.state, self.snapshots
-        c = snapshots.captured
-        if c is None or c.count != optimizer_state_count(s.optimizer):
-            snapshots.captured = capture(s.built_model(), s.optimizer)
-        return snapshots.piece(s.step)
+        self.snapshots.live()
+        return self.snapshots.piece(self.state.step)
 
     def _from_replicas(
         self, reports: list[RankReport], kept: Kept | None, fresh_module: torch.nn.Module | None

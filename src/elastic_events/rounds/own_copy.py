@@ -8,8 +8,8 @@ shard 1 (whose replica peer died) stays at ``s``. No rank then holds every shard
 
 :class:`OwnCopy` closes that gap. At the end of step ``s`` (``elastic_event_detected()``, after
 anything the script changed after ``optimizer.step()``) it starts copying the local state into a
-buffer of its own (:meth:`OwnCopy.start`); in the optimizer's pre-step hook of step ``s + 1``, with that step's collectives completed (:mod:`.commit`) and
-before anything is applied, the copy is sealed as the state at ``s`` (:meth:`OwnCopy.seal`: the
+buffer of its own (:meth:`OwnCopy.start`); in the optimizer's pre-step hook of step ``s + 1``, with
+that step's collectives completed (:mod:`.commit`) and before anything is applied, the copy is sealed as the state at ``s`` (:meth:`OwnCopy.seal`: the
 small state, the sampler's included, is taken then). A rank that applied ``s + 1`` still holds ``s``
 until its next pre-step hook. It cannot reach that hook, because its next step's collectives need the
 ranks that failed. So after any failure every shard index is held at the newer step or at the one
@@ -36,7 +36,7 @@ from collections.abc import Sequence, Set
 import torch
 
 from elastic_events.rounds.snapshot import Layout, Piece
-from elastic_events.rounds.transfer import pinned_empty
+from elastic_events.rounds.transfer import byte_view, pinned_empty
 
 __all__ = ["OwnCopy"]
 
@@ -67,8 +67,9 @@ class OwnCopy:
     def start(
         self, layout: Layout, tensors: Sequence[torch.Tensor], *, forward_written: Set[int] = frozenset()
     ) -> None:
-        """Start copying the live local state (``tensors``, in ``layout``'s order) as the last step left it. ``forward_written``: the data pointers of tensors a forward may change (the model's
-        buffers); on a GPU they are copied on the current stream, ahead of the next forward's kernels."""
+        """Start copying the live local state (``tensors``, in ``layout``'s order) as the last step left it.
+        ``forward_written``: the data pointers of tensors a forward may change (the model's buffers); on a
+        GPU they are copied on the current stream, ahead of the next forward's kernels."""
         self._pending = self._copy(layout, tensors, forward_written)
         self.started += 1
 
@@ -80,17 +81,17 @@ class OwnCopy:
         stream = self._stream
         if stream is None or not any(t.is_cuda for t in tensors):
             for view, tensor in zip(buffer.views, tensors, strict=True):
-                view.copy_(_as_bytes(tensor))
+                view.copy_(byte_view(tensor))
             return buffer
         main = torch.cuda.current_stream()
         stream.wait_stream(main)  # the state as of the optimizer's last kernel
         for view, tensor in zip(buffer.views, tensors, strict=True):
             if tensor.data_ptr() in written:
-                view.copy_(_as_bytes(tensor), non_blocking=True)  # on ``main``: before the next forward
+                view.copy_(byte_view(tensor), non_blocking=True)  # on ``main``: before the next forward
         with torch.cuda.stream(stream):
             for view, tensor in zip(buffer.views, tensors, strict=True):
                 if tensor.data_ptr() not in written:
-                    view.copy_(_as_bytes(tensor), non_blocking=True)
+                    view.copy_(byte_view(tensor), non_blocking=True)
                     tensor.record_stream(stream)  # not reused by the allocator before the copy read it
         stream.wait_stream(main)  # the buffers' copies on ``main`` end before the copy counts as done
         buffer.done = torch.cuda.Event()
@@ -154,7 +155,3 @@ class OwnCopy:
         buffer = _Buffer(flat=flat)
         self._buffers.append(buffer)
         return buffer
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from elastic_events.errors import ElasticTrainingError, PeerFailureError
 from elastic_events.rounds import abort
-from elastic_events.rounds.transfer import pinned_empty, recv_tensors, send_tensors
+from elastic_events.rounds.transfer import byte_view, pinned_empty, recv_tensors, send_tensors
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import ValueType
@@ -514,7 +514,7 @@ class Replicator:
             with self._lock:
                 self._own.piece = None  # the previous one is no longer needed: every copy of this step exists
             for view, tensor in zip(piece.layout.views(flat), piece.tensors):
-                view.copy_(tensor.detach().reshape(-1).view(torch.uint8))
+                view.copy_(byte_view(tensor))
             own = Piece(**{**vars(piece), "tensors": piece.layout.views(flat)})
             with self._lock:
                 self._own.flat, self._own.piece = flat, own

@@ -148,9 +148,7 @@ class Snapshots:
         ended = s.optimizer_steps[1]
         if own is None or self._own_started == ended:
             return
-        c = self.captured
-        if c is None or c.count != optimizer_state_count(s.optimizer):
-            c = self.captured = capture(s.built_model(), s.optimizer)
+        c = self.live()
         if self._written[0] is not c:  # the model's buffers, which a forward may write
             self._written = (c, frozenset(b.data_ptr() for b in s.built_model().buffers()))
         own.start(c.layout, c.tensors, forward_written=self._written[1])
@@ -209,13 +207,17 @@ class Snapshots:
         back = self.own.piece() if self.own is not None else None
         return back if back is not None and back.step < step else None
 
-    def recapture(self) -> None:
-        """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here)."""
-        if self.replicator is None and not self.replicas:
-            return
+    def live(self) -> Captured:
+        """The local state's live tensors (:attr:`captured`), captured again if the optimizer's state changed."""
         c, s = self.captured, self.state
         if c is None or c.count != optimizer_state_count(s.optimizer):
-            self.captured = capture(s.built_model(), s.optimizer)
+            c = self.captured = capture(s.built_model(), s.optimizer)
+        return c
+
+    def recapture(self) -> None:
+        """The optimizer's post-step hook: its state appears at its first step (every shard is sharded here)."""
+        if self.replicator is not None or self.replicas:
+            self.live()
 
     def wait(self) -> None:
         """The optimizer's pre-step hook: no step is committed before every copy of the last snapshot exists

@@ -82,8 +82,9 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int, pack_below: int | None
     return buckets
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat ``uint8`` view of its storage (outside autograd)."""
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def broadcast_tensors(
     work = [
         t.detach() if t.is_contiguous() and t.device == device else t.detach().contiguous().to(device) for t in tensors
     ]
-    views = [_bytes(t) for t in work]
+    views = [byte_view(t) for t in work]
     plan = plan_buckets([v.numel() for v in views], bucket_bytes)
     staging = _staging(views, plan, device, every=False)
     _move(
@@ -209,7 +210,7 @@ def send_tensors(
     on an accelerator, every bucket is copied through one pinned host bucket (the caller
     runs this on a stream that is ordered after the writes it must see).
     """
-    views = [_bytes(t.detach()) for t in tensors]
+    views = [byte_view(t) for t in tensors]
     plan = plan_buckets([v.numel() for v in views], bucket_bytes)
     staging = _staging(views, plan, torch.device("cpu"), every=any(v.device.type != "cpu" for v in views))
     _move(views, plan, staging, sending=True, post=lambda buf: dist.isend(buf, dst=dst, group=group))
@@ -225,7 +226,7 @@ def recv_tensors(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> TransferStats:
     """Receive into contiguous host ``tensors`` what global rank ``src`` sends with :func:`send_tensors`."""
-    views = [_bytes(t) for t in tensors]
+    views = [byte_view(t) for t in tensors]
     plan = plan_buckets([v.numel() for v in views], bucket_bytes)
     staging = _staging(views, plan, torch.device("cpu"), every=False)
     _move(views, plan, staging, sending=False, post=lambda buf: dist.irecv(buf, src=src, group=group))
