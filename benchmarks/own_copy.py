@@ -59,17 +59,19 @@ class Driver:
 
     def __init__(self, variant: str, model: Any, opt: Any) -> None:
         from elastic_events.rounds.own_copy import OwnCopy
+        from elastic_events.rounds.snapshot import capture
 
         self.variant, self.model, self.opt = variant, model, opt
+        self.captured = capture(model, opt)  # once, as training keeps it (AdamW's state already exists)
         self.own = OwnCopy() if variant != "none" else None
         self.step = 0
         self.checked = 0
         self._handles = [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
 
     def _piece(self) -> Any:
-        from elastic_events.rounds.snapshot import Piece, capture
+        from elastic_events.rounds.snapshot import Piece
 
-        c = capture(self.model, self.opt)
+        c = self.captured
         return Piece(
             owner=0,
             round=0,
@@ -92,14 +94,13 @@ class Driver:
     def _post(self, *_: Any) -> None:
         self.step += 1
         if self.own is not None and self.variant == "overlapped":
-            from elastic_events.rounds.snapshot import capture
-
-            c = capture(self.model, self.opt)
-            self.own.start(c.layout, c.tensors)
+            self.own.start(self.captured.layout, self.captured.tensors)
 
     def check(self) -> None:
         """The sealed copy holds the state at its step (the live state, before the next step changes it)."""
         import torch
+
+        from elastic_events.rounds.transfer import byte_view
 
         if self.own is None:
             return
@@ -109,7 +110,7 @@ class Driver:
             raise BenchmarkError(f"{self.variant}: the sealed copy is of step {kept and kept.step}, not {self.step}")
         live = self._piece()
         for copied, tensor, entry in zip(kept.tensors, live.tensors, kept.layout.entries, strict=True):
-            if not torch.equal(copied, tensor.detach().reshape(-1).view(torch.uint8).cpu()):
+            if not torch.equal(copied, byte_view(tensor).cpu()):
                 raise BenchmarkError(f"{self.variant}: the copy of {entry.key} differs from the state at its step")
         self.checked += 1
 
