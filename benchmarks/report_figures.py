@@ -28,6 +28,7 @@ EXPECTED = {
     "state_scaling": "python benchmarks/state_scaling.py --quick",
     "start_method": "python benchmarks/start_method.py --quick",
     "own_copy": "python benchmarks/own_copy.py --quick",
+    "new_mesh_step": "python benchmarks/new_mesh_step.py --quick",
 }
 DASH = "–"
 
@@ -456,6 +457,18 @@ def render_own_copy(doc: Summary) -> list[str]:
     ]
 
 
+def render_new_mesh_step(doc: Summary) -> list[str]:
+    s, p = doc["summary"], doc.get("params") or {}
+    return [
+        f"The first step on a mesh new to the process ({p.get('replicas')} replica(s) x "
+        f"{(p.get('world') or 0) // (p.get('replicas') or 1)} shard(s), the {p.get('model')} model), gradient clip "
+        f"from the local shards / torch's clip: **{ci_text(s.get('first_step_local_over_torch'))}**; a steady step "
+        f"{ci_text(s.get('steady_step_local_over_torch'))}. Medians: first step {num(s.get('torch_first_step_s'))} s "
+        f"with torch's clip, {num(s.get('local_first_step_s'))} s from the local shards; steady step "
+        f"{num(s.get('torch_steady_step_s'))} / {num(s.get('local_steady_step_s'))} s."
+    ]
+
+
 def render_checkpoint(doc: Summary) -> list[str]:
     s = doc["summary"]
     rows = []
@@ -704,6 +717,7 @@ RENDERERS: dict[str, Callable[[Summary], list[str]]] = {
     "state_scaling": render_state_scaling,
     "start_method": render_start_method,
     "own_copy": render_own_copy,
+    "new_mesh_step": render_new_mesh_step,
 }
 
 

@@ -68,6 +68,7 @@ from elastic_events import (
     ElasticTraining,
     ElasticTrainingError,
     HSDPConfig,
+    clip_grad_norm_,
     init_process_group,
     leave_on_sigterm,
     restart_reason,
@@ -551,8 +552,8 @@ def train_step(
         loss_sum = batch_order_gradients(model, batch, rt, global_tokens)
     else:
         loss_sum = accumulated_gradients(model, batch, rt, cfg, global_tokens)
-    if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if cfg.grad_clip > 0:  # FSDP/HSDP: the norm from the local shards, no DTensor op to propagate on a new mesh
+        clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()

@@ -59,6 +59,7 @@ _LAZY = {
     "StateMismatchError": "elastic_events.errors",
     "GroupError": "elastic_events.errors",
     "init_process_group": "elastic_events.rounds.group",
+    "clip_grad_norm_": "elastic_events.grad_norm",
 }
 
 

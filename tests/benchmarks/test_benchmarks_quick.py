@@ -807,3 +807,24 @@ def test_own_copy_smoke(out_dir: Path) -> None:
     for key in ("at_seal_over_none", "overlapped_over_none", "overlapped_over_at_seal"):
         ci = s[key]
         assert ci["n"] == 2 and positive(ci["ratio"]) and ci["ci_low"] <= ci["ratio"] <= ci["ci_high"], (key, ci)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_new_mesh_step_smoke(out_dir: Path) -> None:
+    """Both clips on a fresh mesh in every repetition, the warm-up left out, their gradient norms in agreement."""
+    data = run_smoke("new_mesh_step", out_dir, "--world", "2", "--replicas", "2")
+    s, records = data["summary"], data["samples"]["records"]
+    reps = data["params"]["reps"]
+    assert sorted((r["rep"], r["variant"]) for r in records) == sorted(
+        (rep, v) for rep in range(reps) for v in ("torch", "local")
+    )
+    assert all(
+        len(r["steady_s"]) == data["params"]["steps"] and len(r["norms"]) == 1 + data["params"]["steps"]
+        for r in records
+    )
+    assert s["reps_counted"] == reps - 1
+    for figure in ("first_step", "steady_step"):
+        ci = s[f"{figure}_local_over_torch"]
+        assert ci["n"] == reps - 1 and positive(ci["ratio"]) and ci["ci_low"] <= ci["ratio"] <= ci["ci_high"], ci
+        assert all(positive(s[f"{v}_{figure}_s"]) for v in ("torch", "local"))

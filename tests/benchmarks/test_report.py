@@ -223,6 +223,12 @@ def test_the_smaller_benchmarks_render_their_ratio_first(report: ModuleType) -> 
         "without 1.40 (95 % CI 1.38 – 1.42); 100 / 101.50 / 140 ms a step; 10 copies checked against the state of "
         "their step."
     ) in lines
+    assert (
+        "The first step on a mesh new to the process (2 replica(s) x 2 shard(s), the tiny model), gradient clip from "
+        "the local shards / torch's clip: **0.538, 95 % CI 0.467 – 0.620 (6 pairs)**; a steady step 1.063, 95 % CI "
+        "0.991 – 1.141 (6 pairs). Medians: first step 1.68 s with torch's clip, 0.85 s from the local shards; steady "
+        "step 0.38 / 0.39 s."
+    ) in lines
 
 
 def test_the_snapshot_figure_names_the_intervals_auto_chose(report: ModuleType) -> None:

@@ -72,7 +72,11 @@ def rank_0_rescued(job, survivor: int) -> bool:
     rescued = rescued_ranks(job)
     assert rescued in ([], [0]), rescued
     records = worlds(job)
-    assert [r["how"] for r in records if r["rank"] == 0 and r["pid"] != survivor] == ["handoff"] * len(rescued), records
+    first_how: dict[int, str] = {}  # a replacement's first round; it may then survive a later failure
+    for r in records:
+        if r["rank"] == 0 and r["pid"] != survivor:
+            first_how.setdefault(r["pid"], r["how"])
+    assert list(first_how.values()) == ["handoff"] * len(rescued), records
     return bool(rescued)
 
 

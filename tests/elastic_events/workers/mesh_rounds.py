@@ -14,8 +14,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from propagations import count_computed_propagations
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from elastic_events.rounds.mesh import MeshLayout, build_mesh
 
@@ -25,14 +25,7 @@ ROUNDS = ((1, 2, 0, False), (2, 1, 1, False), (1, 2, 3, False), (1, 2, 0, True))
 
 def main() -> None:
     process, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    computed = [0]
-    compute = ShardingPropagator.propagate_op_sharding_non_cached
-
-    def counted(self: ShardingPropagator, *args: object, **kwargs: object) -> object:
-        computed[0] += 1
-        return compute(self, *args, **kwargs)
-
-    ShardingPropagator.propagate_op_sharding_non_cached = counted  # type: ignore[method-assign]
+    computed = count_computed_propagations()
     store = dist.TCPStore("127.0.0.1", port, 2, process == 0, timeout=timedelta(seconds=60))
     seen, meshes = [], []
     for number, (replicas, shard, extra, swapped) in enumerate(ROUNDS):
