@@ -54,7 +54,6 @@ def clipped_in_one_process(norm_type: float, max_norm: float) -> tuple[torch.Ten
     [
         (4, 2),  # HSDP 2 x 2: each shard counted once, on replica 0's ranks only
         (3, 1),  # FSDP over 3 ranks: 5 rows split 2, 2, 1; the 1 x 4 tensor on rank 0, empty on the others
-        (2, 2),  # 2 replicas of one shard: each gradient whole on both ranks
     ],
 )
 def test_the_norm_and_the_clipped_gradients_are_one_processs(tmp_path: Path, world: int, replicas: int) -> None:
