@@ -33,15 +33,16 @@ def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
-    *,
     error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of ``parameters`` in place to a total norm of at most ``max_norm``; returns the total
     norm before clipping, a plain 0-dim tensor (float32, float64 for float64 gradients) on the gradients' device.
 
-    The arguments mean what they mean for ``torch.nn.utils.clip_grad_norm_``. Raises ``RuntimeError`` when the
-    total norm is not finite and ``error_if_nonfinite`` is set; ``ValueError`` for a ``max_norm`` or
-    ``norm_type`` that is not a number > 0.
+    The arguments are ``torch.nn.utils.clip_grad_norm_``'s and mean the same (``foreach`` matters only where
+    torch's function runs: the local pieces are always reduced and scaled with ``torch._foreach_*``). Raises
+    ``RuntimeError`` when the total norm is not finite and ``error_if_nonfinite`` is set; ``ValueError`` for a
+    ``max_norm`` or ``norm_type`` that is not a number > 0.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
@@ -54,7 +55,7 @@ def clip_grad_norm_(
         return torch.tensor(0.0)
     sharded = _dtensor_grads(grads)
     if sharded is None:  # no DTensor, several meshes, or a Partial gradient: torch's, DTensor's reductions
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
         return _full(norm)
     mesh, pieces = sharded
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32

@@ -87,6 +87,8 @@ def test_a_non_finite_norm_raises_when_asked_and_bad_arguments_raise() -> None:
     p.grad = torch.tensor([1.0, math.nan])
     with pytest.raises(RuntimeError, match="non-finite"):
         clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_([p], 1.0, 2.0, True, False)  # torch's positional order, foreach last
     for bad in (0, -1.0, True, "1"):
         with pytest.raises(ValueError, match="max_norm"):
             clip_grad_norm_([p], bad)  # type: ignore[arg-type]
