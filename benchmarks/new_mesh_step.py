@@ -28,7 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, BenchmarkError, BenchmarkResult, format_table, median, parse_args, pyplot, ratio_ci
+from common import (
+    REPO_ROOT,
+    BenchmarkError,
+    BenchmarkResult,
+    format_table,
+    free_port,
+    median,
+    parse_args,
+    pyplot,
+    ratio_ci,
+)
 
 NAME = "new_mesh_step"
 VARIANTS = ("torch", "local")
@@ -110,15 +120,11 @@ def _rank(rank: int, world: int, port: int, replicas: int, model_name: str, reps
 
 def measure(*, world: int, replicas: int, model: str, reps: int, steps: int, work: Path) -> list[dict[str, Any]]:
     import json
-    import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = work / "records.json"
-    mp.spawn(_rank, args=(world, port, replicas, model, reps, steps, str(out)), nprocs=world)
+    mp.spawn(_rank, args=(world, free_port(), replicas, model, reps, steps, str(out)), nprocs=world)
     return json.loads(out.read_text())
 
 
@@ -130,16 +136,13 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         a, b = by[(rep, "torch")]["norms"], by[(rep, "local")]["norms"]
         if any(abs(x - y) > 1e-5 * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True)):
             raise BenchmarkError(f"repetition {rep}: the gradient norms differ: torch {a}, local {b}")
+    first = {key: r["first_s"] for key, r in by.items()}
+    steady = {key: median(r["steady_s"]) for key, r in by.items()}
     summary: dict[str, Any] = {"reps_counted": len(reps)}
-    for v in VARIANTS:
-        summary[f"{v}_first_step_s"] = round(median(by[(rep, v)]["first_s"] for rep in reps), 4)
-        summary[f"{v}_steady_step_s"] = round(median(median(by[(rep, v)]["steady_s"]) for rep in reps), 4)
-    for figure, key in (("first_step", "first_s"), ("steady_step", "steady_s")):
-
-        def value(r: dict[str, Any], key: str = key) -> float:
-            return r[key] if isinstance(r[key], float) else median(r[key])
-
-        ci = ratio_ci([value(by[(rep, "local")]) / value(by[(rep, "torch")]) for rep in reps])
+    for figure, seconds in (("first_step", first), ("steady_step", steady)):
+        for v in VARIANTS:
+            summary[f"{v}_{figure}_s"] = round(median(seconds[(rep, v)] for rep in reps), 4)
+        ci = ratio_ci([seconds[(rep, "local")] / seconds[(rep, "torch")] for rep in reps])
         summary[f"{figure}_local_over_torch"] = {k: round(v, 4) for k, v in ci.items()}
     return summary
 
