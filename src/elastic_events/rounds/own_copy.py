@@ -6,15 +6,16 @@ and not on others. FSDP2 reduces each shard index's gradients among that index's
 ranks of shard 0 may complete the reduction and apply step ``s + 1`` while the only surviving rank of
 shard 1 (whose replica peer died) stays at ``s``. No rank then holds every shard at one step.
 
-:class:`OwnCopy` closes that gap. At the end of step ``s`` (``elastic_event_detected()``, after
-anything the script changed after ``optimizer.step()``) it starts copying the local state into a
-buffer of its own (:meth:`OwnCopy.start`); in the optimizer's pre-step hook of step ``s + 1``, with
-that step's collectives completed (:mod:`.commit`) and before anything is applied, the copy is sealed as the state at ``s`` (:meth:`OwnCopy.seal`: the
-small state, the sampler's included, is taken then). A rank that applied ``s + 1`` still holds ``s``
-until its next pre-step hook. It cannot reach that hook, because its next step's collectives need the
-ranks that failed. So after any failure every shard index is held at the newer step or at the one
-before, by some surviving rank (:func:`~elastic_events.rounds.replica_plan.plan_replicas` picks the
-newest such step, and a rank ahead of it loads its copy: one step is trained again).
+:class:`OwnCopy` closes that gap. At the end of step ``s`` (``elastic_event_detected()``, after anything
+the script changed after ``optimizer.step()``) it starts copying the local state into a buffer of its
+own (:meth:`OwnCopy.start`); in the optimizer's pre-step hook of step ``s + 1``, with that step's
+collectives completed (:mod:`.commit`) and before anything is applied, the copy is sealed as the state
+at ``s`` (:meth:`OwnCopy.seal`: the small state, the sampler's included, is taken then). A rank that
+applied ``s + 1`` still holds ``s`` until its next pre-step hook. It cannot reach that hook, because its
+next step's collectives need the ranks that failed. So after any failure every shard index is held at
+the newer step or at the one before, by some surviving rank
+(:func:`~elastic_events.rounds.replica_plan.plan_replicas` picks the newest such step, and a rank ahead
+of it loads its copy: one step is trained again).
 
 Two buffers take turns: the copy of ``s`` is written into the one not holding the sealed copy of
 ``s - 1``, which stays whole until the seal. A rank of shard 0 that applied ``s`` while shard 1 did
