@@ -24,7 +24,12 @@ and the silent one nothing) and is targeted at step 0: the survivors already sto
 stepping at the failed collective, so there is no step to agree on.
 
 A next member that vanished between decision and completion is never published: the
-round halts and the start rules pick the next membership from the live nodes.
+round halts and the start rules pick the next membership from the live nodes. A halted
+round whose members are all alive and staying restarts at the same membership.
+
+A store outage longer than the lease ttl lapses every lease at once. A decider whose own
+record is missing decides nothing; once it is back, it gives the other members one lease
+ttl to register again before it counts a missing one lost, unless a rank reported a failure.
 """
 
 from __future__ import annotations
@@ -74,15 +79,24 @@ __all__ = [
 ]
 
 
-def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext) -> Plan:
+def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext, *, decider: str | None = None) -> Plan:
     """The writes that move the job on from ``snap`` at time ``now`` (none: nothing to do yet).
 
     ``now`` is the decider's own monotonic clock: no time written by another node is compared with it.
+    ``decider``: the node this decider runs on. While its own record is missing its lease lapsed (the store
+    was out of reach) and it decides nothing; for a lease ttl after the record is back, a member whose record
+    is missing with no failure reported is taken for a lapse like its own, not a lost node (None: no such rule).
     """
     ev, rnd = snap.event, snap.round
     mem = dataclasses.replace(mem, seen=observe(mem.seen, round=rnd, event=ev, now=now))
+    if decider is not None:
+        mem, blind = _own_lapse(snap, mem, now, ctx, decider)
+        if blind:
+            return Plan(memory=mem, waiting_for=blind)
     if ev is not None and rnd is not None and ev.round == rnd.round and not ev.complete:
         return drive_event(snap, ev, rnd, now, ctx, mem)
+    if rnd is not None and rnd.state is RoundState.RUNNING and (lapse := _lapse_explains(snap, rnd, mem, now)):
+        return Plan(memory=mem, waiting_for=lapse)
     if rnd is not None and rnd.state is RoundState.RUNNING and rnd.held:
         return _plan_held(snap, rnd, now, ctx, mem)
     if rnd is not None and rnd.state is RoundState.RUNNING:
@@ -166,7 +180,15 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
         last_call=ctx.last_call_timeout,
     )
     if decision.action is Action.NONE:
-        return Plan(memory=mem, waiting_for=decision.reason)
+        if rnd is None or rnd.state is RoundState.RUNNING or not view.members:
+            return Plan(memory=mem, waiting_for=decision.reason)
+        # halted with every member alive and staying: nothing trains, so no growth gate is waited for
+        halted_by = rnd.halt_kind.value if rnd.halt_kind is not None else "halted"
+        decision = Decision(
+            Action.RESTART,
+            view.members,
+            f"round {rnd.round} halted ({halted_by}) and every member is alive: restarting at the same membership",
+        )
     if decision.action is Action.INSUFFICIENT:
         if rnd is None or rnd.state is not RoundState.RUNNING:
             return Plan(memory=mem, waiting_for=decision.reason)
@@ -248,6 +270,35 @@ def plan(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext)
     return publish_round(snap, decision.members, now, mem, decision.reason, reason)
 
 
+def _own_lapse(
+    snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext, decider: str
+) -> tuple[DeciderMemory, str]:
+    """The memory with this decider's own lapse noted, and why it decides nothing now ("" : it decides).
+
+    A decider that reads the store right after an outage may find every lease lapsed, its own too, before any
+    agent (itself included) registered again: it would take every member for lost. Once its record is back, the
+    others get one lease ttl (and a tick) to register again before a missing record counts as a lost node.
+    """
+    if decider not in snap.nodes:
+        why = f"this node's record ({decider}) is gone: its lease lapsed; deciding again once it registers"
+        return dataclasses.replace(mem, lapsed=True), why
+    if mem.lapsed:
+        return dataclasses.replace(mem, lapsed=False, lapse_grace_until=now + ctx.lease_ttl + ctx.tick), ""
+    return mem, ""
+
+
+def _lapse_explains(snap: JobSnapshot, rnd: RoundRecord, mem: DeciderMemory, now: float) -> str:
+    """Why the running round's missing members are waited for ("" : they are not), within the grace that
+    follows this decider's own lapse (:func:`_own_lapse`); a failure reported by any rank ends it."""
+    gone = [m for m in rnd.members if m not in snap.nodes]
+    if not gone or snap.failed or mem.lapse_grace_until is None or now >= mem.lapse_grace_until:
+        return ""
+    return (
+        f"member(s) {', '.join(gone)} have no record, as this node had none after its lease lapsed, and no rank "
+        f"reported a failure: waiting until t={mem.lapse_grace_until:.3f} for them to register again"
+    )
+
+
 def _survivors(snap: JobSnapshot, rnd: RoundRecord) -> tuple[str, ...]:
     """The round's members that are alive and not leaving, when all of them can hold the state (else none)."""
     alive = tuple(m for m in rnd.members if m in snap.nodes and not snap.nodes[m].leaving)
@@ -304,6 +355,8 @@ def _view(snap: JobSnapshot, mem: DeciderMemory, now: float, ctx: DeciderContext
         left_out=left_out,
         seen=mem.seen,
         wall_offset=mem.wall_offset,
+        lapsed=mem.lapsed,
+        lapse_grace_until=mem.lapse_grace_until,
     )
     if rnd is not None and rnd.state is RoundState.HALTED and rnd.halt_kind is EventKind.INSUFFICIENT:
         members = ()  # halted for lack of nodes: the start rules apply again

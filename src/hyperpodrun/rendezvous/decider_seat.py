@@ -75,12 +75,17 @@ class DeciderSeat:
             Keys.DECIDER, self._node_id.encode(), expected_revision=0, lease=self._lease()
         )
 
+    def note_lapse(self) -> None:
+        """This node's lease lapsed and its agent registered again: other members' records may be missing for
+        the same reason for a while, and are not taken for lost nodes at once (:func:`.decider.plan`)."""
+        self.memory = dataclasses.replace(self.memory, lapsed=True)
+
     def decide(self) -> bool:
         """One decider tick: read, plan, execute. Whether anything was written."""
         snap = self.read_job()
         now = self.clock()
         self.memory = dataclasses.replace(self.memory, wall_offset=time.time() - now)
-        result = plan(snap, self.memory, now, self.ctx)
+        result = plan(snap, self.memory, now, self.ctx, decider=self._node_id)
         self.memory = result.memory
         self.waiting_for = result.waiting_for
         return self._execute(result)

@@ -188,6 +188,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._lease = self.store.grant_lease(self.ctx.lease_ttl)
         self._put_node()
         self._keeper = LeaseKeeper(self._lease, on_lost=lambda e: log.warning("membership lease lost: %s", e)).start()
+        self._seat.note_lapse()
         if self.events:
             self.events.emit(EventType.NODE_REJOINED)
 
