@@ -72,6 +72,7 @@ from elastic_events import (
     init_process_group,
     leave_on_sigterm,
     restart_reason,
+    state_will_be_loaded,
 )
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from elastic_events.data.batching import BatchPlan, global_token_count, loss_scale, sum_in_batch_order
@@ -434,7 +435,8 @@ def parallelize(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime, mesh: Any
     ``--fsdp``: FSDP2 ``fully_shard`` per block and root, on the current group; ``--hsdp``: the same on
     ``mesh``, the round's ``("replicate", "shard")`` mesh that ElasticTraining builds and hands over. A model on
     ``meta`` (a fresh build) is then materialised on ``rt.device`` in fp32 (master weights)
-    and initialised from ``--seed``; a survivor's model keeps its weights. Otherwise DDP
+    and initialised from ``--seed``, unless ElasticTraining loads the state it kept over it right after
+    (a sharded model rebuilt at an event); a survivor's DDP model keeps its weights. Otherwise DDP
     when a process group is up.
     """
     distributed = dist.is_initialized()
@@ -455,7 +457,8 @@ def parallelize(cfg: TrainConfig, model: torch.nn.Module, rt: Runtime, mesh: Any
     fresh = any(p.is_meta for p in model.parameters())
     if fresh:
         model.to_empty(device=rt.device)
-        model.init_weights(seed=cfg.seed)
+        if not state_will_be_loaded():  # a rebuild at an event: the kept state is loaded next
+            model.init_weights(seed=cfg.seed)
     if distributed and not cfg.sharded:  # a survivor's or hydrated replica is already rank 0's: no broadcast
         ids = [rt.device.index] if rt.device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(

@@ -60,6 +60,7 @@ _LAZY = {
     "GroupError": "elastic_events.errors",
     "init_process_group": "elastic_events.rounds.group",
     "clip_grad_norm_": "elastic_events.grad_norm",
+    "state_will_be_loaded": "elastic_events.state_loading",
 }
 
 

@@ -19,6 +19,7 @@ from support.in_place import (
     two_nodes_hit_rank_1,
     worlds,
 )
+from support.jsonl import read_jsonl
 
 #: Rank 1's local state: one row of Linear(4, 2) (weight 4 + bias 1 floats) and SGD's momentum of it.
 SHARD_BYTES = (4 + 1) * 4 * 2
@@ -126,12 +127,12 @@ def test_hsdp_nodes_join_and_leave_in_place_as_whole_replicas(make_job, tmp_path
     assert job.finish() == {"a": 0, "b": 0, "c": 0}, [job.stderr(n) for n in "abc"]
 
     records = worlds(job)
+    builds = read_jsonl(job.run_dir / "builds.jsonl")
     for rank in range(4):  # a's and b's ranks: started once, never restarted
-        assert [r["how"] for r in records if r["pid"] == pid_of_rank(job, rank)] == [
-            "fresh",
-            "reconfigured",
-            "reconfigured",
-        ]
+        pid = pid_of_rank(job, rank)
+        assert [r["how"] for r in records if r["pid"] == pid] == ["fresh", "reconfigured", "reconfigured"]
+        # rebuilt on each event's mesh with NaN weights (told the kept state is loaded over them): none is left
+        assert [b["loaded_over"] for b in builds if b["pid"] == pid] == [False, True, True]
     assert sorted((r["rank"], r["how"]) for r in records if r["world"] == 6 and r["how"] == "peers") == [
         (4, "peers"),
         (5, "peers"),

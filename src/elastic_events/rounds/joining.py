@@ -55,6 +55,7 @@ from elastic_events.rounds.snapshot_restore import (
 )
 from elastic_events.rounds.snapshots import Snapshots
 from elastic_events.rounds.transfer import broadcast_tensors
+from elastic_events.state_loading import loading_over
 from elastic_events.training_state import Kept, TrainState, is_sharded
 
 __all__ = ["Joiner", "prewarm"]
@@ -322,10 +323,12 @@ class Joiner:
         self._finish_sharded(model, small)
 
     def _build_sharded(self, fresh_module: torch.nn.Module | None) -> torch.nn.Module:
-        """The sharded model built and wrapped on the new mesh, with its optimizer; returns what the loop calls."""
+        """The sharded model built and wrapped on the new mesh, with its optimizer; returns what the loop calls.
+        Every caller overwrites its state next, so the script's ``wrap`` may skip random init (:mod:`.state_loading`)."""
         s = self.state
-        s.module = fresh_module if fresh_module is not None else s.fresh_module()
-        s.model = model = s.wrap(s.module)
+        with loading_over():
+            s.module = fresh_module if fresh_module is not None else s.fresh_module()
+            s.model = model = s.wrap(s.module)
         s.check_materialised()
         s.build_optimizer()
         return model

@@ -9,7 +9,8 @@ kills it as step N's backward starts its cross-replica all-reduce (HSDP), after 
 inside its replica. Rank 0 appends {"step", "world", "ts"} to
 RUN_DIR/progress.jsonl every step; every rank appends {"pid", "rank", "world", "round", "step",
 "how"} to RUN_DIR/worlds.jsonl when it starts and after every reconfiguration, and its final
-parameters to RUN_DIR/final.jsonl. Training ends at the first step after RUN_DIR/stop exists
+parameters to RUN_DIR/final.jsonl; every build of the model appends {"pid", "loaded_over"} to RUN_DIR/builds.jsonl
+(NaN parameters when the state is loaded over it). Training ends at the first step after RUN_DIR/stop exists
 (agreed through an all-reduce); while RUN_DIR/block exists, the first rank 0 blocks for good at the start
 of its next step (appending {"pid", "step"} to RUN_DIR/blocked.jsonl). A step is a few ms of gloo and a pause of
 STEP_PAUSE_S, several times faster than the launcher's monitor interval in the tests, and a rank leaves most of
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic_events import ElasticConfig, ElasticTraining, HSDPConfig, elastic_event_detected
+from elastic_events import ElasticConfig, ElasticTraining, HSDPConfig, elastic_event_detected, state_will_be_loaded
 
 run = Path(sys.argv[1])
 HSDP = sys.argv[2:3] == ["hsdp"]  # sharded over a node's ranks, replicated across nodes
@@ -43,8 +44,16 @@ def log(name: str, record: dict) -> None:
 
 
 def build() -> torch.nn.Module:
+    """The model; NaN where ElasticTraining loads the kept state over it (a parameter it missed trains NaN)."""
     torch.manual_seed(0)
-    return torch.nn.Linear(4, 2)
+    model = torch.nn.Linear(4, 2)
+    loaded_over = state_will_be_loaded()
+    log("builds.jsonl", {"pid": os.getpid(), "loaded_over": loaded_over})
+    if loaded_over:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(float("nan"))
+    return model
 
 
 def die_half_way_through_the_next_snapshot() -> None:
