@@ -131,9 +131,11 @@ def store() -> Iterator[Store]:
         yield s
 
 
-def seat_of(store: Store, node_id: str) -> DeciderSeat:
+def seat_of(store: Store, node_id: str, clock: list[float] | None = None) -> DeciderSeat:
+    """``node_id``'s seat; its clock reads ``clock[0]`` (NOW when not given)."""
     lease = store.grant_lease(LEASE_TTL)
-    return DeciderSeat(store, context=ctx(), node_id=node_id, events=None, clock=lambda: NOW, lease=lambda: lease)
+    now = clock if clock is not None else [NOW]
+    return DeciderSeat(store, context=ctx(), node_id=node_id, events=None, clock=lambda: now[0], lease=lambda: lease)
 
 
 def test_the_seat_decides_nothing_over_a_store_whose_leases_all_lapsed(store: Store) -> None:
@@ -158,7 +160,23 @@ def test_a_seat_told_of_its_agents_lapse_waits_for_the_other_members(store: Stor
     seat.note_lapse()
     assert seat.claim()
     assert not seat.decide() and store.get(Keys.EVENT) is None
-    assert "member(s) a have no record" in seat.waiting_for
+    assert (
+        f"member(s) a have no record, as this node had none after its lease lapsed, and no rank reported a "
+        f"failure: waiting until t={NOW + LEASE_TTL + TICK:.3f}" in seat.waiting_for
+    )
     untold = seat_of(store, "b")  # the same read without the lapse: a is a lost node, repaired in place at once
     untold.decide()
+    assert decoded(store.get(Keys.EVENT))["kind"] == "node_lost"
+
+
+def test_the_grace_runs_from_the_agents_lapse_not_from_the_seats_next_decision(store: Store) -> None:
+    """A node whose agent registered again long before it took the seat gives a missing member no grace."""
+    store.put(Keys.ROUND, encode(round_of("a", "b")))
+    store.put(Keys.node("b"), encode(node("b")))
+    clock = [NOW]
+    seat = seat_of(store, "b", clock)
+    seat.note_lapse()
+    clock[0] = NOW + LEASE_TTL + TICK  # one lease ttl later, b takes the seat: a is a lost node
+    assert seat.claim()
+    seat.decide()
     assert decoded(store.get(Keys.EVENT))["kind"] == "node_lost"

@@ -77,8 +77,9 @@ class DeciderSeat:
 
     def note_lapse(self) -> None:
         """This node's lease lapsed and its agent registered again: other members' records may be missing for
-        the same reason for a while, and are not taken for lost nodes at once (:func:`.decider.plan`)."""
-        self.memory = dataclasses.replace(self.memory, lapsed=True)
+        the same reason for one lease ttl from now, and are not taken for lost nodes meanwhile (:func:`.decider.plan`)."""
+        grace_until = self.clock() + self.ctx.lease_ttl + self.ctx.tick
+        self.memory = dataclasses.replace(self.memory, lapse_grace_until=grace_until)
 
     def decide(self) -> bool:
         """One decider tick: read, plan, execute. Whether anything was written."""

@@ -104,11 +104,12 @@ class DeciderMemory:
     wall_offset: float = 0.0
     # the round whose scale events are held because its training finished, and the standbys held off (said once each)
     held: tuple[int, tuple[str, ...]] | None = None
-    # This node's own lease lapsed (the store was out of reach for a lease ttl): set when its agent registers
-    # again or when the decider finds its own record gone; the grace below starts once the record is back.
+    # This decider found its own record gone (its lease lapsed: the store was out of reach for a lease ttl); the
+    # grace below starts once the record is back.
     lapsed: bool = False
     # Until when a member's missing record, with no failure reported, is taken for a lapse like this decider's
-    # own (every lease lapses in a store outage) rather than a lost node (:func:`.decider.plan`).
+    # own (every lease lapses in a store outage) rather than a lost node (:func:`.decider.plan`); also set when
+    # this node's agent registers again (:meth:`.decider_seat.DeciderSeat.note_lapse`).
     lapse_grace_until: float | None = None
 
 
