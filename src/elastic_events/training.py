@@ -48,6 +48,7 @@ from elastic_events import eventlog
 from elastic_events.contract import Record
 from elastic_events.control import CAP_HOLD, CAP_RECONFIGURE, Event, EventKind, RankPhase
 from elastic_events.errors import ElasticTrainingError, RecoveryError
+from elastic_events.rounds.blocked_handoff import BlockedHandOff
 from elastic_events.rounds.config import ElasticConfig
 from elastic_events.rounds.engine import RoundEngine
 from elastic_events.rounds.hold import hold
@@ -156,6 +157,7 @@ class ElasticTraining:
         )
         self.snapshots = Snapshots(self.engine, self.state)
         self.joiner = Joiner(self.engine, self.state, self.snapshots)
+        self._hand_off = BlockedHandOff(self.engine, self.state, self.snapshots)
         hooks = [lambda *_: self.snapshots.wait()]
         commit = self.engine.commit
         if commit is not None:
@@ -273,7 +275,7 @@ class ElasticTraining:
         if e.context.parked:
             return self._start_parked()
         e.start_group()
-        e.watch_blocked(self.joiner.hand_off)
+        e.watch_blocked(self._hand_off)
         self.state.build(self.state.fresh_module())
         self.joiner.load_checkpoint()
         self.state.set_world(rank=e.rank, world_size=e.world_size)
@@ -290,7 +292,7 @@ class ElasticTraining:
         except BaseException:
             self.engine.set_phase(RankPhase.FAILED)
             raise
-        self.engine.watch_blocked(self.joiner.hand_off)
+        self.engine.watch_blocked(self._hand_off)
         return self
 
     def _on_step(self) -> None:

@@ -337,11 +337,9 @@ def test_a_hung_rank_is_killed_and_replaced_in_place(make_job, model, tmp_path) 
     assert_trained_like_one_process(job)
 
 
-def test_a_survivor_that_never_returns_hands_its_state_to_its_replacement(make_job) -> None:
-    """Rank 0, the only holder of the state once rank 1 is killed, never returns from its step (as when gloo
-    misses its peer's death): its repair watch hands its state off in node-local memory, its agent replaces it
-    at once, and the replacement is the source of the repaired round: nothing is lost, nothing trained twice."""
-    job = make_job(script=INPLACE, nnodes="2", flags=("--max-restarts", "3", "--spare-ranks", "1"))
+def _block_rank_0_and_kill_rank_1(job) -> dict:
+    """Both nodes up with their spares and training; rank 0 blocks for good, then rank 1 is killed. Returns
+    rank 0's ``blocked.jsonl`` record (its pid and step)."""
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == 2, timeout=90, what="every node's spare")
@@ -350,7 +348,26 @@ def test_a_survivor_that_never_returns_hands_its_state_to_its_replacement(make_j
     blocked_file = job.run_dir / "blocked.jsonl"
     wait_until(lambda: blocked_file.exists() and blocked_file.read_text().strip(), timeout=30, what="rank 0 to block")
     blocked = json.loads(blocked_file.read_text().splitlines()[0])
+    (job.run_dir / "block").unlink()  # its replacement, which may start afresh, must not block too
     os.kill(pid_of_rank(job, 1), signal.SIGKILL)
+    return blocked
+
+
+@pytest.mark.parametrize("model", ["ddp", "fsdp", "hsdp"])
+def test_a_survivor_that_never_returns_hands_its_state_to_its_replacement(make_job, model, tmp_path) -> None:
+    """Rank 0, the only holder of the state once rank 1 is killed, never returns from its step (as when gloo
+    misses its peer's death): its repair watch hands its state off in node-local memory, its agent replaces it
+    at once, and the replacement is the source of the repaired round: nothing is lost. A replicated model
+    hands its whole state; a sharded one its own shard with the copies of rank 1's its snapshots held (FSDP,
+    which trains again the steps after the newest copy), or its shard and that shard one step back (HSDP of
+    two one-rank replicas: the killed rank was the other replica)."""
+    job = make_job(
+        script=INPLACE,
+        script_args=script_args(model, tmp_path),
+        nnodes="2",
+        flags=("--max-restarts", "3", "--spare-ranks", "1"),
+    )
+    blocked = _block_rank_0_and_kill_rank_1(job)
     wait_until(
         lambda: [r for r in worlds(job) if r["how"] == "handoff"],
         timeout=60,
@@ -361,12 +378,46 @@ def test_a_survivor_that_never_returns_hands_its_state_to_its_replacement(make_j
     assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
     records = worlds(job)
     handed = [r for r in records if r["how"] == "handoff"]
-    assert [(r["rank"], r["step"]) for r in handed] == [(0, blocked["step"])], records
+    restored = job.events("snapshot_restored")
+    redone = [e["redone"] for e in restored]
+    assert len(redone) == (model == "fsdp"), restored  # FSDP: from the snapshots, at their newest common step
+    assert [(r["rank"], r["step"]) for r in handed] == [(0, blocked["step"] - sum(redone))], records
+    repaired = {r["rank"]: r["how"] for r in records if r["round"] == handed[0]["round"]}
+    assert repaired == {0: "handoff", 1: "snapshot" if model == "fsdp" else "peers"}, records
     assert blocked["pid"] not in {r["pid"] for r in handed}
+    assert not job.events("state_lost"), job.events("snapshot_unavailable")
     assert rescued_ranks(job) == [0], job.events("ranks_replaced")
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [
         ("rank_failure", "reconfigure")
     ]  # one repair
+    assert_trained_like_one_process(job)
+
+
+def test_when_every_rank_is_replaced_with_nothing_handed_off_the_restart_from_step_0_is_said(
+    make_job, tmp_path
+) -> None:
+    """FSDP without snapshots: the blocked rank 0 has no piece that completes the state (rank 1's shard is
+    nowhere else), so it hands nothing off, and both ranks of the repaired round are replacements. No rank of
+    that round knows the step trained to; the start from step 0 is still said (``state_lost``, rank 0's line)."""
+    job = make_job(
+        script=INPLACE,
+        script_args=script_args("fsdp", tmp_path),
+        nnodes="2",
+        flags=("--max-restarts", "3", "--spare-ranks", "1", "--snapshot-every", "0"),
+    )
+    blocked = _block_rank_0_and_kill_rank_1(job)
+    wait_until(lambda: job.events("state_lost"), timeout=60, what="the repair to say the state is lost")
+    job.wait_steps(3)
+    codes = job.finish()
+    assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
+    assert [e["lost_steps"] for e in job.events("state_lost")] == [None]
+    assert "training starts again from step 0 (the steps trained so far are lost" in job.stderr("a")
+    assert rescued_ranks(job) == [0], job.events("ranks_replaced")
+    records = worlds(job)
+    assert blocked["pid"] not in {r["pid"] for r in records if r["round"] > 1}
+    assert not [r for r in records if r["how"] == "handoff"], records
+    steps = [p["step"] for p in job.progress()]
+    assert steps.count(1) == 2 and steps[steps.index(1, 1) - 1] >= 5, steps  # trained to past step 5, then from 1 again
     assert_trained_like_one_process(job)
 
 

@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from elastic_events.contract import CONTROL_FILE_ENV
-from elastic_events.rounds.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
+from elastic_events.rounds.handoff import (
+    HandedPieces,
+    HandoffKind,
+    discard_handoff,
+    find_handoff,
+    load_handoff,
+    write_handoff,
+)
+from elastic_events.rounds.replica_plan import Holding
+from elastic_events.rounds.snapshot import Piece, capture
+from elastic_events.rounds.snapshot_restore import SnapshotReport, local_tensors
 
 
 def test_a_hand_off_is_found_only_for_the_repair_it_was_written_for(tmp_path, monkeypatch) -> None:
@@ -48,3 +58,52 @@ def test_a_hand_off_that_cannot_be_read_raises_on_load(tmp_path, monkeypatch) ->
     assert found is not None
     with pytest.raises(Exception):  # noqa: B017 - torch raises its own unpickling / zip errors
         load_handoff(found)
+
+
+def _pieces(owner_steps: list[tuple[int, int]]) -> list[Piece]:
+    """A model and its optimizer's state after a step, as snapshot pieces of ``owner_steps`` (values per piece)."""
+    pieces = []
+    for owner, step in owner_steps:
+        torch.manual_seed(owner * 100 + step)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+        c = capture(model, optimizer)
+        pieces.append(
+            Piece(
+                owner=owner,
+                round=6,
+                world_size=2,
+                step=step,
+                layout=c.layout,
+                small={"step": step, "sampler": {"pos": 8 * step}},
+                param_groups=c.param_groups(optimizer),
+                tensors=c.tensors,
+            )
+        )
+    return pieces
+
+
+@pytest.mark.parametrize("holding", [None, Holding(shard_size=2, shard=1, step=51, previous=50)])
+def test_a_sharded_ranks_pieces_come_back_as_written_and_report_what_it_held(tmp_path, monkeypatch, holding) -> None:
+    """Its live piece (rank 0 at step 51) and the copies it held (rank 1's at 49, its own at 49): the replacement
+    reads every tensor byte for byte and reports the copies as the rank would have."""
+    monkeypatch.setenv(CONTROL_FILE_ENV, str(tmp_path / "control.bin"))
+    written = _pieces([(0, 51), (1, 49), (0, 49)])
+    handed = HandedPieces(round=6, world_size=2, rank=0, live_step=51, holding=holding, pieces=tuple(written))
+    write_handoff(0, round=7, step=51, control_step=53, state=handed.to_state(), kind=HandoffKind.PIECES)
+    found = find_handoff(0, round=7)
+    assert found is not None and found.kind is HandoffKind.PIECES and (found.step, found.control_step) == (51, 53)
+    back = HandedPieces.from_state(load_handoff(found))
+    assert (back.round, back.world_size, back.rank, back.live_step, back.holding) == (6, 2, 0, 51, holding)
+    assert back.snapshot_report() == SnapshotReport(
+        round=6, world_size=2, rank=0, live_step=51, replicas=((1, 49), (0, 49))
+    )
+    for piece in written:
+        got = back.piece(piece.owner, piece.step)
+        assert got is not None and got.small == piece.small and got.param_groups == piece.param_groups
+        assert got.layout == piece.layout
+        for a, b in zip(local_tensors(got), piece.tensors, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert back.at(51) is back.piece(0, 51) and back.at(50) is None and back.piece(1, 51) is None

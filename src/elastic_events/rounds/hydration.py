@@ -73,6 +73,15 @@ class RankReport:
     failed: bool = False  # a peer failed in its previous round (it came through ElasticTraining.recover)
     holding: Holding | None = None  # an HSDP survivor: the shard it kept (elastic_events.rounds.replica_plan)
 
+    def newest_step(self) -> int:
+        """The newest step of the job this rank knows of: its own, a hand-off's, or a snapshot's live state."""
+        steps = [self.step, self.handoff_step]
+        if self.snapshot is not None:
+            steps.append(self.snapshot.live_step)
+        if self.holding is not None:
+            steps.append(self.holding.step)
+        return max(steps)
+
 
 @dataclass(frozen=True, kw_only=True)
 class HydrationPlan:

@@ -26,17 +26,16 @@ import torch.distributed as dist
 
 from elastic_events import eventlog
 from elastic_events.contract import Record
-from elastic_events.control import NO_SNAPSHOT, SNAPSHOT_WRITING, Event, RankPhase
+from elastic_events.control import NO_SNAPSHOT, Event, RankPhase
 from elastic_events.errors import ElasticTrainingError, HydrationError, RecoveryError
 from elastic_events.rng import derive_rank_seed, seed_all
 from elastic_events.rounds.engine import RoundEngine
-from elastic_events.rounds.handoff import discard_handoff, find_handoff, load_handoff, write_handoff
+from elastic_events.rounds.handoff import HandedPieces, HandoffKind, discard_handoff, find_handoff, load_handoff
 from elastic_events.rounds.hydration import (
     FullState,
     HydrationPlan,
     RankReport,
     gather_full_state,
-    model_tensors,
     nonpersistent_buffers,
     plan_from_handoff,
     plan_hydration,
@@ -77,6 +76,9 @@ class Joiner:
 
     def __init__(self, engine: RoundEngine, state: TrainState, snapshots: Snapshots) -> None:
         self.engine, self.state, self.snapshots = engine, state, snapshots
+        self._handed: HandedPieces | None = None  # while joining: the pieces a blocked predecessor handed off
+        self._job_step = 0  # while joining: the newest step any rank of the round reported (-1: none)
+        self._repairing = False  # while joining: the round repairs a failure
 
     @property
     def _control_step(self) -> int:
@@ -182,10 +184,14 @@ class Joiner:
             discard_handoff(e.local_rank)  # recovered by itself: what its watchdog wrote is stale
             reader.set_snapshot_step(NO_SNAPSHOT)
         handoff = find_handoff(e.local_rank, round=event.round) if event.repair and not survivor else None
-        handed: dict[str, Any] | None = None
+        handed: dict[str, Any] | None = None  # a replicated model's whole state
+        pieces = self._handed = None  # a sharded model's pieces, reported and sent as the blocked rank would have
         if handoff is not None:
             try:  # before the plan: a hand-off that cannot be read is not offered
-                handed = load_handoff(handoff)
+                if handoff.kind is HandoffKind.PIECES:
+                    pieces = self._handed = HandedPieces.from_state(load_handoff(handoff))
+                else:
+                    handed = load_handoff(handoff)
             except Exception as exc:  # noqa: BLE001 - storage is the fallback; say why
                 print(
                     f"rank {spec.rank}: cannot read its predecessor's hand-off {handoff.path}: {exc}",
@@ -208,16 +214,18 @@ class Joiner:
             checksum=kept.checksum if kept is not None else None,
             sharded=kept.sharded if kept is not None else None,
             control_step=handoff.control_step if handoff else self._control_step,
-            handoff_step=handoff.step if handoff else -1,
-            snapshot=kept.snapshot if kept is not None else None,
+            handoff_step=handoff.step if handoff is not None and handed is not None else -1,
+            snapshot=kept.snapshot if kept is not None else self._handed_report(),
             failed=kept is not None and kept.failed,
-            holding=kept.holding if kept is not None else None,
+            holding=kept.holding if kept is not None else pieces.holding if pieces is not None else None,
         )
         with e.collectives(HydrationError):
             reports = e.agree(report, error=HydrationError)
             # A failure repaired by this event, or by a scale event it met on its way (its survivors took that
             # event's group, pending before they failed): the survivors may be a step apart.
             repairing = event.repair or any(r.failed for r in reports)
+            # what a start from step 0 would lose: the newest step any rank knows of (-1: none, every rank replaced)
+            self._job_step, self._repairing = max(r.newest_step() for r in reports), repairing
             moved: int | None = None
             if any(r.snapshot is not None for r in reports):  # a sharded model after a failure
                 plan, received = self._restore_from_snapshots(reports, kept, fresh_module), True
@@ -237,6 +245,11 @@ class Joiner:
                     if repairing and plan.source is not None
                     else s.control_step
                 )
+        if handoff is not None:
+            discard_handoff(e.local_rank)  # taken: the node's memory is freed
+            if pieces is not None and plan.source is not None:
+                s.resumed_from = "handoff"
+        self._handed = None
         s.set_world(rank=e.rank, world_size=e.world_size)
         seed_all(derive_rank_seed(s.base_seed, s.step, e.rank))
         if reader is not None and ((repairing and plan.source is not None) or received):
@@ -255,6 +268,11 @@ class Joiner:
             bytes_moved=moved,  # HSDP: the shards sent between replicas (None: not counted on this path)
             mesh=list(layout.shape) if (layout := e.layout()) is not None else None,
         )
+
+    def _handed_report(self) -> SnapshotReport | None:
+        """A replacement holding a blocked FSDP rank's pieces reports them as that rank would have."""
+        pieces = self._handed
+        return pieces.snapshot_report() if pieces is not None and pieces.holding is None else None
 
     def _hydrate(
         self,
@@ -351,7 +369,7 @@ class Joiner:
         s = self.state
         s.build(fresh_module if fresh_module is not None else s.fresh_module())
         s.control_step = 0
-        if not self.load_checkpoint() and s.step > 0:
+        if not self.load_checkpoint() and (max(s.step, self._job_step) > 0 or self._repairing):
             self._start_over()
 
     def load_checkpoint(self) -> bool:
@@ -371,11 +389,16 @@ class Joiner:
     def _start_over(self) -> None:
         """The state of its step is gone (no survivor, complete snapshot or checkpoint held it): training starts
         again from step 0 (:meth:`~elastic_events.training_state.TrainState.start_over`), and says so."""
-        lost = self.state.start_over()
+        own = self.state.start_over()
+        # the job's lost steps (a replacement's own step is 0); None when every rank of the failed round was
+        # replaced and none of this round knows them
+        lost = None if own == 0 and self._job_step < 0 else max(own, self._job_step)
         if self.engine.rank == 0:
+            what = f"the state of step {lost}" if lost is not None else "the failed round's state"
+            count = f"{lost} steps lost" if lost is not None else "the steps trained so far are lost"
             print(
-                f"rank 0: no survivor, complete snapshot or checkpoint holds the state of step {lost}: training "
-                f"starts again from step 0 ({lost} steps lost; --ckpt-every or snapshots would have kept them)",
+                f"rank 0: no survivor, hand-off, complete snapshot or checkpoint holds {what}: training starts again "
+                f"from step 0 ({count}; --ckpt-every or snapshots would have kept them)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -400,7 +423,7 @@ class Joiner:
             plan = plan_replicas({r.rank: r.holding for r in reports}, layout)
         except ReplicaPlanError as why:
             return self._sharded_from_storage(str(why), kept, fresh_module), None
-        own = kept.at(plan.step) if kept is not None else None
+        own = kept.at(plan.step) if kept is not None else self._handed.at(plan.step) if self._handed else None
         if kept is not None:
             kept.piece = kept.previous = None  # ``own`` holds what is loaded
 
@@ -517,6 +540,9 @@ class Joiner:
     def _source_piece(self, kept: Kept | None, owner: int, step: int, *, live: bool) -> Piece:
         """The piece of ``owner`` at ``step`` that the restore plan has this rank send: its live state, or a copy it holds."""
         rank = self.engine.rank
+        handed = self._handed.piece(owner, step) if self._handed is not None else None
+        if handed is not None:
+            return handed
         if kept is None:
             raise HydrationError(f"rank {rank} is to give rank {owner}'s shard at step {step} and kept no old state")
         if live:
@@ -556,39 +582,3 @@ class Joiner:
             kept.captured = kept.replicator = kept.piece = None
         self.snapshots.captured = None
         self.state.drop_objects()
-
-    # ------------------------------------------------------------------ hand-offs
-    def hand_off(self, event: Event) -> None:
-        """Watchdog thread, main thread blocked in the broken round: write the state for this rank's replacement."""
-        e, s = self.engine, self.state
-        reader = e.reader
-        if s.module is None or reader is None or s.sharded or s.optimizer_busy():
-            return
-        slot = reader.progress()
-        if slot.phase not in (RankPhase.RUNNING, RankPhase.READY) or slot.round != e.round:
-            return  # between rounds (tearing down, forming, hydrating): the state is not one step's
-        begun = s.optimizer_steps[0]
-        reader.set_snapshot_step(SNAPSHOT_WRITING)
-        try:
-            state = {
-                "model": {name: t.detach().cpu() for name, t in model_tensors(s.module)},
-                "optimizer": s.optimizer.state_dict() if s.optimizer is not None else None,
-                "small": s.small_state(control_step=reader.step),
-            }
-            write_handoff(e.local_rank, round=event.round, step=s.step, control_step=reader.step, state=state)
-        except Exception as exc:  # noqa: BLE001 - the replacement falls back to storage; say why
-            print(f"rank {e.rank}: could not hand off its state: {exc}", file=sys.stderr, flush=True)
-            discard_handoff(e.local_rank)
-            reader.set_snapshot_step(NO_SNAPSHOT)
-            return
-        if s.optimizer_steps[0] != begun:  # the loop was not blocked after all: the state may be torn
-            discard_handoff(e.local_rank)
-            reader.set_snapshot_step(NO_SNAPSHOT)
-            return
-        reader.set_snapshot_step(s.step)
-        print(
-            f"rank {e.rank}: its training loop has not returned since the launcher published the repair of round "
-            f"{e.round} (blocked); handed its state at step {s.step} to its replacement",
-            file=sys.stderr,
-            flush=True,
-        )
