@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from elastic_events.rounds.hydration import (
     structure_digest,
     value_checksum,
 )
+from elastic_events.rounds.replica_plan import Holding
+from elastic_events.rounds.snapshot_restore import SnapshotReport
 
 
 def survivor(
@@ -101,6 +104,16 @@ def test_without_survivors_the_newest_hand_off_is_the_source() -> None:
     plan = plan_from_handoff(plan_hydration(reports, recovering=True), reports)
     assert (plan.source, plan.newcomers, plan.handoff, plan.step) == (1, (0, 2), True, 40)
     assert plan_from_handoff(plan_hydration([newcomer(0), newcomer(1)]), [newcomer(0), newcomer(1)]).source is None
+
+
+def test_the_newest_step_a_rank_knows_counts_its_hand_off_its_snapshots_and_its_kept_shard() -> None:
+    """What a start from step 0 would lose is the newest step any report names: a replacement knows none (-1)."""
+    assert newcomer(0).newest_step() == -1
+    assert survivor(0, step=12).newest_step() == 12
+    assert replace(newcomer(1), handoff_step=40).newest_step() == 40
+    snapshot = SnapshotReport(round=3, world_size=2, rank=0, live_step=51, replicas=((1, 49),))
+    assert replace(newcomer(0), snapshot=snapshot).newest_step() == 51
+    assert replace(newcomer(0), holding=Holding(shard_size=2, shard=1, step=33, previous=32)).newest_step() == 33
 
 
 def test_a_survivor_is_always_preferred_to_a_hand_off() -> None:
