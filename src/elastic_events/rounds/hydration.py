@@ -13,9 +13,9 @@ What travels:
   the optimizer state into the newcomers' own tensors with
   :func:`~elastic_events.rounds.transfer.broadcast_tensors` (bounded buckets), over a
   subgroup of the source and the newcomers;
-* sharded models (FSDP2): before the old group is torn down its members gather each
-  full tensor onto the rank that becomes rank 0 of the new round
-  (:func:`gather_full_state`); in the new round every rank rebuilds its model on the
+* sharded models (FSDP2): before the old group is torn down its members gather the
+  full state onto the rank that becomes rank 0 of the new round (:func:`gather_full_state`:
+  each rank's rows of many tensors in one ``gather``); in the new round every rank rebuilds its model on the
   new mesh and receives, parameter by parameter, only its own shards
   (``set_model_state_dict(..., broadcast_from_rank0=True)``);
 * HSDP models (FSDP2 on a ``("replicate", "shard")`` mesh): nothing is gathered; each rank keeps
@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from elastic_events.errors import ElasticTrainingError, HydrationError, StateMismatchError
+from elastic_events.rounds.full_gather import gather_tree
+from elastic_events.rounds.transfer import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
     from elastic_events.rounds.replica_plan import Holding
@@ -280,30 +281,24 @@ class FullState:
     optimizer: dict[str, Any] = field(default_factory=dict)
 
 
-def _full_tree(tree: Any, keep: bool) -> Any:
-    """Every DTensor of ``tree`` all-gathered (a collective per tensor, in order); CPU copies kept if ``keep``."""
-    if isinstance(tree, DTensor):
-        full = tree.full_tensor()
-        return full.cpu() if keep else None
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu().clone() if keep else None
-    if isinstance(tree, dict):
-        return {k: _full_tree(v, keep) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_full_tree(v, keep) for v in tree]
-    return tree
-
-
 def gather_full_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, holder: int
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    holder: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> FullState | None:
-    """On the old group: every rank takes part, only ``holder`` keeps the full state (one tensor at a time)."""
+    """On the old group: every rank takes part, only ``holder`` keeps the full state (CPU tensors), gathered
+    a bucket of rows at a time (:func:`~elastic_events.rounds.full_gather.gather_tree`)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    keep = dist.get_rank() == holder
-    model_sd = _full_tree(get_model_state_dict(model), keep)
-    optim_sd = _full_tree(get_optimizer_state_dict(model, optimizer), keep) if optimizer is not None else {}
-    return FullState(model=model_sd, optimizer=optim_sd) if keep else None
+    model_sd = gather_tree(get_model_state_dict(model), holder=holder, bucket_bytes=bucket_bytes)
+    optim_sd = (
+        gather_tree(get_optimizer_state_dict(model, optimizer), holder=holder, bucket_bytes=bucket_bytes)
+        if optimizer is not None
+        else {}
+    )
+    return FullState(model=model_sd, optimizer=optim_sd) if dist.get_rank() == holder else None
 
 
 def nonpersistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -30,6 +30,7 @@ from elastic_events.control import NO_SNAPSHOT, Event, RankPhase
 from elastic_events.errors import ElasticTrainingError, HydrationError, RecoveryError
 from elastic_events.rng import derive_rank_seed, seed_all
 from elastic_events.rounds.engine import RoundEngine
+from elastic_events.rounds.full_scatter import scatter_full_state
 from elastic_events.rounds.handoff import HandedPieces, HandoffKind, discard_handoff, find_handoff, load_handoff
 from elastic_events.rounds.hydration import (
     FullState,
@@ -116,7 +117,9 @@ class Joiner:
             dist.all_gather_object(ranks, new_rank)
             if 0 not in ranks:
                 raise ElasticTrainingError(f"no rank of round {e.round} becomes rank 0 of round {event.round}")
-            kept.full = gather_full_state(s.built_model(), s.optimizer, holder=ranks.index(0))
+            kept.full = gather_full_state(
+                s.built_model(), s.optimizer, holder=ranks.index(0), bucket_bytes=e.config.bucket_bytes
+            )
             if kept.full is not None:
                 kept.small = s.small_state(control_step=self._control_step)
             s.drop_objects()  # rebuilt on the new mesh, after the old sharded model is freed
@@ -319,7 +322,8 @@ class Joiner:
             s.load_small_state(payload["small"])
 
     def _reshard(self, source: int, kept: Kept | None, fresh_module: torch.nn.Module | None) -> None:
-        """Sharded model: everyone rebuilds on the new mesh and takes its shards of the full state."""
+        """Sharded model: everyone rebuilds on the new mesh and takes its shards of the full state (its rows,
+        :func:`~.full_scatter.scatter_full_state`)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -332,10 +336,14 @@ class Joiner:
         full = kept.full if kept is not None else None
         small = kept.small if kept is not None and full is not None else None
         model = self._build_sharded(fresh_module)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, full.model if full else {}, options=options)
-        if s.optimizer is not None:
-            set_optimizer_state_dict(model, s.optimizer, full.optimizer if full else {}, options=options)
+        e = self.engine
+        if not scatter_full_state(
+            model, s.optimizer, full, src=0, device=e.comm_device, bucket_bytes=e.config.bucket_bytes
+        ):  # a layout the rows path cannot map: DCP broadcasts each full tensor
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(model, full.model if full else {}, options=options)
+            if s.optimizer is not None:
+                set_optimizer_state_dict(model, s.optimizer, full.optimizer if full else {}, options=options)
         if kept is not None:
             kept.full = full = None
         self._finish_sharded(model, small)
