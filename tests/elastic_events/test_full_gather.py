@@ -1,5 +1,5 @@
-"""The full state of a model sharded over the world, gathered onto one rank: the split, the bucket plan (pure),
-and real gloo ranks against ``full_tensor()``."""
+"""The full state of a model sharded over the world, gathered onto one rank and scattered back by rows: the split
+and the bucket plan (pure), and real gloo ranks against ``full_tensor()`` and the state they started from."""
 
 from __future__ import annotations
 
@@ -54,8 +54,11 @@ def test_plan_refuses_an_empty_bucket() -> None:
         plan_gather([((2, 2), 4)], 2, 0)
 
 
-@pytest.mark.parametrize("world", [3, 4])
-@pytest.mark.parametrize("bucket", [16, 1 << 20], ids=["a-bucket-per-tensor", "one-bucket"])
+# 16 bytes: a bucket per tensor (each larger than the bound); 1 MiB: one bucket for all
+WORLDS_AND_BUCKETS = pytest.mark.parametrize("world, bucket", [(3, 16), (4, 1 << 20)], ids=["3-ranks", "4-ranks"])
+
+
+@WORLDS_AND_BUCKETS
 def test_the_holder_gets_the_full_state_bitwise_and_the_others_nothing(world: int, bucket: int) -> None:
     results = run_rank_scripts(WORKER, world, str(bucket))
     holder = results[-1]
@@ -69,8 +72,7 @@ def test_the_holder_gets_the_full_state_bitwise_and_the_others_nothing(world: in
 SCATTER = WORKER.parent / "full_scatter_check.py"
 
 
-@pytest.mark.parametrize("world", [3, 4])
-@pytest.mark.parametrize("bucket", [16, 1 << 20], ids=["a-bucket-per-tensor", "one-bucket"])
+@WORLDS_AND_BUCKETS
 def test_rank_0s_full_state_scattered_by_rows_is_the_state_bitwise(world: int, bucket: int) -> None:
     results = run_rank_scripts(SCATTER, world, str(bucket), "rows")
     assert all(r["loaded"] for r in results), results

@@ -110,10 +110,15 @@ def _gather_rows(tensors: list[DTensor], *, holder: int, bucket_bytes: int) -> l
     keep = rank == holder
     fulls: list[torch.Tensor] = []
     plan = plan_gather([(tuple(t.shape), t.element_size()) for t in tensors], world, bucket_bytes)
+    # one buffer per rank for every bucket (its padding is sent and never read)
+    largest = max(bucket_size(bucket) for bucket in plan)
+    device = tensors[0].to_local().device
+    send = torch.empty(largest, dtype=torch.uint8, device=device)
+    received = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(world)] if keep else None
     for bucket in plan:
         local = [tensors[slot.index].to_local() for slot in bucket]
         size = bucket_size(bucket)
-        buf = torch.zeros(size, dtype=torch.uint8, device=local[0].device)
+        buf = send[:size]
         for slot, part in zip(bucket, local):
             start, end = slot.rows[rank]
             if part.shape[0] != end - start:
@@ -123,7 +128,7 @@ def _gather_rows(tensors: list[DTensor], *, holder: int, bucket_bytes: int) -> l
                 )
             if part.numel():
                 buf[slot.offset : slot.offset + part.numel() * part.element_size()].copy_(byte_view(part.contiguous()))
-        parts = [torch.empty_like(buf) for _ in range(world)] if keep else None
+        parts = [r[:size] for r in received] if received is not None else None
         dist.gather(buf, gather_list=parts, dst=holder)
         if parts is None:
             continue

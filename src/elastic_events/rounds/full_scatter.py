@@ -110,12 +110,17 @@ def _scatter_rows(
     rank, world = dist.get_rank(), dist.get_world_size()
     made: dict[int, DTensor] = {}
     shapes = [(s.spec.shape, torch.empty((), dtype=s.spec.dtype).element_size()) for s in splits]
-    for bucket in plan_gather(shapes, world, bucket_bytes):
+    plan = plan_gather(shapes, world, bucket_bytes)
+    largest = max((bucket_size(bucket) for bucket in plan), default=0)
+    # src packs every bucket in the same buffers (their padding is sent and never read); each rank's
+    # buffer of a bucket is its own: the rows loaded stay in it
+    packed = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(world)] if rank == src else None
+    for bucket in plan:
         size = bucket_size(bucket)
         out = torch.empty(size, dtype=torch.uint8, device=device)
         parts = None
-        if rank == src:
-            parts = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(world)]
+        if packed is not None:
+            parts = [p[:size] for p in packed]
             for slot in bucket:
                 flat = byte_view(tensors[splits[slot.index].spec.index].contiguous())
                 for r, (start, end) in enumerate(slot.rows):
