@@ -21,6 +21,7 @@ EXPECTED = {
     "step_overhead_hf": "python benchmarks/step_overhead.py --quick --client hf",
     "step_overhead_snapshot": "python benchmarks/step_overhead.py --quick --client snapshot",
     "hydration": "python benchmarks/hydration.py --quick",
+    "world_reshard": "python benchmarks/world_reshard.py --quick",
     "checkpoint": "python benchmarks/checkpoint.py --quick",
     "rendezvous_scale": "python benchmarks/rendezvous_scale.py --quick",
     "throughput": "python benchmarks/throughput.py --quick",
@@ -440,6 +441,18 @@ def render_hydration(doc: Summary) -> list[str]:
     ]
 
 
+def render_world_reshard(doc: Summary) -> list[str]:
+    s = doc["summary"]
+    ranks = dig(doc, "params", "ranks")
+    return [
+        f"DCP's time over ours, same processes: gather **{num(s.get('gather_speedup'))}x**, load "
+        f"**{num(s.get('load_speedup'))}x** ({num(s.get('state_mb'), 0)} MB of state, "
+        f"{num((s.get('params') or 0) / 1e6, 0)} M parameters, {ranks} gloo ranks): gather "
+        f"{num(s.get('gather_new_median_s'))} s against {num(s.get('gather_dcp_median_s'))} s, load "
+        f"{num(s.get('load_new_median_s'))} s against {num(s.get('load_dcp_median_s'))} s."
+    ]
+
+
 def render_own_copy(doc: Summary) -> list[str]:
     s = doc["summary"]
     step = s.get("step_ms") or {}
@@ -710,6 +723,7 @@ RENDERERS: dict[str, Callable[[Summary], list[str]]] = {
     "step_overhead_hf": render_step_overhead_hf,
     "step_overhead_snapshot": render_step_overhead_snapshot,
     "hydration": render_hydration,
+    "world_reshard": render_world_reshard,
     "checkpoint": render_checkpoint,
     "rendezvous_scale": render_rendezvous_scale,
     "throughput": render_throughput,

@@ -491,6 +491,18 @@ def test_hydration_smoke(out_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_world_reshard_smoke(out_dir: Path) -> None:
+    s = run_smoke("world_reshard", out_dir)["summary"]
+    for key in ("gather_new_median_s", "gather_dcp_median_s", "load_new_median_s", "load_dcp_median_s", "state_mb"):
+        assert positive(s[key]), (key, s[key])
+    assert s["gather_speedup"] == pytest.approx(s["gather_dcp_median_s"] / s["gather_new_median_s"], rel=1e-2)
+    assert s["load_speedup"] == pytest.approx(s["load_dcp_median_s"] / s["load_new_median_s"], rel=1e-2)
+    assert len(s["gather_speedup_per_rep"]) == len(s["load_speedup_per_rep"]) == 1
+    assert s["params"] > 4_000_000  # the smoke's embedding alone: 32000 x 128
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_state_scaling_smoke(out_dir: Path) -> None:
     """The tiny model on 2 nodes x 2 ranks through a join, a leave, a rank crash and a node loss."""
     [size] = run_smoke("state_scaling", out_dir)["summary"]["sizes"]
