@@ -58,7 +58,9 @@ def build(width: int, layers: int) -> Any:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)) for _ in range(layers)]
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)) for _ in range(layers)
+    ]
     model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, width), *blocks)
     for module in model:
         fully_shard(module)
@@ -214,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     def options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--ranks", type=int, default=4, help="gloo ranks the model is sharded over [4]")
         p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket bound per rank [64]")
-        p.add_argument("--params-m", type=float, default=None, help="model size, M parameters (smoke 5, quick 80, full 125)")
+        p.add_argument(
+            "--params-m", type=float, default=None, help="model size, M parameters (smoke 5, quick 80, full 125)"
+        )
         p.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
         p.add_argument("--reps", type=int, default=None, help="timed repetitions (smoke 1, quick 3, full 5)")
         p.add_argument("--worker", nargs=3, metavar=("RANK", "PORT", "FILE"), help=argparse.SUPPRESS)
