@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_events.rounds.full_gather import ALIGN, bucket_size, plan_gather, row_ranges
+from elastic_events.rounds.full_gather import ALIGN, ALONE_FROM, bucket_size, plan_gather, row_ranges
 from support.cluster import run_rank_scripts
 
 WORKER = Path(__file__).resolve().parent / "workers" / "full_gather_check.py"
@@ -44,6 +44,7 @@ def test_buckets_hold_every_tensor_once_within_their_bound(seed: int) -> None:
         assert all(0 <= z.offset - (a.offset + a.room) < ALIGN for a, z in zip(b, b[1:]))  # packed, aligned
         assert bucket_size(b) == b[-1].offset + b[-1].room
         assert bucket_size(b) <= bucket or len(b) == 1  # a larger share goes alone
+        assert len(b) == 1 or all(slot.room < min(bucket, ALONE_FROM) for slot in b)  # and so does a large one
     for slot in (s for b in plan for s in b):
         (rows, cols), itemsize = shapes[slot.index]
         assert slot.row_bytes == cols * itemsize and slot.rows == tuple(row_ranges(rows, world))

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from elastic_events.errors import HydrationError
 from elastic_events.rounds.transfer import DEFAULT_BUCKET_BYTES, byte_view
 
-__all__ = ["bucket_size", "gather_tree", "plan_gather", "row_ranges", "rows_sharded"]
+__all__ = ["bucket_size", "gather_tree", "plan_gather", "row_ranges", "rows_sharded", "share"]
 
 
 def row_ranges(rows: int, world: int) -> list[tuple[int, int]]:
@@ -62,29 +62,42 @@ class Slot:
 
 #: Every tensor's place in a bucket starts at a multiple of this, so that its bytes can be viewed as its dtype.
 ALIGN = 16
+#: A share of this many bytes or more goes alone (at most a bucket's bound): its rows travel from and into the
+#: tensors themselves, with no copy into a bucket, where the shares are equal and the tensors on the host.
+ALONE_FROM = 2**20
 
 
 def plan_gather(shapes: list[tuple[tuple[int, ...], int]], world: int, bucket_bytes: int) -> list[list[Slot]]:
     """Buckets of tensors of ``(shape, element size)``: each bucket's buffer holds one rank's rows of every
-    tensor in it, each at a multiple of :data:`ALIGN`, at most ``bucket_bytes`` unless a single tensor's share
-    is larger (then it goes alone)."""
+    tensor in it, each at a multiple of :data:`ALIGN`, at most ``bucket_bytes``. A tensor whose share is
+    :data:`ALONE_FROM` bytes or more (or the bound, if smaller), or larger than the bound, goes alone."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    alone = min(bucket_bytes, ALONE_FROM)
     buckets: list[list[Slot]] = []
     current: list[Slot] = []
     used = 0
     for index, (shape, itemsize) in enumerate(shapes):
         rows = tuple(row_ranges(shape[0], world))
         row_bytes = (torch.Size(shape[1:]).numel()) * itemsize
-        room = max(end - start for start, end in rows) * row_bytes
-        if current and used + room > bucket_bytes:
+        slot = Slot(index=index, offset=0, row_bytes=row_bytes, rows=rows)
+        if current and (slot.room >= alone or used + slot.room > bucket_bytes):  # buckets keep the tensors' order
             buckets.append(current)
             current, used = [], 0
+        if slot.room >= alone:
+            buckets.append([slot])
+            continue
         current.append(Slot(index=index, offset=used, row_bytes=row_bytes, rows=rows))
-        used += -(-room // ALIGN) * ALIGN
+        used += -(-slot.room // ALIGN) * ALIGN
     if current:
         buckets.append(current)
     return buckets
+
+
+def share(flat: torch.Tensor, slot: Slot, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of the tensor whose bytes are ``flat``, as a view of them."""
+    start, end = slot.rows[rank]
+    return flat[start * slot.row_bytes : end * slot.row_bytes]
 
 
 def bucket_size(bucket: list[Slot]) -> int:
@@ -116,18 +129,17 @@ def _gather_rows(tensors: list[DTensor], *, holder: int, bucket_bytes: int) -> l
     send = torch.empty(largest, dtype=torch.uint8, device=device)
     received = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(world)] if keep else None
     for bucket in plan:
-        local = [tensors[slot.index].to_local() for slot in bucket]
+        if len(bucket) == 1:
+            full = _gather_alone(tensors[bucket[0].index], bucket[0], send, received, holder=holder)
+            if full is not None:
+                fulls.append(full)
+            continue
         size = bucket_size(bucket)
         buf = send[:size]
-        for slot, part in zip(bucket, local):
-            start, end = slot.rows[rank]
-            if part.shape[0] != end - start:
-                raise HydrationError(
-                    f"rank {rank}: a tensor of global shape {tuple(tensors[slot.index].shape)} holds "
-                    f"{part.shape[0]} rows here, not the {end - start} a split over {world} ranks gives"
-                )
+        for slot in bucket:
+            part = _checked_local(tensors[slot.index], slot, rank)
             if part.numel():
-                buf[slot.offset : slot.offset + part.numel() * part.element_size()].copy_(byte_view(part.contiguous()))
+                buf[slot.offset : slot.offset + part.numel() * part.element_size()].copy_(byte_view(part))
         parts = [r[:size] for r in received] if received is not None else None
         dist.gather(buf, gather_list=parts, dst=holder)
         if parts is None:
@@ -141,6 +153,42 @@ def _gather_rows(tensors: list[DTensor], *, holder: int, bucket_bytes: int) -> l
                 flat[start * slot.row_bytes : start * slot.row_bytes + n].copy_(parts[r][slot.offset : slot.offset + n])
             fulls.append(full)
     return fulls if keep else None
+
+
+def _checked_local(t: DTensor, slot: Slot, rank: int) -> torch.Tensor:
+    part = t.to_local()
+    start, end = slot.rows[rank]
+    if part.shape[0] != end - start:
+        raise HydrationError(
+            f"rank {rank}: a tensor of global shape {tuple(t.shape)} holds {part.shape[0]} rows here, not the "
+            f"{end - start} a split over {len(slot.rows)} ranks gives"
+        )
+    return part.contiguous()
+
+
+def _gather_alone(
+    t: DTensor, slot: Slot, send: torch.Tensor, received: list[torch.Tensor] | None, *, holder: int
+) -> torch.Tensor | None:
+    """One tensor's rows onto ``holder``: each rank sends its local tensor itself and, on the host, the holder
+    receives straight into the full tensor; a short share goes through the buffers, padded."""
+    mine = byte_view(_checked_local(t, slot, dist.get_rank()))
+    buf = mine
+    if mine.numel() != slot.room:
+        buf = send[: slot.room]
+        buf[: mine.numel()].copy_(mine)
+    if received is None:
+        dist.gather(buf, gather_list=None, dst=holder)
+        return None
+    full = torch.empty(t.shape, dtype=t.dtype)
+    flat = byte_view(full)
+    direct = [buf.device.type == "cpu" and share(flat, slot, r).numel() == slot.room for r in range(len(slot.rows))]
+    parts = [share(flat, slot, r) if d else received[r][: slot.room] for r, d in enumerate(direct)]
+    dist.gather(buf, gather_list=parts, dst=holder)
+    for r, d in enumerate(direct):
+        if not d:
+            target = share(flat, slot, r)
+            target.copy_(parts[r][: target.numel()])
+    return full
 
 
 def gather_tree(tree: Any, *, holder: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Any:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from elastic_events.rounds.full_gather import bucket_size, plan_gather, rows_sharded
+from elastic_events.rounds.full_gather import bucket_size, plan_gather, rows_sharded, share
 from elastic_events.rounds.hydration import FullState, TensorSpec, split_tensors
 from elastic_events.rounds.transfer import broadcast_tensors, byte_view
 
@@ -123,11 +123,12 @@ def _scatter_rows(
             parts = [p[:size] for p in packed]
             for slot in bucket:
                 flat = byte_view(tensors[splits[slot.index].spec.index].contiguous())
-                for r, (start, end) in enumerate(slot.rows):
-                    n = (end - start) * slot.row_bytes
-                    parts[r][slot.offset : slot.offset + n].copy_(
-                        flat[start * slot.row_bytes : start * slot.row_bytes + n]
-                    )
+                for r in range(world):
+                    rows = share(flat, slot, r)
+                    if len(bucket) == 1 and rows.numel() == size and flat.device == out.device:
+                        parts[r] = rows  # a tensor alone: its rows are sent from where they are
+                    else:
+                        parts[r][slot.offset : slot.offset + rows.numel()].copy_(rows)
         dist.scatter(out, scatter_list=parts, src=src)
         for slot in bucket:
             split = splits[slot.index]
