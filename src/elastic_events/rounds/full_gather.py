@@ -117,20 +117,22 @@ def _leaves(tree: Any) -> Iterator[Any]:
 
 
 @torch.no_grad()
-def _gather_rows(tensors: list[DTensor], *, holder: int, bucket_bytes: int) -> list[torch.Tensor] | None:
-    """The full (CPU) tensors of ``tensors`` on ``holder`` (None elsewhere): one ``dist.gather`` per bucket."""
+def _gather_rows(
+    tensors: list[DTensor], *, holder: int, device: torch.device, bucket_bytes: int
+) -> list[torch.Tensor] | None:
+    """The full (CPU) tensors of ``tensors`` on ``holder`` (None elsewhere): one ``dist.gather`` per bucket, of
+    buffers on ``device`` (where the group's backend moves bytes)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     keep = rank == holder
     fulls: list[torch.Tensor] = []
     plan = plan_gather([(tuple(t.shape), t.element_size()) for t in tensors], world, bucket_bytes)
     # one buffer per rank for every bucket (its padding is sent and never read)
     largest = max(bucket_size(bucket) for bucket in plan)
-    device = tensors[0].to_local().device
     send = torch.empty(largest, dtype=torch.uint8, device=device)
     received = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(world)] if keep else None
     for bucket in plan:
         if len(bucket) == 1:
-            full = _gather_alone(tensors[bucket[0].index], bucket[0], send, received, holder=holder)
+            full = _gather_alone(tensors[bucket[0].index], bucket[0], send, received, holder=holder, device=device)
             if full is not None:
                 fulls.append(full)
             continue
@@ -156,6 +158,7 @@ def _gather_rows(tensors: list[DTensor], *, holder: int, bucket_bytes: int) -> l
 
 
 def _checked_local(t: DTensor, slot: Slot, rank: int) -> torch.Tensor:
+    """``t``'s local rows (contiguous), checked against the split :func:`row_ranges` gives."""
     part = t.to_local()
     start, end = slot.rows[rank]
     if part.shape[0] != end - start:
@@ -167,13 +170,20 @@ def _checked_local(t: DTensor, slot: Slot, rank: int) -> torch.Tensor:
 
 
 def _gather_alone(
-    t: DTensor, slot: Slot, send: torch.Tensor, received: list[torch.Tensor] | None, *, holder: int
+    t: DTensor,
+    slot: Slot,
+    send: torch.Tensor,
+    received: list[torch.Tensor] | None,
+    *,
+    holder: int,
+    device: torch.device,
 ) -> torch.Tensor | None:
-    """One tensor's rows onto ``holder``: each rank sends its local tensor itself and, on the host, the holder
-    receives straight into the full tensor; a short share goes through the buffers, padded."""
+    """One tensor's rows onto ``holder``: each rank sends its local tensor itself (when it is on ``device``)
+    and, on the host, the holder receives straight into the full tensor; a short share, or one elsewhere,
+    goes through the buffers."""
     mine = byte_view(_checked_local(t, slot, dist.get_rank()))
     buf = mine
-    if mine.numel() != slot.room:
+    if mine.numel() != slot.room or mine.device != device:
         buf = send[: slot.room]
         buf[: mine.numel()].copy_(mine)
     if received is None:
@@ -181,7 +191,7 @@ def _gather_alone(
         return None
     full = torch.empty(t.shape, dtype=t.dtype)
     flat = byte_view(full)
-    direct = [buf.device.type == "cpu" and share(flat, slot, r).numel() == slot.room for r in range(len(slot.rows))]
+    direct = [device.type == "cpu" and share(flat, slot, r).numel() == slot.room for r in range(len(slot.rows))]
     parts = [share(flat, slot, r) if d else received[r][: slot.room] for r, d in enumerate(direct)]
     dist.gather(buf, gather_list=parts, dst=holder)
     for r, d in enumerate(direct):
@@ -191,14 +201,18 @@ def _gather_alone(
     return full
 
 
-def gather_tree(tree: Any, *, holder: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Any:
+def gather_tree(
+    tree: Any, *, holder: int, device: torch.device | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Any:
     """``tree`` (a state dict: dicts, lists, tensors, DTensors, other values) with every tensor full and on the
     CPU, on ``holder``; None on the other ranks. Every rank of the default group calls it with a tree of the
-    same structure."""
+    same structure; ``device`` is where its backend moves bytes (default: the first local tensor's)."""
     world = dist.get_world_size()
     keep = dist.get_rank() == holder
     rows = [t for t in _leaves(tree) if rows_sharded(t, world)]
-    gathered = _gather_rows(rows, holder=holder, bucket_bytes=bucket_bytes) if rows else []
+    if rows and device is None:
+        device = rows[0].to_local().device
+    gathered = _gather_rows(rows, holder=holder, device=device, bucket_bytes=bucket_bytes) if rows and device else []
     full_of = dict(zip(map(id, rows), gathered or []))
 
     def build(node: Any) -> Any:

@@ -136,6 +136,9 @@ def _scatter_rows(
             shape = (end - start, *split.spec.shape[1:])
             local = out[slot.offset : slot.offset + (end - start) * slot.row_bytes].view(split.spec.dtype).view(shape)
             like = split.like
+            home = like.to_local().device  # e.g. the host, for a model whose shards are offloaded there
+            if local.device != home:
+                local = local.to(home)
             made[split.spec.index] = DTensor.from_local(
                 local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
             )

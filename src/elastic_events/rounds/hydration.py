@@ -286,15 +286,16 @@ def gather_full_state(
     optimizer: torch.optim.Optimizer | None,
     *,
     holder: int,
+    device: torch.device | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> FullState | None:
     """On the old group: every rank takes part, only ``holder`` keeps the full state (CPU tensors), gathered
-    a bucket of rows at a time (:func:`~elastic_events.rounds.full_gather.gather_tree`)."""
+    a bucket of rows at a time through ``device`` (:func:`~elastic_events.rounds.full_gather.gather_tree`)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    model_sd = gather_tree(get_model_state_dict(model), holder=holder, bucket_bytes=bucket_bytes)
+    model_sd = gather_tree(get_model_state_dict(model), holder=holder, device=device, bucket_bytes=bucket_bytes)
     optim_sd = (
-        gather_tree(get_optimizer_state_dict(model, optimizer), holder=holder, bucket_bytes=bucket_bytes)
+        gather_tree(get_optimizer_state_dict(model, optimizer), holder=holder, device=device, bucket_bytes=bucket_bytes)
         if optimizer is not None
         else {}
     )

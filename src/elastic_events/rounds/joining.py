@@ -118,7 +118,11 @@ class Joiner:
             if 0 not in ranks:
                 raise ElasticTrainingError(f"no rank of round {e.round} becomes rank 0 of round {event.round}")
             kept.full = gather_full_state(
-                s.built_model(), s.optimizer, holder=ranks.index(0), bucket_bytes=e.config.bucket_bytes
+                s.built_model(),
+                s.optimizer,
+                holder=ranks.index(0),
+                device=e.comm_device,
+                bucket_bytes=e.config.bucket_bytes,
             )
             if kept.full is not None:
                 kept.small = s.small_state(control_step=self._control_step)
