@@ -206,6 +206,10 @@ def test_the_smaller_benchmarks_render_their_ratio_first(report: ModuleType) -> 
         "Hydration / broadcast of the same bytes: **0.94** (per repetition 0.83 – 1.06; target ≥ 0.5): 1085 against "
         "1156 MB/s, 72 MB of state, 2 ranks."
     ) in lines
+    assert (
+        "DCP's time over ours, same processes: gather **2.40x**, load **3.52x** (930 MB of state, 81 M parameters, "
+        "4 gloo ranks): gather 1.07 s against 2.57 s, load 0.64 s against 2.24 s."
+    ) in lines
     assert "| example-tiny | 0.22 | 0.20 | 35 MB | 0.17 / 0.78 GB/s | 0.21 / 1.04 GB/s |" in lines
     assert (
         "Resharded load (FSDP2, saved by 2 ranks, loaded by 1) / same-size load: 1.53 (0.26 s against 0.17 s; "

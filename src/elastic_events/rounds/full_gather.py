@@ -210,10 +210,11 @@ def gather_tree(
     world = dist.get_world_size()
     keep = dist.get_rank() == holder
     rows = [t for t in _leaves(tree) if rows_sharded(t, world)]
-    if rows and device is None:
-        device = rows[0].to_local().device
-    gathered = _gather_rows(rows, holder=holder, device=device, bucket_bytes=bucket_bytes) if rows and device else []
-    full_of = dict(zip(map(id, rows), gathered or []))
+    full_of: dict[int, torch.Tensor] = {}
+    if rows:
+        via = device if device is not None else rows[0].to_local().device
+        gathered = _gather_rows(rows, holder=holder, device=via, bucket_bytes=bucket_bytes)
+        full_of = dict(zip(map(id, rows), gathered or []))
 
     def build(node: Any) -> Any:
         if isinstance(node, dict):

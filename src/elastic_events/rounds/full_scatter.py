@@ -64,6 +64,8 @@ def _plan(
 ) -> tuple[list[Split], list[Split], list[TensorSpec]] | None:
     """The model's rows, the optimizer's rows and the whole tensors of ``outline``, or None when the rows path
     does not apply (the same answer on every rank: it reads only the outline and the model's structure)."""
+    if outline is None:  # rank src holds no state: nothing to load by rows
+        return None
     model_out, optim_out = outline["model"], outline["optimizer"]
     if list(model_out) != list(live) or any(
         isinstance(t, DTensor) and not rows_sharded(t, world) for t in live.values()
