@@ -16,8 +16,8 @@ What travels:
 * sharded models (FSDP2): before the old group is torn down its members gather the
   full state onto the rank that becomes rank 0 of the new round (:func:`gather_full_state`:
   each rank's rows of many tensors in one ``gather``); in the new round every rank rebuilds its model on the
-  new mesh and receives, parameter by parameter, only its own shards
-  (``set_model_state_dict(..., broadcast_from_rank0=True)``);
+  new mesh and receives only its own rows (:mod:`elastic_events.rounds.full_scatter`; DCP's
+  ``broadcast_from_rank0`` for a layout that path does not map);
 * HSDP models (FSDP2 on a ``("replicate", "shard")`` mesh): nothing is gathered; each rank keeps
   its local shards and a rank that lacks its shard receives it from a replica that kept it
   (:mod:`elastic_events.rounds.replica_plan`);
