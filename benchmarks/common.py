@@ -74,6 +74,7 @@ __all__ = [
     "read_metrics",
     "require_train_script",
     "result_tag",
+    "run_rank_workers",
     "run_to_completion",
     "run_training",
     "single_node_cmd",
@@ -502,6 +503,33 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def run_rank_workers(script: str, args: Sequence[str], *, ranks: int, raw: Path, timeout_s: float) -> Any:
+    """``ranks`` processes of ``script *args --worker RANK PORT RAW`` (rank 0 hosts the store on a free port),
+    each given ``timeout_s``; any left running when one fails are killed. Returns the JSON rank 0 wrote to
+    ``raw`` (then removed)."""
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, *args, "--worker", str(r), str(port), str(raw)],
+            env=bench_env(OMP_NUM_THREADS="1"),
+        )
+        for r in range(ranks)
+    ]
+    try:
+        for rank, proc in enumerate(procs):
+            if proc.wait(timeout=timeout_s) != 0:
+                raise BenchmarkError(f"{Path(script).stem} worker {rank} exited {proc.returncode}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    data = json.loads(raw.read_text())
+    raw.unlink()
+    return data
 
 
 def bench_env(**extra: str) -> dict[str, str]:

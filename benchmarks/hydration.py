@@ -22,22 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
 from common import (
-    BenchmarkError,
     BenchmarkResult,
-    bench_env,
     format_table,
-    free_port,
     median,
     parse_args,
     pyplot,
     result_tag,
+    run_rank_workers,
 )
 
 NAME = "hydration"
@@ -135,42 +132,8 @@ def measure(*, state_mb: int, ranks: int, bucket_mb: float, reps: int, raw: Path
     sent, ``hydration_s``, ``broadcast_s``, ``memcpy_s``); ``raw`` is where the workers leave them."""
     if ranks < 2 or state_mb < 1 or reps < 1:
         raise ValueError(f"ranks must be >= 2, state_mb and reps >= 1, got {ranks}, {state_mb}, {reps}")
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--ranks",
-                str(ranks),
-                "--bucket-mb",
-                str(bucket_mb),
-                "--state-mb",
-                str(state_mb),
-                "--reps",
-                str(reps),
-                "--worker",
-                str(r),
-                str(port),
-                str(raw),
-            ],
-            env=bench_env(OMP_NUM_THREADS="1"),
-        )
-        for r in range(ranks)
-    ]
-    try:
-        for proc in procs:
-            if proc.wait(timeout=timeout_s) != 0:
-                raise BenchmarkError(f"hydration worker {proc.args[-3]} exited {proc.returncode}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    data = json.loads(raw.read_text())
-    raw.unlink()
-    return data
+    args = ["--ranks", str(ranks), "--bucket-mb", str(bucket_mb), "--state-mb", str(state_mb), "--reps", str(reps)]
+    return run_rank_workers(__file__, args, ranks=ranks, raw=raw, timeout_s=timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

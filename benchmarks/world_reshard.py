@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -31,15 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    BenchmarkError,
     BenchmarkResult,
-    bench_env,
     format_table,
-    free_port,
     median,
     parse_args,
     pyplot,
     result_tag,
+    run_rank_workers,
 )
 
 NAME = "world_reshard"
@@ -113,17 +110,17 @@ def worker_main(rank: int, world: int, port: int, ns: argparse.Namespace, out: P
         full_tree(get_optimizer_state_dict(model, optimizer))
 
     full = gather_full_state(model, optimizer, holder=0, bucket_bytes=bucket)
-    nbytes = [0]
+    nbytes = 0
     if full is not None:
-        nbytes[0] = sum(t.numel() * t.element_size() for t in full.model.values())
-        nbytes[0] += sum(t.numel() * t.element_size() for s in full.optimizer["state"].values() for t in s.values())
+        nbytes = sum(t.numel() * t.element_size() for t in full.model.values())
+        nbytes += sum(t.numel() * t.element_size() for s in full.optimizer["state"].values() for t in s.values())
 
     def load(new: bool) -> float:
         fresh = build(width, layers)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
         copy = None
         if full is not None:  # DCP's broadcast path replaces the dicts' tensors it is given: a copy each time
-            copy = type(full)(model=dict(full.model), optimizer=json_safe_copy(full.optimizer))
+            copy = type(full)(model=dict(full.model), optimizer=copy_containers(full.optimizer))
         dist.barrier()
         t0 = time.perf_counter()
         if new:
@@ -156,17 +153,17 @@ def worker_main(rank: int, world: int, port: int, ns: argparse.Namespace, out: P
                 samples[k].append(v)
     if rank == 0:
         params = sum(t.numel() for t in full.model.values())
-        out.write_text(json.dumps({"params": params, "layers": layers, "state_bytes": nbytes[0], **samples}))
+        out.write_text(json.dumps({"params": params, "layers": layers, "state_bytes": nbytes, **samples}))
     dist.destroy_process_group()
     return 0
 
 
-def json_safe_copy(tree: Any) -> Any:
+def copy_containers(tree: Any) -> Any:
     """A copy of the containers of ``tree`` (tensors shared): what DCP replaces in place stays intact."""
     if isinstance(tree, dict):
-        return {k: json_safe_copy(v) for k, v in tree.items()}
+        return {k: copy_containers(v) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [json_safe_copy(v) for v in tree]
+        return [copy_containers(v) for v in tree]
     return tree
 
 
@@ -174,29 +171,9 @@ def json_safe_copy(tree: Any) -> Any:
 
 
 def measure(ns: argparse.Namespace, raw: Path, timeout_s: float = 1800.0) -> dict[str, Any]:
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     args = ["--ranks", str(ns.ranks), "--bucket-mb", str(ns.bucket_mb), "--params-m", str(ns.params_m)]
     args += ["--width", str(ns.width), "--reps", str(ns.reps)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, *args, "--worker", str(r), str(port), str(raw)],
-            env=bench_env(OMP_NUM_THREADS="1"),
-        )
-        for r in range(ns.ranks)
-    ]
-    try:
-        for proc in procs:
-            if proc.wait(timeout=timeout_s) != 0:
-                raise BenchmarkError(f"{NAME} worker exited {proc.returncode}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    data = json.loads(raw.read_text())
-    raw.unlink()
-    return data
+    return run_rank_workers(__file__, args, ranks=ns.ranks, raw=raw, timeout_s=timeout_s)  # type: ignore[no-any-return]
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
