@@ -12,7 +12,7 @@ import torch
 from elastic_events.rounds.full_gather import ALIGN, ALONE_FROM, bucket_size, plan_gather, row_ranges
 from support.cluster import run_rank_scripts
 
-WORKER = Path(__file__).resolve().parent / "workers" / "full_gather_check.py"
+WORKER = Path(__file__).resolve().parent / "workers" / "full_state_check.py"
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 8, 9, 13])
@@ -56,12 +56,18 @@ def test_plan_refuses_an_empty_bucket() -> None:
 
 
 # 16 bytes: a bucket per tensor (each larger than the bound); 1 MiB: one bucket for all
-WORLDS_AND_BUCKETS = pytest.mark.parametrize("world, bucket", [(3, 16), (4, 1 << 20)], ids=["3-ranks", "4-ranks"])
+WORLDS_AND_BUCKETS = {"3-ranks": (3, 16), "4-ranks": (4, 1 << 20)}
 
 
-@WORLDS_AND_BUCKETS
-def test_the_holder_gets_the_full_state_bitwise_and_the_others_nothing(world: int, bucket: int) -> None:
-    results = run_rank_scripts(WORKER, world, str(bucket))
+@pytest.fixture(scope="module", params=sorted(WORLDS_AND_BUCKETS))
+def ranks(request: pytest.FixtureRequest) -> list[dict]:
+    """Every rank's results of the gather and the three scatter cases, run once per world in one process group."""
+    world, bucket = WORLDS_AND_BUCKETS[request.param]
+    return run_rank_scripts(WORKER, world, str(bucket))
+
+
+def test_the_holder_gets_the_full_state_bitwise_and_the_others_nothing(ranks: list[dict]) -> None:
+    results = [r["gather"] for r in ranks]
     holder = results[-1]
     assert holder["model_same"] and holder["optimizer_same"], holder
     assert holder["tensors"] == 9 and holder["moments"] == ["exp_avg", "exp_avg_sq", "step"]
@@ -70,12 +76,8 @@ def test_the_holder_gets_the_full_state_bitwise_and_the_others_nothing(world: in
     assert all(r["nothing"] for r in results[:-1]), results
 
 
-SCATTER = WORKER.parent / "full_scatter_check.py"
-
-
-@WORLDS_AND_BUCKETS
-def test_rank_0s_full_state_scattered_by_rows_is_the_state_bitwise(world: int, bucket: int) -> None:
-    results = run_rank_scripts(SCATTER, world, str(bucket), "rows")
+def test_rank_0s_full_state_scattered_by_rows_is_the_state_bitwise(ranks: list[dict]) -> None:
+    results = [r["rows"] for r in ranks]
     assert all(r["loaded"] for r in results), results
     assert {r["twin_state"] for r in results} == {8}  # AdamW state for every parameter, on every rank
     first = results[0]
@@ -84,7 +86,7 @@ def test_rank_0s_full_state_scattered_by_rows_is_the_state_bitwise(world: int, b
 
 
 @pytest.mark.parametrize("case", ["columns", "reordered"])
-def test_a_layout_or_an_order_the_rows_path_cannot_map_is_refused_on_every_rank(case: str) -> None:
-    results = run_rank_scripts(SCATTER, 3, str(1 << 20), case)
-    assert [r["loaded"] for r in results] == [False] * 3, results
+def test_a_layout_or_an_order_the_rows_path_cannot_map_is_refused_on_every_rank(ranks: list[dict], case: str) -> None:
+    results = [r[case] for r in ranks]
+    assert [r["loaded"] for r in results] == [False] * len(ranks), results
     assert {r["twin_state"] for r in results} == {0}  # nothing was loaded: DCP's path takes over

@@ -1,20 +1,17 @@
-"""One rank of a full-state gather check: an FSDP2 model and AdamW over the whole world, gathered onto one rank.
+"""A full-state gather check on one rank (run by ``full_state_check.py``): an FSDP2 model and AdamW over the
+whole world, gathered onto one rank.
 
-argv: RANK WORLD PORT BUCKET_BYTES. Shapes split unevenly over 3 and 4 ranks, one split into empty shares,
-and one module sharded by columns (``Shard(1)``: not split by rows, so gathered one tensor at a time).
-The holder (the last rank) compares :func:`gather_full_state`'s tensors with ``full_tensor()``'s of the same
-state, bit for bit, and prints one JSON line; the other ranks print whether they were handed nothing.
+Shapes split unevenly over 3 and 4 ranks, one split into empty shares, and one module sharded by columns
+(``Shard(1)``: not split by rows, so gathered one tensor at a time). The holder (the last rank) compares
+:func:`gather_full_state`'s tensors with ``full_tensor()``'s of the same state, bit for bit; the other ranks
+say whether they were handed nothing.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -62,10 +59,8 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def main() -> int:
-    rank, world, port, bucket = (int(a) for a in sys.argv[1:5])
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+def check(rank: int, world: int, bucket: int) -> dict[str, Any]:
+    """Gather onto the last rank; its verdicts, or (the others) whether they were handed nothing."""
     holder = world - 1
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -87,10 +82,4 @@ def main() -> int:
         result["moments"] = sorted({k for s in got.optimizer["state"].values() for k in s})
     else:
         result["nothing"] = got is None
-    dist.destroy_process_group()
-    print(json.dumps(result), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result

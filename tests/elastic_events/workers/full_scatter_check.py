@@ -1,21 +1,18 @@
-"""One rank of a full-state scatter check: rank 0's full state loaded by rows into a fresh FSDP2 model and AdamW.
+"""A full-state scatter check on one rank (run by ``full_state_check.py``): rank 0's full state loaded by rows
+into a fresh FSDP2 model and AdamW.
 
-argv: RANK WORLD PORT BUCKET_BYTES CASE. A model trained two steps is gathered onto rank 0; a fresh twin
+A model trained two steps is gathered onto rank 0; a fresh twin
 takes that state with :func:`scatter_full_state`. CASE ``rows``: every parameter split by rows; the twin's
 gathered state must be the original's bit for bit, and so after one more step of each. ``columns``: one
 weight split by columns; ``reordered``: the twin's optimizer lists its parameters in another order. Both
-must be refused (False on every rank) with the twin untouched. Prints one JSON line per rank.
+must be refused (False on every rank) with the twin untouched.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
@@ -65,11 +62,8 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def main() -> int:
-    rank, world, port, bucket = (int(a) for a in sys.argv[1:5])
-    case = sys.argv[5]
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+def check(rank: int, world: int, bucket: int, case: str) -> dict[str, Any]:
+    """Rank 0's full state scattered into a fresh twin: whether it loaded and, on rank 0, its verdicts."""
     model = build("rows" if case == "reordered" else case)
     opt, sched = optimizer(model, "rows")
     for step in range(2):
@@ -90,10 +84,4 @@ def main() -> int:
         result["optimizer_same"] = same(got.optimizer, full.optimizer)
         result["next_step_same"] = same(twin_after.model, after.model) and same(twin_after.optimizer, after.optimizer)
         result["lrs"] = [g["lr"] for g in twin_opt.param_groups]
-    dist.destroy_process_group()
-    print(json.dumps(result), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result
