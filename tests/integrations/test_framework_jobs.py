@@ -104,8 +104,9 @@ def _assert_same_training(run_dir: Path, ref_dir: Path, worlds: list[int]) -> di
     return pids
 
 
-def _assert_event_path(job, run_dir: Path, mode: str, pids: dict[int, set[int]], *, newcomers: int) -> None:
-    """In place: one rank kept its process across the event, nothing went through storage. Restart: the opposite."""
+def _assert_event_path(job, run_dir: Path, mode: str, pids: dict[int, set[int]], *, newcomers: list[int]) -> None:
+    """In place: one rank kept its process across the events, nothing went through storage, each event's
+    round hydrated ``newcomers[i]`` ranks. Restart: the opposite."""
     kept = pids[1] & pids[2]
     saved = list(run_dir.glob("out/checkpoint-*")) + list(run_dir.glob("ckpt/elastic-step=*"))
     if mode == "in_place":
@@ -114,9 +115,8 @@ def _assert_event_path(job, run_dir: Path, mode: str, pids: dict[int, set[int]],
         )
         assert saved == [], f"an in-place event wrote checkpoints: {saved}"
         assert job.events("checkpoint_loaded") == []
-        assert {e["world_size"] for e in job.events("workers_reconfigured")} == {2 if newcomers else 1}
         hydrated = job.events("hydrated")
-        assert [e["newcomers"] for e in hydrated] == [newcomers], hydrated
+        assert [e["newcomers"] for e in hydrated] == newcomers, hydrated
         assert job.events("in_place_unavailable") == []
     else:
         assert kept == set(), f"the restart path restarted every rank: pids at 1 rank {pids[1]}, at 2 {pids[2]}"
@@ -125,7 +125,10 @@ def _assert_event_path(job, run_dir: Path, mode: str, pids: dict[int, set[int]],
 
 
 @pytest.mark.parametrize(("framework", "mode"), CASES)
-def test_grow_one_to_two(framework, mode, make_job, reference, tmp_path) -> None:
+def test_grow_one_to_two_then_shrink_back(framework, mode, make_job, reference, tmp_path) -> None:
+    """Node b joins while node a's rank holds at step 8; once both ranks hold at step 80, b is preempted
+    (SIGTERM) and leaves at the agreed step: worlds 1 -> 2 -> 1 in one job."""
+    (tmp_path / "shrink-later").touch()  # the ranks hold again at step 80 (workers/job_common.py)
     job = make_job(
         nnodes="1:2",
         flags=RDZV_CONF,
@@ -135,39 +138,21 @@ def test_grow_one_to_two(framework, mode, make_job, reference, tmp_path) -> None
     job.start_node("a")
     wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 1, timeout=120, what="the first round to hold at step 8")
     job.start_node("b")  # a joining node: in place, its ranks are admitted and hydrated; else every rank restarts at 2
-    codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
-    assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    pids = _assert_same_training(tmp_path, reference(framework), worlds=[1, 2])
-    _assert_event_path(job, tmp_path, mode, pids, newcomers=1)
-    if mode == "restart":
-        restarted = [e for e in job.events("workers_started") if e["world_size"] == 2]
-        assert restarted and restarted[0]["reason"] == "scale"
-        assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [2]
-        assert [e["reason"] for e in job.events("in_place_unavailable")], "the restart path did not say why"
-
-
-@pytest.mark.parametrize(("framework", "mode"), CASES)
-def test_shrink_two_to_one(framework, mode, make_job, reference, tmp_path) -> None:
-    job = make_job(
-        nnodes="1:2",
-        flags=(*RDZV_CONF, "--scaling-timeout", "10"),
-        script=WORKERS / FRAMEWORKS[framework],
-        script_args=(str(tmp_path), str(MAX_STEPS), mode),
-    )
-    job.start_node("a")
-    job.start_node("b")
     wait_until(
-        lambda: len(list(tmp_path.glob("held-*"))) == 2,
-        timeout=120,
-        what="both ranks of the first round to hold at step 8",
+        lambda: len(list(tmp_path.glob("shrink-held-*"))) == 2, timeout=180, what="both ranks to hold at step 80"
     )
     job.signal("b", signal.SIGTERM)  # preemption of node b: it leaves at the agreed step
     codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    pids = _assert_same_training(tmp_path, reference(framework), worlds=[2, 1])
-    _assert_event_path(job, tmp_path, mode, pids, newcomers=0)
-    if mode == "restart":
-        assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [1]
+    pids = _assert_same_training(tmp_path, reference(framework), worlds=[1, 2, 1])
+    _assert_event_path(job, tmp_path, mode, pids, newcomers=[1, 0])
+    if mode == "in_place":
+        assert {e["world_size"] for e in job.events("workers_reconfigured")} == {2, 1}
+    else:
+        restarted = [e for e in job.events("workers_started") if e["world_size"] == 2]
+        assert restarted and restarted[0]["reason"] == "scale"
+        assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [2, 1]
+        assert [e["reason"] for e in job.events("in_place_unavailable")], "the restart path did not say why"
 
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
@@ -186,7 +171,7 @@ def test_restart_mode_process_turns_an_in_place_script_to_the_restart_path(
     codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
     pids = _assert_same_training(tmp_path, reference(framework), worlds=[1, 2])
-    _assert_event_path(job, tmp_path, "restart", pids, newcomers=1)
+    _assert_event_path(job, tmp_path, "restart", pids, newcomers=[1])
     assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [2]
     requested = job.events("restart_requested")
     assert len(requested) == 1 and "--restart-mode process" in requested[0]["reason"], requested
@@ -237,37 +222,29 @@ def test_a_finished_job_admits_no_joiner_and_an_abort_at_exit_is_success(framewo
     assert_finished_once(job, steps=steps)
 
 
-@pytest.mark.parametrize("event", ["join", "leave"])
-def test_lightning_hsdp_adds_or_removes_a_replica_on_the_restart_path(event, make_job, reference, tmp_path) -> None:
+def test_lightning_hsdp_adds_then_removes_a_replica_on_the_restart_path(make_job, reference, tmp_path) -> None:
     """Lightning's ``ModelParallelStrategy`` with the model sharded over a node's 2 ranks and replicated across
-    nodes (:func:`hsdp_mesh`): a node that joins adds a replica (mesh 1 x 2 -> 2 x 2), one that leaves removes
-    one (2 x 2 -> 1 x 2); the sharded checkpoint is saved and loaded at the new size, and the run trains what
-    one process trains."""
+    nodes (:func:`hsdp_mesh`): a node that joins adds a replica (mesh 1 x 2 -> 2 x 2); preempted once every rank
+    holds at step 80, it removes it again (2 x 2 -> 1 x 2). The sharded checkpoint is saved and loaded at each
+    new size, and the run trains what one process trains."""
+    (tmp_path / "shrink-later").touch()  # the ranks hold again at step 80 (workers/job_common.py)
     job = make_job(
         nnodes="1:2",
-        flags=(*RDZV_CONF, "--nproc-per-node", "2", "--scaling-timeout", "10"),
+        flags=(*RDZV_CONF, "--nproc-per-node", "2"),
         script=WORKERS / FRAMEWORKS["lightning"],
         script_args=(str(tmp_path), str(MAX_STEPS), "restart", "hsdp"),
     )
-    worlds = [2, 4] if event == "join" else [4, 2]
     job.start_node("a")
-    if event == "leave":
-        job.start_node("b")
-    wait_until(
-        lambda: len(list(tmp_path.glob("held-*"))) == worlds[0],
-        timeout=180,
-        what="the first round's ranks to hold at step 8",
-    )
-    if event == "join":
-        job.start_node("b")
-    else:
-        job.signal("b", signal.SIGTERM)  # preemption of node b: it leaves at the agreed step
+    wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 2, timeout=180, what="2 ranks to hold at step 8")
+    job.start_node("b")
+    wait_until(lambda: len(list(tmp_path.glob("shrink-held-*"))) == 4, timeout=180, what="4 ranks to hold at step 80")
+    job.signal("b", signal.SIGTERM)  # preemption of node b: it leaves at the agreed step
     codes = {n: p.wait(timeout=300) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    pids = _assert_same_training(tmp_path, reference("lightning"), worlds=worlds)
-    assert not pids[2] & pids[4] and len(pids[4]) == 4, pids  # the restart path: every rank a new process
+    pids = _assert_same_training(tmp_path, reference("lightning"), worlds=[2, 4, 2])
+    assert not pids[2] & pids[4] and len(pids[2]) == len(pids[4]) == 4, pids  # the restart path: new processes
     meshes = [(r["world"], tuple(r["shape"])) for path in tmp_path.glob("mesh-*.jsonl") for r in _read(path)]
-    assert sorted(meshes) == sorted([(2, (1, 2))] * 2 + [(4, (2, 2))] * 4), meshes
-    (saved,) = tmp_path.glob("ckpt/elastic-step=*.ckpt")
-    assert saved.is_dir(), f"{saved} should be a sharded (distributed) checkpoint"
-    assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [worlds[1]]
+    assert sorted(meshes) == sorted([(2, (1, 2))] * 4 + [(4, (2, 2))] * 4), meshes
+    saved = sorted(tmp_path.glob("ckpt/elastic-step=*.ckpt"))
+    assert len(saved) == 2 and all(p.is_dir() for p in saved), f"{saved}: one sharded checkpoint at each event"
+    assert [e["world_size"] for e in job.events("checkpoint_loaded")] == [4, 2]

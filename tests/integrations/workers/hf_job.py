@@ -53,7 +53,7 @@ class Record(TrainerCallback):
             run, rank=args.process_index, world=args.world_size, step=state.global_step, ids=self.model.seen, loss=None
         )
         self.model.seen = []
-        hold_for_event(run, rank=args.process_index, step=state.global_step)
+        hold_for_event(run, rank=args.process_index, step=state.global_step, world=args.world_size)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "loss" in logs:

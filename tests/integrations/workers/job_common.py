@@ -10,6 +10,7 @@ import torch
 from elastic_events import current_event, is_elastic, restart_reason
 
 GLOBAL_BATCH, MICRO_BATCH, HOLD_AT, HOLD_TIMEOUT = 8, 2, 8, 120.0  # HOLD_AT: in epoch 1 (6 steps per epoch)
+SHRINK_HOLD_AT = 80  # past the target step of a join announced at HOLD_AT, mid-epoch (epoch 13)
 
 
 class Samples(torch.utils.data.Dataset):
@@ -37,18 +38,32 @@ def log_step(run: Path, *, rank: int, world: int, step: int, ids: list[int], los
             f.write(json.dumps({"step": step, "world": world, "loss": loss}) + "\n")
 
 
-def hold_for_event(run: Path, *, rank: int, step: int) -> None:
+def hold_for_event(run: Path, *, rank: int, step: int, world: int) -> None:
     """In the first round under hyperpodrun, wait at step HOLD_AT until the launcher announced an event.
 
     The test adds or removes a node meanwhile; the launcher then picks a target step. No timing involved.
+    With RUN_DIR/shrink-later, wait again at step SHRINK_HOLD_AT (the job has grown by then) until an event
+    to a smaller world was announced: the test removes a node meanwhile.
     """
-    if not (is_elastic() and restart_reason() == "start" and step == HOLD_AT):
+    if not is_elastic():
         return
-    (run / f"held-{rank}").touch()
+    if restart_reason() == "start" and step == HOLD_AT:
+        _hold(run / f"held-{rank}", lambda: current_event() is not None, f"a scale event at step {step}")
+    elif step == SHRINK_HOLD_AT and (run / "shrink-later").exists():
+        _hold(run / f"shrink-held-{rank}", lambda: _smaller(world), f"an event to fewer than {world} ranks")
+
+
+def _smaller(world: int) -> bool:
+    event = current_event()
+    return event is not None and event.world_size < world
+
+
+def _hold(marker: Path, announced, what: str) -> None:
+    marker.touch()
     deadline = time.monotonic() + HOLD_TIMEOUT
-    while current_event() is None:
+    while not announced():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no scale event announced within {HOLD_TIMEOUT:g}s of holding at step {HOLD_AT}")
+            raise TimeoutError(f"{marker.name}: no announcement of {what} within {HOLD_TIMEOUT:g}s")
         time.sleep(0.02)
 
 

@@ -73,7 +73,7 @@ class Record(L.Callback):
         rank = trainer.global_rank
         log_step(run, rank=rank, world=trainer.world_size, step=step, ids=module.seen, loss=mean if rank == 0 else None)
         module.seen, module.losses = [], []
-        hold_for_event(run, rank=rank, step=step)
+        hold_for_event(run, rank=rank, step=step, world=trainer.world_size)
 
 
 L.seed_everything(0, verbose=False)
