@@ -570,12 +570,14 @@ def require_train_script() -> Path:
     return TRAIN_SCRIPT
 
 
-def add_train_arguments(parser: argparse.ArgumentParser, *, global_batch: int = 8, micro_batch: int = 2) -> None:
-    """Flags that shape the example's training run; ``--train-args`` passes anything else through."""
+def add_train_arguments(parser: argparse.ArgumentParser, *, global_batch: int | None = 8, micro_batch: int = 2) -> None:
+    """Flags that shape the example's training run; ``--train-args`` passes anything else through.
+    ``global_batch=None``: the script fills it in after parsing (from the ranks a node holds)."""
     group = parser.add_argument_group("example trainer (examples/llama_finetune/train.py)")
     group.add_argument("--model", default="tiny", help="model preset passed to train.py [tiny]")
     group.add_argument("--seq-len", type=int, default=256, help="tokens per sample [256]")
-    group.add_argument("--global-batch", type=int, default=global_batch, help=f"samples per step [{global_batch}]")
+    shown = global_batch if global_batch is not None else "4 per rank of a node"
+    group.add_argument("--global-batch", type=int, default=global_batch, help=f"samples per step [{shown}]")
     group.add_argument("--micro-batch", type=int, default=micro_batch, help=f"samples per micro-batch [{micro_batch}]")
     group.add_argument("--train-args", default="", help='more train.py flags, e.g. "--fsdp --device cuda --dtype bf16"')
 

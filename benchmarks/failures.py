@@ -36,8 +36,8 @@ analysis reuses ``scale_analysis`` (medians and ratios per kind and variant).
 
     python benchmarks/failures.py [--quick | --smoke] [--seed N] [--kinds rank_crash,hang,node_loss]
         [--launchers hyperpodrun,hyperpodrun-restart,torchrun-noshare,torchrun]
-    python benchmarks/failures.py --quick --launchers hyperpodrun,torchrun-noshare --nproc-per-node 2 \
-        --global-batch 8 --kinds rank_crash,node_loss --layouts ddp,fsdp,hsdp   # layouts in one run
+    python benchmarks/failures.py --quick --launchers hyperpodrun,torchrun-noshare --kinds rank_crash,node_loss \
+        --layouts ddp,fsdp,hsdp   # layouts in one run; nodes of 2 ranks as in scale_events.py
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ from scale_events import (
     add_scenario_arguments,
     chosen_launchers,
     chosen_layouts,
+    resolve_node_shape,
     run_variants,
 )
 
@@ -412,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
+    resolve_node_shape(args)
     args.launchers = chosen_launchers(args, DEFAULT_VARIANTS)
     layouts = chosen_layouts(args)
     for k in args.kinds:

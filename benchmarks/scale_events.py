@@ -38,12 +38,15 @@ same way (``torchft_peer.py``) and the survivors' pause is reported beside ours.
 A launcher that hangs or exits is recorded as such, with its output tail, and its scenario
 stops there. Every launcher run has a hard deadline and every process tree is killed at the end.
 
+A simulated node holds 2 ranks (``--smoke``: 1, for CI's 2 cores) and the global batch is 4 samples a rank of
+a node, unless ``--nproc-per-node`` and ``--global-batch`` say otherwise; a join or leave adds or removes a
+whole node.
+
 ``--layouts ddp,fsdp,hsdp`` runs every launcher variant once per model layout (a replicated model, FSDP2
 over the world, HSDP with a replica per node; :mod:`layouts`), all in the same run, and compares them.
 
     python benchmarks/scale_events.py [--quick | --smoke] [--launchers hyperpodrun,hyperpodrun-restart,torchrun-noshare,torchrun]
-    python benchmarks/scale_events.py --quick --launchers hyperpodrun,torchrun-noshare --nproc-per-node 2 \
-        --global-batch 8 --layouts ddp,fsdp,hsdp
+    python benchmarks/scale_events.py --quick --launchers hyperpodrun,torchrun-noshare --layouts ddp,fsdp,hsdp
 """
 
 from __future__ import annotations
@@ -110,6 +113,11 @@ SCENARIO = {
 }
 EVENT_TIMEOUT_S = {"smoke": 60.0, "quick": 90.0, "full": 120.0}
 SETTLE_STEPS = {"smoke": 2, "quick": 4, "full": 6}
+#: Ranks per simulated node unless --nproc-per-node says: a node of several ranks, as users run; the smoke's
+#: one rank a node keeps CI's 2 cores from running 6 ranks (and their launchers) at once.
+NPROC_PER_NODE = {"smoke": 1, "quick": 2, "full": 2}
+#: Samples per step and rank of the default global batch (--global-batch): 4 a node of 1 rank, 8 of 2.
+BATCH_PER_NODE_RANK = 4
 STARTUP_TIMEOUT_S = 180.0
 CTL_TIMEOUT_S = 30.0
 DETECT_TORCHRUN = re.compile(r"will restart worker group")
@@ -449,6 +457,15 @@ def torchft_ratios(summary: dict[str, Any], peer: dict[str, Any]) -> dict[str, f
     return out
 
 
+def resolve_node_shape(args: argparse.Namespace) -> None:
+    """Fill in the defaults that depend on the mode: ranks per node, then a global batch of
+    :data:`BATCH_PER_NODE_RANK` samples per rank of a node."""
+    if args.nproc_per_node is None:
+        args.nproc_per_node = NPROC_PER_NODE[args.mode]
+    if args.global_batch is None:
+        args.global_batch = BATCH_PER_NODE_RANK * args.nproc_per_node
+
+
 def add_scenario_arguments(parser: argparse.ArgumentParser, *, default_launchers: str) -> None:
     """The options of a launcher-variant scenario (also ``failures.py``'s)."""
     parser.add_argument(
@@ -463,15 +480,16 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, *, default_launchers
     parser.add_argument(
         "--nproc-per-node",
         type=int,
-        default=Timers.nproc_per_node,
-        help="ranks per simulated node [1]; with --train-args=--hsdp a node is one replica",
+        default=None,
+        help=f"ranks per simulated node [{NPROC_PER_NODE['quick']}; --smoke: {NPROC_PER_NODE['smoke']}]; with "
+        "--train-args=--hsdp a node is one replica",
     )
     parser.add_argument(
         "--layouts",
         default=None,
         help="run every launcher once per model layout, from ddp,fsdp,hsdp (e.g. ddp,fsdp,hsdp), and compare them",
     )
-    add_train_arguments(parser, global_batch=4, micro_batch=2)
+    add_train_arguments(parser, global_batch=None, micro_batch=2)
     parser.set_defaults(seq_len=128)
 
 
@@ -552,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         add_scenario_arguments(parser, default_launchers=f"all; smoke: {', '.join(DEFAULT_VARIANTS['smoke'])}")
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
+    resolve_node_shape(args)
     args.launchers = chosen_launchers(args, DEFAULT_VARIANTS)
     layouts = chosen_layouts(args)
     timers = Timers(step_time_s=args.step_time, nproc_per_node=args.nproc_per_node)

@@ -210,6 +210,26 @@ def test_train_args_validate_and_build_the_command_line(bench: Any, tmp_path: Pa
     assert args.tokens_per_step == 256
 
 
+@pytest.mark.parametrize(
+    ("argv", "shape"),
+    [
+        (["--quick"], (2, 8)),  # nodes of 2 ranks, 4 samples a rank of a node
+        (["--smoke"], (1, 4)),  # CI's 2 cores: nodes of one rank
+        (["--quick", "--nproc-per-node", "1"], (1, 4)),
+        (["--nproc-per-node", "4", "--global-batch", "6"], (4, 6)),  # full mode; both given win
+    ],
+)
+def test_scenarios_run_nodes_of_two_ranks_unless_told_otherwise(bench: Any, argv: list[str], shape: tuple) -> None:
+    se, common = bench("scale_events"), bench("common")
+
+    def add(parser: Any) -> None:
+        se.add_scenario_arguments(parser, default_launchers="all")
+
+    args = common.parse_args("x", add_arguments=add, argv=argv)
+    se.resolve_node_shape(args)
+    assert (args.nproc_per_node, args.global_batch) == shape
+
+
 def test_measure_event_reads_downtime_and_lost_steps(bench: Any) -> None:
     se = bench("scale_events")
     # world 1 until step 12 (t=106), an event at t=105, the restart resumes from checkpoint 10.
