@@ -3,6 +3,7 @@
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -58,7 +59,7 @@ def _smaller(world: int) -> bool:
     return event is not None and event.world_size < world
 
 
-def _hold(marker: Path, announced, what: str) -> None:
+def _hold(marker: Path, announced: Callable[[], bool], what: str) -> None:
     marker.touch()
     deadline = time.monotonic() + HOLD_TIMEOUT
     while not announced():
