@@ -78,6 +78,19 @@ def _run(doc: Summary | None, what: str) -> str:
     return f"{what}, {doc['started_at'][:10]}, commit `{commit}`{dirty}, {load_note(doc, short=True)}"
 
 
+def _nproc(doc: Summary) -> int:
+    """Ranks per simulated node of a scenario run (summaries that do not say ran nodes of one rank)."""
+    return int(dig(doc, "params", "timers", "nproc_per_node") or 1)
+
+
+def _other_nodes(doc: Summary | None, first: Summary | None) -> str:
+    """`` (nodes of N rank(s))`` when ``doc`` ran nodes of another size than ``first``, the caption's."""
+    if doc is None or first is None or _nproc(doc) == _nproc(first):
+        return ""
+    nproc = _nproc(doc)
+    return f" (nodes of {nproc} rank{'s' if nproc > 1 else ''})"
+
+
 def render_event_costs(docs: Mapping[str, Summary]) -> str:
     """The "What each event costs" block of README.md."""
     scale, fail, fsdp = docs.get("scale_events"), docs.get("failures"), docs.get("failures_fsdp")
@@ -94,7 +107,7 @@ def render_event_costs(docs: Mapping[str, Summary]) -> str:
             f"`failures.py --{fail['mode'] if fail else 'quick'}`"
             + (f" ({per_kind} of each failure)" if per_kind else ""),
         ),
-        _run(fsdp, "with `--train-args=--fsdp` for the sharded row"),
+        _run(fsdp, "with `--train-args=--fsdp` for the sharded row" + _other_nodes(fsdp, scale or fail)),
         _run(soak, f"`soak.py --{soak['mode'] if soak else 'smoke'}` for etcd"),
     ]
     first = scale or fail or {}
@@ -103,9 +116,11 @@ def render_event_costs(docs: Mapping[str, Summary]) -> str:
     machine = f"{cpus}-core " if cpus else ""
     machine += f"machine with {len(gpus)} GPU(s)" if gpus else "CPU machine"
     model = dig(first, "params", "train", "model")
+    nproc = _nproc(first)
     out = [
         f"Measured by [`benchmarks/`](benchmarks/README.md) on a {machine} ("
         + (f"{model} model, " if model else "")
+        + (f"nodes of {nproc} rank{'s' if nproc > 1 else ''}, " if first else "")
         + ("NCCL, " if gpus else "gloo, ")
         + (f"{step:g} s steps, " if step else "")
         + (f"a checkpoint every {ckpt} steps for the restart paths to resume from" if ckpt else "periodic checkpoints")

@@ -95,11 +95,22 @@ def test_figures_show_ratios_first_then_each_variant(report: ModuleType) -> None
     assert not any("nested" in line for line in lines)
 
 
+def test_event_costs_name_the_ranks_a_node_held_and_a_run_that_held_other_counts(report: ModuleType) -> None:
+    docs = report.load_summaries(FIXTURES)
+    for name in ("scale_events", "failures"):
+        docs[name]["params"]["timers"]["nproc_per_node"] = 2
+    intro = report.render_event_costs(docs).splitlines()[0]
+    assert "(tiny model, nodes of 2 ranks, gloo, " in intro
+    assert "with `--train-args=--fsdp` for the sharded row (nodes of 1 rank), " in intro  # its summary says none
+    docs["failures_fsdp"]["params"]["timers"]["nproc_per_node"] = 2
+    assert "for the sharded row, " in report.render_event_costs(docs).splitlines()[0]
+
+
 def test_event_costs_rows_come_from_the_summaries(report: ModuleType) -> None:
     lines = report.render_event_costs(report.load_summaries(FIXTURES)).splitlines()
     intro = lines[0]
     assert intro.startswith(
-        "Measured by [`benchmarks/`](benchmarks/README.md) on a 2-core CPU machine (tiny model, gloo, "
+        "Measured by [`benchmarks/`](benchmarks/README.md) on a 2-core CPU machine (tiny model, nodes of 1 rank, gloo, "
     )
     assert "0.5 s steps, a checkpoint every 10 steps" in intro
     assert "`scale_events.py --quick`, 2026-11-23, commit `728e54e`, load 0.2 – 1.1 on 2 CPUs" in intro
