@@ -2,8 +2,8 @@
 
 The same training script as ``scale_events.py`` (the example trainer: tiny Llama,
 ``ElasticTraining``, ``--min-step-time`` for a fixed step time, a periodic checkpoint every
-``--ckpt-every`` steps) on 2 simulated nodes x 1 rank (one launcher per node on this machine;
-B starts once A hosts the store), under each launcher variant in the same run:
+``--ckpt-every`` steps) on 2 simulated nodes of 2 ranks (``--smoke``: 1; one launcher per node on this
+machine; B starts once A hosts the store), under each launcher variant in the same run:
 
 * ``hyperpodrun`` (``--restart-mode auto``): every rank uses ``ElasticTraining``, so the round
   runs in process and a failure is repaired in place: the survivors catch the failed collective
@@ -17,7 +17,11 @@ B starts once A hosts the store), under each launcher variant in the same run:
 
 Failures (``--kinds``, drawn in turn), always of node B's rank or node (the node without global
 rank 0), at seeded random steps (the same steps for every variant, spread over the checkpoint
-interval), each once the job has recovered from the previous one and trained a few steps:
+interval), each once the job has recovered from the previous one and trained a few steps. In place, a
+crash or a hang is injected only once the victim node's spare rank is ready (up to 60 s; each event records
+``spare_ready`` and the seconds waited), as a job whose failures come hours apart finds it: on 2 cores a
+spare takes seconds to import torch, and a failure before that measures a spare still starting. The other
+variants keep no spare, so hyperpodrun's failures can come a few steps later than the plan (``late_by_steps``):
 
     rank_crash  kill -9 of the rank
     hang        SIGSTOP of the rank (hyperpodrun ``--hang-timeout 5``; torchrun has no hang
@@ -109,6 +113,11 @@ KIND_ACTION = {
     "node_loss": "kill -9 of its launcher's tree",
     "hang": "SIGSTOP of its rank",
 }
+#: Failures an in-place job repairs with the node's spare rank (a lost node takes its spare with it), the
+#: agent records that start or use one, and how long to wait for it before injecting such a failure.
+SPARE_KINDS = ("rank_crash", "hang")
+SPARE_RECORDS = ("workers_started", "ranks_replaced", "spare_ready")
+SPARE_WAIT_S = 60.0
 #: torchrun has no hang detection: a stopped rank blocks its peers until the collective timeout.
 NOT_DETECTED = {"torchrun": ("hang",), "torchrun-noshare": ("hang",)}
 HANG_TIMEOUT_S = 5.0
@@ -214,8 +223,37 @@ class FailureScenario(Scenario):
         for kind, step in plan:
             if kind in NOT_DETECTED.get(self.variant, ()):
                 continue
+            spare = self._await_spare(kind)
             self.wait_step(step, world=full, what=f"{self.variant}: step {step} at world {full}")
-            yield functools.partial(self._failure, kind=kind, step=step)
+            yield functools.partial(self._failure, kind=kind, step=step, spare=spare)
+
+    def _await_spare(self, kind: str) -> dict[str, Any]:
+        """In place, a crashed or hung rank is replaced by its node's spare rank: before such a failure, wait (up
+        to :data:`SPARE_WAIT_S`) until the victim's node reports its spare ready, as a job whose failures come
+        hours apart would find it. Returns what was found: ``ready`` and the seconds waited (both None: no
+        spare in this variant or for this kind)."""
+        if self.variant != "hyperpodrun" or kind not in SPARE_KINDS:
+            return {"ready": None, "waited_s": None}
+        node, _ = self._victim()
+        t0 = time.monotonic()
+        try:
+            self.bus.wait_for(
+                lambda _: self._check_job() or self._spare_ready(node),
+                timeout=SPARE_WAIT_S,
+                what=f"{self.variant}: node {node}'s spare rank",
+            )
+            ready = True
+        except BenchmarkTimeoutError:
+            ready = False  # the failure then measures a repair whose replacement is still starting
+        return {"ready": ready, "waited_s": time.monotonic() - t0}
+
+    def _spare_ready(self, name: str) -> bool:
+        """Whether node ``name``'s agent reported its spare ready after it last started or replaced ranks."""
+        suffix, ready = f"-{self.nodes[name].pid}", False
+        for record in self.event_log():
+            if str(record["node"]).endswith(suffix) and record["event"] in SPARE_RECORDS:
+                ready = record["event"] == "spare_ready"
+        return ready
 
     def _resumed_after(self, t_event: float) -> float | None:
         """When hyperpodrun's log says the job runs again after the failure at ``t_event`` (None: not yet)."""
@@ -304,7 +342,9 @@ class FailureScenario(Scenario):
             f"{ {name: self.rank_pids(name) for name in self.nodes} }",
         )
 
-    def _failure(self, index: int, *, kind: str, step: int) -> dict[str, Any]:
+    def _failure(self, index: int, *, kind: str, step: int, spare: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Inject ``kind`` at ``step`` and measure the job's way back; ``spare``: what :meth:`_await_spare`
+        found before it (None: not looked for)."""
         node, pid = self._victim()
         full = self.full_world
         world = full - self.timers.nproc_per_node if kind == "node_loss" else full
@@ -329,6 +369,8 @@ class FailureScenario(Scenario):
             "t_event": t_event,
             "from_world": full,
             "to_world": world,
+            "spare_ready": (spare or {}).get("ready"),
+            "spare_waited_s": (spare or {}).get("waited_s"),
         }
         grace = self.timers.step_time_s
 

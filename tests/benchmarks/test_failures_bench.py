@@ -131,6 +131,9 @@ def test_failures_smoke(tmp_path: Path) -> None:
         order = [phases[p] for p in (*repair, "group_torn_down", "group_up", "hydrated", "first_step")]
         assert order == sorted(order) and order[0] > 0, phases
         assert "workers_started" not in phases and "checkpoint_loaded" not in phases  # nothing restarted or read
+        # a crash or a hang waited for the victim node's spare (a lost node takes its spare along)
+        spare = (ev["spare_ready"], ev["spare_waited_s"] is not None and ev["spare_waited_s"] >= 0)
+        assert spare == ((None, False) if ev["kind"] == "node_loss" else (True, True)), ev
     hang = run["events"][1]
     # not before its timeout, counted from the rank's last step (up to a step before the SIGSTOP)
     assert hang["hang_idle_s"] >= data["params"]["timers"]["hang_timeout_s"], hang
