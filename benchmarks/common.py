@@ -570,13 +570,15 @@ def require_train_script() -> Path:
     return TRAIN_SCRIPT
 
 
-def add_train_arguments(parser: argparse.ArgumentParser, *, global_batch: int | None = 8, micro_batch: int = 2) -> None:
+def add_train_arguments(
+    parser: argparse.ArgumentParser, *, global_batch: int | None = 8, micro_batch: int = 2, global_batch_is: str = ""
+) -> None:
     """Flags that shape the example's training run; ``--train-args`` passes anything else through.
-    ``global_batch=None``: the script fills it in after parsing (from the ranks a node holds)."""
+    ``global_batch=None``: the script fills it in after parsing, as ``global_batch_is`` tells ``--help``."""
     group = parser.add_argument_group("example trainer (examples/llama_finetune/train.py)")
     group.add_argument("--model", default="tiny", help="model preset passed to train.py [tiny]")
     group.add_argument("--seq-len", type=int, default=256, help="tokens per sample [256]")
-    shown = global_batch if global_batch is not None else "4 per rank of a node"
+    shown = global_batch if global_batch is not None else global_batch_is
     group.add_argument("--global-batch", type=int, default=global_batch, help=f"samples per step [{shown}]")
     group.add_argument("--micro-batch", type=int, default=micro_batch, help=f"samples per micro-batch [{micro_batch}]")
     group.add_argument("--train-args", default="", help='more train.py flags, e.g. "--fsdp --device cuda --dtype bf16"')

@@ -118,6 +118,17 @@ KIND_ACTION = {
 SPARE_KINDS = ("rank_crash", "hang")
 SPARE_RECORDS = ("workers_started", "ranks_replaced", "spare_ready")
 SPARE_WAIT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpareWait:
+    """What the wait for the victim node's spare found before a failure: whether it was ready and the seconds
+    waited (both None: not looked for, no spare in this variant or for this kind)."""
+
+    ready: bool | None = None
+    waited_s: float | None = None
+
+
 #: torchrun has no hang detection: a stopped rank blocks its peers until the collective timeout.
 NOT_DETECTED = {"torchrun": ("hang",), "torchrun-noshare": ("hang",)}
 HANG_TIMEOUT_S = 5.0
@@ -227,13 +238,12 @@ class FailureScenario(Scenario):
             self.wait_step(step, world=full, what=f"{self.variant}: step {step} at world {full}")
             yield functools.partial(self._failure, kind=kind, step=step, spare=spare)
 
-    def _await_spare(self, kind: str) -> dict[str, Any]:
+    def _await_spare(self, kind: str) -> SpareWait:
         """In place, a crashed or hung rank is replaced by its node's spare rank: before such a failure, wait (up
         to :data:`SPARE_WAIT_S`) until the victim's node reports its spare ready, as a job whose failures come
-        hours apart would find it. Returns what was found: ``ready`` and the seconds waited (both None: no
-        spare in this variant or for this kind)."""
+        hours apart would find it."""
         if self.variant != "hyperpodrun" or kind not in SPARE_KINDS:
-            return {"ready": None, "waited_s": None}
+            return SpareWait()
         node, _ = self._victim()
         t0 = time.monotonic()
         try:
@@ -245,15 +255,20 @@ class FailureScenario(Scenario):
             ready = True
         except BenchmarkTimeoutError:
             ready = False  # the failure then measures a repair whose replacement is still starting
-        return {"ready": ready, "waited_s": time.monotonic() - t0}
+        return SpareWait(ready=ready, waited_s=time.monotonic() - t0)
 
     def _spare_ready(self, name: str) -> bool:
         """Whether node ``name``'s agent reported its spare ready after it last started or replaced ranks."""
-        suffix, ready = f"-{self.nodes[name].pid}", False
-        for record in self.event_log():
-            if str(record["node"]).endswith(suffix) and record["event"] in SPARE_RECORDS:
+        ready = False
+        for record in self._node_records(name):
+            if record["event"] in SPARE_RECORDS:
                 ready = record["event"] == "spare_ready"
         return ready
+
+    def _node_records(self, name: str) -> Iterator[dict[str, Any]]:
+        """hyperpodrun's event-log records from node ``name``'s current launcher (its node id ends in its pid)."""
+        suffix = f"-{self.nodes[name].pid}"
+        return (record for record in self.event_log() if str(record["node"]).endswith(suffix))
 
     def _resumed_after(self, t_event: float) -> float | None:
         """When hyperpodrun's log says the job runs again after the failure at ``t_event`` (None: not yet)."""
@@ -309,11 +324,9 @@ class FailureScenario(Scenario):
         """hyperpodrun: the pids of node ``name``'s training ranks, by local rank, as its agent last started
         them (a failed rank's replacement in its place; the spare rank, which runs the same script and
         waits, is not one of them)."""
-        suffix, latest = f"-{self.nodes[name].pid}", {}
+        latest: dict[int, int] = {}
         nproc = self.timers.nproc_per_node
-        for record in self.event_log():
-            if not str(record["node"]).endswith(suffix):
-                continue
+        for record in self._node_records(name):
             if record["event"] == "workers_started":  # {local rank: pid} (JSON keys are strings)
                 latest = {int(local): pid for local, pid in record["pids"].items()}
             elif record["event"] == "ranks_replaced":  # global ranks, contiguous per node, and their new pids
@@ -342,9 +355,9 @@ class FailureScenario(Scenario):
             f"{ {name: self.rank_pids(name) for name in self.nodes} }",
         )
 
-    def _failure(self, index: int, *, kind: str, step: int, spare: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _failure(self, index: int, *, kind: str, step: int, spare: SpareWait = SpareWait()) -> dict[str, Any]:
         """Inject ``kind`` at ``step`` and measure the job's way back; ``spare``: what :meth:`_await_spare`
-        found before it (None: not looked for)."""
+        found before it."""
         node, pid = self._victim()
         full = self.full_world
         world = full - self.timers.nproc_per_node if kind == "node_loss" else full
@@ -369,8 +382,8 @@ class FailureScenario(Scenario):
             "t_event": t_event,
             "from_world": full,
             "to_world": world,
-            "spare_ready": (spare or {}).get("ready"),
-            "spare_waited_s": (spare or {}).get("waited_s"),
+            "spare_ready": spare.ready,
+            "spare_waited_s": spare.waited_s,
         }
         grace = self.timers.step_time_s
 

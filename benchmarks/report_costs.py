@@ -87,8 +87,11 @@ def _other_nodes(doc: Summary | None, first: Summary | None) -> str:
     """`` (nodes of N rank(s))`` when ``doc`` ran nodes of another size than ``first``, the caption's."""
     if doc is None or first is None or _nproc(doc) == _nproc(first):
         return ""
-    nproc = _nproc(doc)
-    return f" (nodes of {nproc} rank{'s' if nproc > 1 else ''})"
+    return f" ({_nodes_of(_nproc(doc))})"
+
+
+def _nodes_of(nproc: int) -> str:
+    return f"nodes of {nproc} rank{'s' if nproc > 1 else ''}"
 
 
 def render_event_costs(docs: Mapping[str, Summary]) -> str:
@@ -116,11 +119,10 @@ def render_event_costs(docs: Mapping[str, Summary]) -> str:
     machine = f"{cpus}-core " if cpus else ""
     machine += f"machine with {len(gpus)} GPU(s)" if gpus else "CPU machine"
     model = dig(first, "params", "train", "model")
-    nproc = _nproc(first)
     out = [
         f"Measured by [`benchmarks/`](benchmarks/README.md) on a {machine} ("
         + (f"{model} model, " if model else "")
-        + (f"nodes of {nproc} rank{'s' if nproc > 1 else ''}, " if first else "")
+        + (f"{_nodes_of(_nproc(first))}, " if first else "")
         + ("NCCL, " if gpus else "gloo, ")
         + (f"{step:g} s steps, " if step else "")
         + (f"a checkpoint every {ckpt} steps for the restart paths to resume from" if ckpt else "periodic checkpoints")

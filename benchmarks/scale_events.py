@@ -489,7 +489,9 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, *, default_launchers
         default=None,
         help="run every launcher once per model layout, from ddp,fsdp,hsdp (e.g. ddp,fsdp,hsdp), and compare them",
     )
-    add_train_arguments(parser, global_batch=None, micro_batch=2)
+    add_train_arguments(
+        parser, global_batch=None, micro_batch=2, global_batch_is=f"{BATCH_PER_NODE_RANK} per rank of a node"
+    )
     parser.set_defaults(seq_len=128)
 
 
