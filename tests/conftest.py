@@ -33,9 +33,21 @@ def fresh_rank_context() -> Iterator[None]:
     rank_context.cache_clear()
 
 
+PHASE_REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
+    """Each phase's report is kept on the test (``item.stash[PHASE_REPORTS]``) for fixtures that act on a failure."""
+    report = yield
+    item.stash.setdefault(PHASE_REPORTS, {})[report.when] = report
+    return report
+
+
 @pytest.fixture
-def make_job(tmp_path: Path) -> Iterator:
-    """Makes ElasticJobs (real launchers on this machine) in the test's directory; kills what is left at the end."""
+def make_job(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
+    """Makes ElasticJobs (real launchers on this machine) in the test's directory; kills what is left at the end.
+    A test that failed prints each job's post-mortem (event log and launchers' stderr tails) first."""
     jobs: list[ElasticJob] = []
 
     def make(**kwargs) -> ElasticJob:
@@ -44,5 +56,8 @@ def make_job(tmp_path: Path) -> Iterator:
         return job
 
     yield make
+    call = request.node.stash.get(PHASE_REPORTS, {}).get("call")
     for job in jobs:
+        if call is not None and call.failed:
+            print(job.post_mortem())
         job.close()

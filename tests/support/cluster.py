@@ -183,6 +183,23 @@ class ElasticJob:
                 pass
         self.nodes[name].wait(timeout=30)
 
+    def post_mortem(self, *, events: int = 40, lines: int = 12) -> str:
+        """What a failed test leaves for whoever reads CI's output: the run dir, the last ``events`` records of
+        the event log (one short line each) and the last ``lines`` of each launcher's stderr."""
+        keep = ("ts", "event", "node", "round", "world_size")
+        records = self.events()
+        t0 = records[0].get("ts", 0.0) if records else 0.0
+        out = [f"run dir: {self.run_dir}", f"last {events} of {len(records)} events (seconds from the first):"]
+        for r in records[-events:]:
+            rest = {k: v for k, v in r.items() if k not in (*keep, "job")}
+            head = f"{r.get('ts', t0) - t0:7.2f} {r.get('event')} node={r.get('node')} round={r.get('round')}"
+            out.append(f"  {head} world={r.get('world_size')} {json.dumps(rest, default=str)[:240]}")
+        for name in self.nodes:
+            err = self.run_dir / f"{name}.err"
+            tail = err.read_text(errors="replace").splitlines()[-lines:] if err.exists() else []
+            out += [f"launcher {name} stderr, last {len(tail)} lines:", *(f"  {line[:240]}" for line in tail)]
+        return "\n".join(out)
+
     def close(self) -> None:
         for proc in self.nodes.values():
             if proc.poll() is None:
