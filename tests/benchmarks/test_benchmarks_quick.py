@@ -511,6 +511,20 @@ def test_hydration_smoke(out_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_catch_up_smoke(out_dir: Path) -> None:
+    """The joiner's copy, stepped through the survivor's records, ends on the survivor's state in every repetition."""
+    data = run_smoke("catch_up", out_dir)
+    s = data["summary"]
+    assert s["exact"] is True and data["samples"]["exact"] == [True, True]
+    for key in ("state_mb", "record_mb", "full_pause_s", "heal_step_slowdown"):
+        assert positive(s[key]), (key, s[key])
+    assert s["record_mb"] == pytest.approx(s["state_mb"] / 3, rel=0.01)  # AdamW: a gradient per parameter of three
+    assert all(r >= 2 for r in s["records"])  # the copy's step, then at least one more before the entry
+    assert s["pause_ratio"] == pytest.approx(s["replay_pause_s"] / s["full_pause_s"], rel=0.02, abs=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_world_reshard_smoke(out_dir: Path) -> None:
     s = run_smoke("world_reshard", out_dir)["summary"]
     for key in ("gather_new_median_s", "gather_dcp_median_s", "load_new_median_s", "load_dcp_median_s", "state_mb"):

@@ -159,24 +159,39 @@ def test_replay_refuses_a_gradient_of_another_shape() -> None:
 
 
 @pytest.mark.parametrize(
-    ("copy_s", "step_s", "max_records", "kind", "enter_at", "replayed", "paused"),
+    ("copy_s", "step_s", "max_records", "kind", "enter_at", "replayed", "paused", "budget"),
     [
-        (2.5, 1.0, 8, EntryKind.REPLAY, 14, 4, 100),  # 3 steps of copy, 1 of margin; one record may be in flight
-        (0.01, 1.0, 8, EntryKind.REPLAY, 12, 2, 100),  # a copy shorter than a step still enters a step later
-        (8.0, 1.0, 8, EntryKind.FULL, 11, 0, 3000),  # 9 records past a bound of 8: the state, survivors waiting
-        (0.0, 0.5, 1, EntryKind.REPLAY, 11, 1, 100),
+        (2.5, 1.0, 8, EntryKind.REPLAY, 14, 4, 100, 0.0),  # 3 steps of copy, 1 of margin; one record may be in flight
+        (0.01, 1.0, 8, EntryKind.REPLAY, 12, 2, 100, 0.0),  # a copy shorter than a step still enters a step later
+        (8.0, 1.0, 8, EntryKind.FULL, 11, 0, 3000, 0.0),  # 9 records past a bound of 8: the state, survivors waiting
+        (0.0, 0.5, 1, EntryKind.FULL, 11, 0, 3000, 0.0),  # nothing to hide: a copy that costs no time
+        (0.2, 1.0, 8, EntryKind.FULL, 11, 0, 3000, 0.25),  # a full copy within the pause budget
+        (0.3, 1.0, 8, EntryKind.REPLAY, 12, 2, 100, 0.25),
     ],
 )
-def test_plan_entry(copy_s, step_s, max_records, kind, enter_at, replayed, paused) -> None:
+def test_plan_entry(copy_s, step_s, max_records, kind, enter_at, replayed, paused, budget) -> None:
     plan = plan_entry(
-        copy_step=10, copy_s=copy_s, step_s=step_s, state_bytes=3000, record_bytes=100, max_records=max_records
+        copy_step=10,
+        copy_s=copy_s,
+        step_s=step_s,
+        state_bytes=3000,
+        record_bytes=100,
+        max_records=max_records,
+        pause_budget_s=budget,
     )
     assert (plan.kind, plan.enter_at, plan.records, plan.paused_bytes) == (kind, enter_at, replayed, paused)
 
 
 @pytest.mark.parametrize(
     "bad",
-    [{"step_s": 0.0}, {"copy_s": -1.0}, {"max_records": 0}, {"margin_steps": 0}, {"copy_step": -1}],
+    [
+        {"step_s": 0.0},
+        {"copy_s": -1.0},
+        {"max_records": 0},
+        {"margin_steps": 0},
+        {"copy_step": -1},
+        {"pause_budget_s": -1},
+    ],
 )
 def test_plan_entry_refuses_bad_input(bad: dict) -> None:
     args = {"copy_step": 0, "copy_s": 1.0, "step_s": 1.0, "state_bytes": 1, "record_bytes": 1, "max_records": 4}

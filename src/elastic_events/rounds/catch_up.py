@@ -186,22 +186,32 @@ def plan_entry(
     record_bytes: int,
     max_records: int,
     margin_steps: int = 1,
+    pause_budget_s: float = 0.0,
 ) -> EntryPlan:
     """The entry of a joiner whose copy of step ``copy_step`` takes ``copy_s`` seconds to send while the
     survivors step every ``step_s`` seconds: it enters ``margin_steps`` after the step during which the copy
     arrives, replaying one record per step since ``copy_step``; the entry step's own record is made as the
     survivors leave the old group, so it may still be in flight while they switch (``paused_bytes``). Where
-    that is more than ``max_records`` records, it enters at the next step with a full copy sent while the
-    survivors wait."""
-    if min(copy_step, state_bytes, record_bytes) < 0 or copy_s < 0 or step_s <= 0 or min(max_records, margin_steps) < 1:
+    that is more than ``max_records`` records, or where the full copy takes no longer than
+    ``pause_budget_s``, it enters at the next step with a full copy sent while the survivors wait.
+
+    The budget is for links that cost the survivors what they would save: on a CPU over loopback the
+    background copy, the records and the joiner's replay take the cores and memory the survivors' steps
+    need, and a full copy pauses them less (``benchmarks/catch_up.py``)."""
+    if (
+        min(copy_step, state_bytes, record_bytes) < 0
+        or min(copy_s, pause_budget_s) < 0
+        or step_s <= 0
+        or min(max_records, margin_steps) < 1
+    ):
         raise ValueError(
-            "plan_entry needs copy_step, state_bytes, record_bytes >= 0, copy_s >= 0, step_s > 0, max_records >= 1 "
-            f"and margin_steps >= 1; got copy_step={copy_step}, state_bytes={state_bytes}, "
+            "plan_entry needs copy_step, state_bytes, record_bytes >= 0, copy_s, pause_budget_s >= 0, step_s > 0, "
+            f"max_records >= 1 and margin_steps >= 1; got copy_step={copy_step}, state_bytes={state_bytes}, "
             f"record_bytes={record_bytes}, copy_s={copy_s}, step_s={step_s}, max_records={max_records}, "
-            f"margin_steps={margin_steps}"
+            f"margin_steps={margin_steps}, pause_budget_s={pause_budget_s}"
         )
     records = math.ceil(copy_s / step_s) + margin_steps
-    if records <= max_records:
+    if records <= max_records and copy_s > pause_budget_s:
         return EntryPlan(
             kind=EntryKind.REPLAY, enter_at=copy_step + records, records=records, paused_bytes=record_bytes
         )
