@@ -20,6 +20,11 @@ made, not while the survivors wait.
 The small state (the step, the sampler, the scheduler's counters, RNG) is not replayed: it is taken
 from the source at entry, as in every hydration. A sharded model's gradient is a shard, so these
 records serve a rank's own shard index (HSDP: one replica's rank ``i`` for another's rank ``i``).
+
+A log registered after the round's commit check (:mod:`.commit`, itself a pre-step hook) records only
+steps whose collectives completed. These parts are not the join path yet: on a CPU over loopback the
+copy, the records and the replay take the cores the survivors' steps need, and ``benchmarks/catch_up.py``
+measures a longer pause than sending the whole state at the entry (``docs/checkpointless.md``).
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ class DeltaLog:
         if since_step < 0:
             raise ValueError(f"since_step must be a step (>= 0), got {since_step}")
         self.since_step, self.max_steps = since_step, max_steps
-        self._optimizer, self._step_of, self._device = optimizer, step_of, torch.device(store_device)
+        self._step_of, self._device = step_of, torch.device(store_device)
         self._deltas: list[StepDelta] = []
         self.overflowed = False
         self._handle = optimizer.register_step_pre_hook(self._record)
