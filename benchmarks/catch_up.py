@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import sys
 import threading
@@ -34,7 +33,16 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from common import BenchmarkResult, format_table, median, parse_args, pyplot, result_tag, run_rank_workers
+from common import (
+    BenchmarkResult,
+    exit_worker,
+    format_table,
+    median,
+    parse_args,
+    plot_repetitions,
+    result_tag,
+    run_rank_workers,
+)
 
 NAME = "catch_up"
 STATE_MB = {"smoke": 4, "quick": 96, "full": 384}  # parameters + AdamW's two moments (3x the parameters)
@@ -240,19 +248,15 @@ def median_of(values: list[float]) -> float:
 
 
 def plot(data: dict, path: Path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    reps = range(1, len(data["full_s"]) + 1)
-    ax.plot(reps, [1e3 * t for t in data["full_s"]], "s--", label="full state at the entry (today)")
-    ax.plot(reps, [1e3 * t for t in data["replay_pause_s"]], "o-", label="copy in the background + step records")
-    ax.set_xlabel("repetition (interleaved)")
-    ax.set_ylabel("survivor's pause, ms")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"A joiner catching up on {data['state_bytes'] / 2**20:.0f} MB (gloo, loopback)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_repetitions(
+        path,
+        [
+            ([1e3 * t for t in data["full_s"]], "s--", "full state at the entry (today)"),
+            ([1e3 * t for t in data["replay_pause_s"]], "o-", "copy in the background + step records"),
+        ],
+        ylabel="survivor's pause, ms",
+        title=f"A joiner catching up on {data['state_bytes'] / 2**20:.0f} MB (gloo, loopback)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.worker:
         rank, port, file = ns.worker
         code = worker_main(int(rank), 2, int(port), state_mb, reps, Path(file))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # skip interpreter finalization: torch's gloo teardown can abort there (pytorch/pytorch#179291)
+        exit_worker(code)
     result = BenchmarkResult(
         name=NAME,
         mode=ns.mode,

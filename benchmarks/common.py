@@ -478,6 +478,32 @@ def pyplot() -> Any:
     return plt
 
 
+def plot_repetitions(
+    path: Path, series: Sequence[tuple[Sequence[float], str, str]], *, ylabel: str, title: str
+) -> None:
+    """One line per ``(values, matplotlib style, label)`` over the interleaved repetitions, written to ``path``."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for values, style, label in series:
+        ax.plot(range(1, len(values) + 1), values, style, label=label)
+    ax.set_xlabel("repetition (interleaved)")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def exit_worker(code: int) -> None:
+    """End a benchmark's worker process with ``code``, its output flushed, skipping interpreter finalization:
+    torch's gloo teardown can abort there (pytorch/pytorch#179291)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A plain-text table; floats get 4 significant digits, ``None`` prints as ``-``."""
 

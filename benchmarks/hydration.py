@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -29,10 +28,11 @@ from pathlib import Path
 
 from common import (
     BenchmarkResult,
+    exit_worker,
     format_table,
     median,
     parse_args,
-    pyplot,
+    plot_repetitions,
     result_tag,
     run_rank_workers,
 )
@@ -110,20 +110,16 @@ def worker_main(rank: int, world: int, port: int, state_mb: int, bucket_mb: floa
 
 
 def plot(data: dict, path: Path) -> None:
-    plt = pyplot()
     mb = data["nbytes"] / 2**20
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    reps = range(1, len(data["hydration_s"]) + 1)
-    ax.plot(reps, [mb / t for t in data["hydration_s"]], "o-", label="hydration (bucketed, + optimizer skeleton)")
-    ax.plot(reps, [mb / t for t in data["broadcast_s"]], "s--", label="plain dist.broadcast, same bytes")
-    ax.set_xlabel("repetition (interleaved)")
-    ax.set_ylabel("MB/s")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"Peer hydration of {mb:.0f} MB on gloo")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_repetitions(
+        path,
+        [
+            ([mb / t for t in data["hydration_s"]], "o-", "hydration (bucketed, + optimizer skeleton)"),
+            ([mb / t for t in data["broadcast_s"]], "s--", "plain dist.broadcast, same bytes"),
+        ],
+        ylabel="MB/s",
+        title=f"Peer hydration of {mb:.0f} MB on gloo",
+    )
 
 
 def measure(*, state_mb: int, ranks: int, bucket_mb: float, reps: int, raw: Path, timeout_s: float = 900.0) -> dict:
@@ -151,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.worker:
         rank, port, file = ns.worker
         code = worker_main(int(rank), ns.ranks, int(port), state_mb, ns.bucket_mb, reps, Path(file))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # skip interpreter finalization: torch's gloo teardown can abort there (pytorch/pytorch#179291)
+        exit_worker(code)
     # Made before the workers start: its start time, load and versions are those of the run.
     result = BenchmarkResult(
         name=NAME,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -31,6 +30,7 @@ from typing import Any
 
 from common import (
     BenchmarkResult,
+    exit_worker,
     format_table,
     median,
     parse_args,
@@ -209,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.worker:
         rank, port, file = ns.worker
         code = worker_main(int(rank), ns.ranks, int(port), ns, Path(file))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # skip interpreter finalization: torch's gloo teardown can abort there (pytorch/pytorch#179291)
+        exit_worker(code)
     result = BenchmarkResult(
         name=NAME,
         mode=ns.mode,
