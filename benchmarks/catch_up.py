@@ -5,13 +5,15 @@ repetition, interleaved in the same processes:
 
 * full (today): at the entry step the survivor stops and sends its whole state (parameters and the
   optimizer's, ``broadcast_tensors``, the skeleton as one object); its pause is that transfer;
-* replay (``elastic_events.rounds.catch_up``): at step ``s`` the survivor copies its state into host
-  buffers (memcpy) and a thread sends the copy on a side group while the survivor goes on training;
-  each step's record (averaged gradients and group options, :class:`~elastic_events.rounds.catch_up.DeltaLog`)
-  follows the copy as it is made; the joiner loads the copy and replays each record as it arrives. The
-  entry step comes from :func:`~elastic_events.rounds.catch_up.plan_entry` (the copy's time measured by the
-  full variant just before, over the steady step time). The survivor's pause is the memcpy at ``s`` plus
-  its wait, at the entry step, for the last record to be sent and replayed. Then the joiner's state is
+* replay (``elastic_events.rounds.catch_up``): a thread copies the survivor's state of step ``s`` into
+  host buffers beside step ``s + 1``'s forward and backward (that step's optimizer step waits for the
+  copy) and sends it on a side group while the survivor trains on; each step's record (averaged gradients
+  and group options, :class:`~elastic_events.rounds.catch_up.DeltaLog`) follows the copy as it is made; the
+  joiner loads the copy and replays each record as it arrives. The entry step ``T`` comes from
+  :func:`~elastic_events.rounds.catch_up.plan_entry` (the full variant's time just before, over the steady
+  step time). The joiner meets the survivor at step ``T + 1``'s all-reduce (a barrier here) before it has
+  replayed ``T``, contributing no samples, and must have applied ``T`` and ``T + 1`` by ``T + 2``'s. The
+  survivor's pause is its extra time over those steps against its steady step. Then the joiner's state is
   compared with the survivor's, tensor by tensor (``exact``).
 
 Also reported: the survivor's step time while the copy travels, over its steady step time (two cores
@@ -93,16 +95,22 @@ def worker_main(rank: int, world: int, port: int, state_mb: int, reps: int, out:
     if rank == 0:
         train_step()  # the survivor has optimizer state; the joiner does not yet
 
-    def state_tensors() -> list[torch.Tensor]:
-        return [*(p.detach() for p in params), *split_tensors(optimizer.state_dict())[1]]
+    def snapshot() -> tuple[object, int, list[torch.Tensor]]:
+        """The optimizer state's skeleton, the step, and the tensors (parameters, then the optimizer's), together."""
+        skeleton, optim = split_tensors(optimizer.state_dict())
+        return skeleton, step[0], [*(p.detach() for p in params), *optim]
 
-    def send_state(tensors: list[torch.Tensor], group: object) -> None:
-        """Rank 0 sends its state's skeleton and ``tensors``; rank 1 loads them into its model and optimizer."""
-        box = [(split_tensors(optimizer.state_dict())[0], step[0]) if rank == 0 else None]
+    def state_tensors() -> list[torch.Tensor]:
+        return snapshot()[2]
+
+    def send_state(held: tuple[object, int, list[torch.Tensor]] | None, group: object) -> None:
+        """Rank 0 sends ``held`` (a :func:`snapshot`, its tensors possibly a copy); rank 1 loads it into its
+        model and optimizer and takes its step."""
+        box = [held[:2] if held is not None else None]
         dist.broadcast_object_list(box, src=0, group=group)
         skeleton, at = box[0]
-        if rank == 0:
-            broadcast_tensors(tensors, src=0, group=group, device=cpu)
+        if held is not None:
+            broadcast_tensors(held[2], src=0, group=group, device=cpu)
             return
         received, optim = allocate_tensors(skeleton, cpu)
         broadcast_tensors([*(p.detach() for p in params), *optim], src=0, group=group, device=cpu)
@@ -152,7 +160,7 @@ def worker_main(rank: int, world: int, port: int, state_mb: int, reps: int, out:
         # full: the whole state at the entry step, the survivor waiting
         dist.barrier()
         t0 = time.perf_counter()
-        send_state(state_tensors(), None)
+        send_state(snapshot() if rank == 0 else None, None)
         full_s = time.perf_counter() - t0
         box = [(full_s, median(steady) if steady else 0.0)]
         dist.broadcast_object_list(box, src=0)
@@ -174,9 +182,10 @@ def worker_main(rank: int, world: int, port: int, state_mb: int, reps: int, out:
             records: queue.Queue[StepDelta | None] = queue.Queue()
 
             def sender(records: queue.Queue[StepDelta | None], copied: threading.Event) -> None:
-                copy = [t.clone() for t in state_tensors()]  # read-only until step s + 1's optimizer step
+                skeleton, at, tensors = snapshot()  # read-only until step s + 1's optimizer step
+                held = (skeleton, at, [t.clone() for t in tensors])
                 copied.set()
-                send_state(copy, side)
+                send_state(held, side)
                 while True:
                     delta = records.get()
                     send_record(delta, side)
@@ -200,14 +209,14 @@ def worker_main(rank: int, world: int, port: int, state_mb: int, reps: int, out:
             thread.join()
             log.close()
             if keep:
-                extra = [h - median(steady) for h in heal]
+                extra = [h - step_s for h in heal]
                 for key, value in (
                     ("full_s", full_s),
                     ("replay_pause_s", max(0.0, sum(extra))),
                     ("copy_step_extra_s", extra[0]),
                     ("entry_step_extra_s", extra[-2]),
                     ("caught_up_step_extra_s", extra[-1]),
-                    ("steady_step_s", median(steady)),
+                    ("steady_step_s", step_s),
                     ("heal_step_s", median(heal)),
                     ("records", plan.records),
                 ):
@@ -221,7 +230,7 @@ def worker_main(rank: int, world: int, port: int, state_mb: int, reps: int, out:
                         raise SystemExit("catch_up: the survivor ended the records early")
                     step[0] = replay(optimizer, [delta], at_step=step[0])
 
-            send_state([], side)
+            send_state(None, side)
             catch_up(plan.records - 1)  # s + 1 .. T - 1, while the survivor trains
             dist.barrier()  # in the group, at step T + 1's all-reduce
             catch_up(2)  # T, then T + 1
@@ -238,10 +247,6 @@ def worker_main(rank: int, world: int, port: int, state_mb: int, reps: int, out:
         )
     dist.destroy_process_group()
     return 0
-
-
-def median_of(values: list[float]) -> float:
-    return median(values) if values else float("nan")
 
 
 # --------------------------------------------------------------------------- driver side
@@ -287,19 +292,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ["--state-mb", str(state_mb), "--reps", str(reps)]
     data = run_rank_workers(__file__, args, ranks=2, raw=ns.out / f"{NAME}_{ns.mode}.raw.json", timeout_s=900.0)
-    full, pause = median_of(data["full_s"]), median_of(data["replay_pause_s"])
+    full, pause = median(data["full_s"]), median(data["replay_pause_s"])
     summary = {
         "state_mb": round(data["state_bytes"] / 2**20, 1),
         "record_mb": round(data["record_bytes"] / 2**20, 1),
         "full_pause_s": round(full, 4),
         "replay_pause_s": round(pause, 4),
-        "replay_copy_step_extra_s": round(median_of(data["copy_step_extra_s"]), 4),
-        "replay_entry_step_extra_s": round(median_of(data["entry_step_extra_s"]), 4),
-        "replay_caught_up_step_extra_s": round(median_of(data["caught_up_step_extra_s"]), 4),
+        "replay_copy_step_extra_s": round(median(data["copy_step_extra_s"]), 4),
+        "replay_entry_step_extra_s": round(median(data["entry_step_extra_s"]), 4),
+        "replay_caught_up_step_extra_s": round(median(data["caught_up_step_extra_s"]), 4),
         "pause_ratio": round(pause / full, 3),
         "pause_ratio_per_rep": [round(p / f, 3) for p, f in zip(data["replay_pause_s"], data["full_s"])],
         "records": data["records"],
-        "heal_step_slowdown": round(median_of(data["heal_step_s"]) / median_of(data["steady_step_s"]), 3),
+        "heal_step_slowdown": round(median(data["heal_step_s"]) / median(data["steady_step_s"]), 3),
         "exact": all(data["exact"]) and len(data["exact"]) == reps,
     }
     result.samples, result.summary = data, summary
