@@ -5,6 +5,7 @@
 - :mod:`.decider`: the scale-event protocol as a pure function of the records and the time.
 - :mod:`.elastic`: store-backed membership (and the decider when this node holds the key).
 - :mod:`.static`: torchrun's fixed membership.
+- :mod:`.ports`: the ports a node advertises for rank 0's store, held until a round binds them.
 
 :func:`create_rendezvous` builds the right one from a :class:`~hyperpodrun.config.LaunchConfig`.
 """
@@ -20,8 +21,8 @@ from hyperpodrun.rendezvous.api import (
     RendezvousHandler,
     RestartReason,
     RoundInfo,
-    free_port,
 )
+from hyperpodrun.rendezvous.ports import PortReservation
 
 if TYPE_CHECKING:
     from hyperpodrun.config import LaunchConfig
@@ -34,8 +35,8 @@ __all__ = [
     "RendezvousHandler",
     "RestartReason",
     "RoundInfo",
+    "PortReservation",
     "create_rendezvous",
-    "free_port",
 ]
 
 

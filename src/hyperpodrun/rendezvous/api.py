@@ -16,7 +16,6 @@ The agent runs one loop for every kind of job (see :mod:`hyperpodrun.agent`)::
 
 from __future__ import annotations
 
-import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -182,10 +181,3 @@ class RendezvousHandler(ABC):
 
     def shutdown(self, *, succeeded: bool) -> None:  # noqa: B027 - optional hook
         """Leave the job for good (the agent is exiting)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (torchrun picks MASTER_PORT the same way)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

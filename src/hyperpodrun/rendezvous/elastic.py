@@ -37,11 +37,11 @@ from hyperpodrun.rendezvous.api import (
     RendezvousHandler,
     RestartReason,
     RoundInfo,
-    free_port,
 )
 from hyperpodrun.rendezvous.decider import DeciderContext
 from hyperpodrun.rendezvous.decider_seat import DeciderSeat
 from hyperpodrun.rendezvous.plans import repairs_in_place
+from hyperpodrun.rendezvous.ports import PortReservation
 from hyperpodrun.rendezvous.records import (
     REPAIR_KINDS,
     AckRecord,
@@ -92,6 +92,9 @@ class ElasticRendezvous(RendezvousHandler):
         self._acked: AckRecord | None = None
         self._acked_event = 0
         self._acked_at = 0.0  # clock() of the last ack
+        # The ports named in this node's record and in its last ack, held until replaced (.ports).
+        self._node_port: PortReservation | None = None
+        self._ack_port: PortReservation | None = None
         self._stopped_reported = 0
         self._leaving = False
         self._reconfigurable = False  # this node's ranks declared the in-process API
@@ -193,10 +196,16 @@ class ElasticRendezvous(RendezvousHandler):
             self.events.emit(EventType.NODE_REJOINED)
 
     def _put_node(self) -> None:
-        """(Re)write this node's record with a port free now: the next round's master port if it hosts rank 0."""
+        """(Re)write this node's record with a port held for it: the next round's master port if it hosts rank 0.
+
+        The port it replaces is let go: the round that could use it is over (a store still
+        listening there keeps listening)."""
+        previous, self._node_port = self._node_port, PortReservation(self._local_addr)
+        if previous is not None:
+            previous.release()
         record = NodeRecord(
             addr=self._local_addr,
-            port=free_port(self._local_addr),
+            port=self._node_port.port,
             nproc=self.ctx.nproc_per_node,
             pid=os.getpid(),
             leaving=self._leaving,
@@ -230,6 +239,9 @@ class ElasticRendezvous(RendezvousHandler):
             log.info("leaving the store: %s", e)
         finally:
             self.store.close()
+            for held in (self._node_port, self._ack_port):
+                if held is not None:
+                    held.release()
 
     def _hosts_store(self) -> bool:
         """Whether this agent's process hosts the job's (embedded) store."""
@@ -474,11 +486,18 @@ class ElasticRendezvous(RendezvousHandler):
             step_time=step_time,
             cooperative=status.cooperative,
             reconfigurable=status.reconfigurable,
-            port=prev.port if prev is not None else free_port(self._local_addr),
+            port=prev.port if prev is not None else self._reserve_ack_port(),
             seq=prev.seq + 1 if prev is not None else 0,
         )
         self._acked, self._acked_event, self._acked_at = ack, ev.id, now
         self.store.put(Keys.acks(ev.id) + self._node_id, encode(ack))
+
+    def _reserve_ack_port(self) -> int:
+        """A port held for a new event's ack (its in-place round's master port if this node hosts rank 0)."""
+        previous, self._ack_port = self._ack_port, PortReservation(self._local_addr)
+        if previous is not None:
+            previous.release()
+        return self._ack_port.port
 
     # -- decider -------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from hyperpodrun.rendezvous.api import (
     RendezvousHandler,
     RestartReason,
     RoundInfo,
-    free_port,
 )
+from hyperpodrun.rendezvous.ports import PortReservation
 from hyperpodrun.rendezvous.records import EventKind
 from hyperpodrun.supervisor import WorkerState
 
@@ -42,6 +42,7 @@ class StaticRendezvous(RendezvousHandler):
         if master_port is None and nnodes > 1:
             master_port = STATIC_MASTER_PORT
         self._master_port = master_port
+        self._round_port: PortReservation | None = None  # a one-node job's port, held for its current round
         self._max_restarts = max_restarts
         self._round = 0
         self._restarts = 0
@@ -52,6 +53,12 @@ class StaticRendezvous(RendezvousHandler):
 
     def next_round(self, *, timeout: float, prewarm: Callable[[], bool] | None = None) -> RoundInfo:
         self._round += 1
+        master_port = self._master_port
+        if master_port is None:
+            if self._round_port is not None:
+                self._round_port.release()
+            self._round_port = PortReservation(self._master_addr)
+            master_port = self._round_port.port
         return RoundInfo(
             round=self._round,
             assignment=GroupAssignment(
@@ -59,7 +66,7 @@ class StaticRendezvous(RendezvousHandler):
                 group_world_size=self._nnodes,
                 nproc_per_node=self._nproc,
                 master_addr=self._master_addr,
-                master_port=self._master_port if self._master_port is not None else free_port(self._master_addr),
+                master_port=master_port,
             ),
             members=tuple(f"node{i}" for i in range(self._nnodes)),
             reason=RestartReason.FAILURE if self._restarts else RestartReason.START,
@@ -84,3 +91,7 @@ class StaticRendezvous(RendezvousHandler):
             event_kind=EventKind.RANK_FAILURE,
             reason=f"{failure}; restarting the workers ({self._restarts}/{self._max_restarts})",
         )
+
+    def shutdown(self, *, succeeded: bool) -> None:
+        if self._round_port is not None:
+            self._round_port.release()
