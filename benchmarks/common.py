@@ -30,7 +30,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ from types import TracebackType
 from typing import IO, Any, Self
 
 from elastic_events import contract
+from hyperpodrun.rendezvous.ports import PortReservation
 
 __all__ = [
     "LAUNCHERS",
@@ -524,11 +524,15 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> st
 # --------------------------------------------------------------------------- environment
 
 
+# Every port handed out below, held until this process exits (see hyperpodrun.rendezvous.ports).
+_HELD_PORTS: list[PortReservation] = []
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A loopback port no other program is handed while this process lives (its server binds it with SO_REUSEADDR)."""
+    held = PortReservation(host)
+    _HELD_PORTS.append(held)
+    return held.port
 
 
 def run_rank_workers(script: str, args: Sequence[str], *, ranks: int, raw: Path, timeout_s: float) -> Any:
