@@ -1,14 +1,17 @@
 """Chaos soak: random joins, leaves, yields, failures and etcd outages against one training job.
 
 The example trainer (tiny Llama, ``--min-step-time`` for a fixed step time, a checkpoint every
-``--ckpt-every`` steps) on 3 simulated nodes (one ``hyperpodrun`` launcher with 1 rank each, all
-on this machine) under one etcd started here. ``--events`` random events at random steps
+``--ckpt-every`` steps) on 3 simulated nodes (one ``hyperpodrun`` launcher with ``--ranks-per-node``
+ranks each, 2 by default, all on this machine) under one etcd started here. ``--events`` random events at random steps
 (seeded by ``--seed``), drawn so that every kind comes up before any repeats:
 
     join          a new launcher starts (up to 3)          leave      SIGTERM to a launcher
     yield         ``hyperpodctl yield 1``                   uncap      ``hyperpodctl uncap``
-    kill_rank     kill -9 of one rank                       kill_node  kill -9 of a launcher's tree,
+    kill_rank     kill -9 of one rank of a node             kill_node  kill -9 of a launcher's tree,
     stop_rank     SIGSTOP of one rank (``--hang-timeout``)             then a new launcher replaces it
+
+A rank event hits one rank of a node at random; its siblings on that node are recorded, and
+whether they were still the same processes once the job recovered (in place they must be).
     etcd_restart  kill -9 of etcd and a restart             etcd_pause etcd frozen (SIGSTOP) for 2-4 s
 
 (A kind that exposes a bug can be left out in :data:`SKIPPED_KINDS`, with the reason; none is now.)
@@ -73,21 +76,24 @@ SKIPPED_KINDS: dict[str, str] = {}
 
 @dataclasses.dataclass(kw_only=True)
 class JobState:
-    """What the driver knows of the job: launchers alive and whether a cap is set."""
+    """What the driver knows of the job: launchers alive, ranks training, whether a cap is set."""
 
+    ranks_per_node: int = 1
     nodes: int = 3
-    world: int = 3
+    world: int = 3  # ranks: members x ranks_per_node
     capped: bool = False
+
+    @classmethod
+    def start(cls, ranks_per_node: int) -> JobState:
+        return cls(ranks_per_node=ranks_per_node, nodes=3, world=3 * ranks_per_node)
 
 
 def eligible(kind: str, state: JobState) -> bool:
-    """Whether ``kind`` can be injected now without taking the job below 1 rank or above 3."""
+    """Whether ``kind`` can be injected now without taking the job below 1 node or above 3."""
     if kind == "join":
         return state.nodes < 3 and not state.capped
-    if kind in ("leave", "kill_node"):
-        return state.world >= 2 and not state.capped
-    if kind == "yield":
-        return state.world >= 2 and not state.capped
+    if kind in ("leave", "kill_node", "yield"):
+        return state.world >= 2 * state.ranks_per_node and not state.capped
     if kind == "uncap":
         return state.capped
     return True
@@ -95,7 +101,8 @@ def eligible(kind: str, state: JobState) -> bool:
 
 def expected_world(kind: str, state: JobState) -> int:
     """The world size training must reach after ``kind`` (kill_node: before its replacement joins)."""
-    return state.world + {"join": 1, "uncap": 1, "leave": -1, "yield": -1, "kill_node": -1}.get(kind, 0)
+    nodes = {"join": 1, "uncap": 1, "leave": -1, "yield": -1, "kill_node": -1}.get(kind, 0)
+    return state.world + nodes * state.ranks_per_node
 
 
 class Deck:
@@ -135,7 +142,7 @@ def run_path(
     # One stream each for the kinds, the gaps and the targets, so that both paths get the same
     # sequence of kinds and gaps even where a target draw (a node, a pause) differs between them.
     rng, gaps = random.Random(f"{seed}-targets"), random.Random(f"{seed}-gaps")
-    deck, state = Deck(kinds, random.Random(f"{seed}-kinds")), JobState()
+    deck, state = Deck(kinds, random.Random(f"{seed}-kinds")), JobState.start(settings.ranks_per_node)
     job = SoakJob(settings, restart_mode=PATHS[path], etcd=etcd, work=work)
     out: dict[str, Any] = {"path": path, "events": [], "job_deaths": [], "failure": None}
     try:
@@ -237,6 +244,8 @@ def one_event(
             ev["to_world"], ev["replaced_s"] = target, time.time() - t_event
         ev["outcome"] = "ok"
         ev["rounds"] = job.round() - round0
+        if detail.get("siblings"):  # a rank event: are the node's other ranks the same processes?
+            ev["siblings_kept"] = job.still_running(detail["siblings"])
     except (BenchmarkTimeoutError, JobDied) as e:
         finished = job.last_step() >= settings.steps
         ev.update(outcome="finished" if finished else "job_death", error=f"{e}\n{job.tails()}")
@@ -353,6 +362,11 @@ def summarize(runs: dict[str, dict[str, Any]], reference: dict[str, Any], single
                     for step in (*ev["check"]["steps_redone"], *ev["check"]["steps_unlogged"])
                 }
             ),
+            # rank events on a node of several ranks: in how many its other ranks went on as the same processes
+            "siblings_kept": [
+                sum(bool(ev["siblings_kept"]) for ev in run["events"] if "siblings_kept" in ev),
+                sum("siblings_kept" in ev for ev in run["events"]),
+            ],
             "final_samples_lost": run["final_check"]["samples_lost"],
             "final_samples_repeated": run["final_check"]["samples_repeated"],
             "launcher_exit_codes": run["exit_codes"],
@@ -419,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--events", type=int, default=None, help="events per path (smoke 5, quick 20, full 100)")
         parser.add_argument("--paths", default=None, help=f"from {', '.join(PATHS)} (smoke: in-process only)")
         parser.add_argument("--kinds", default=None, help=f"event kinds to draw from [{','.join(ledger.KINDS)}]")
+        parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks of each simulated node [2]")
         parser.add_argument("--step-time", type=float, default=0.3, help="fixed step time, s [0.3]")
         parser.add_argument("--ckpt-every", type=int, default=5, help="periodic checkpoint interval, steps [5]")
         parser.add_argument("--dtype", choices=("fp64", "fp32"), default="fp32", help="the example's --dtype [fp32]")
@@ -465,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = 8 + events * (sum(gap) // 2 + 9) + 10
     settings = SoakSettings(
         steps=steps,
+        ranks_per_node=args.ranks_per_node,
+        global_batch=6 * args.ranks_per_node,
         step_time_s=args.step_time,
         ckpt_every=args.ckpt_every,
         dtype=args.dtype,
@@ -487,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             "noise_floor": not args.no_noise_floor,
             "settings": settings.as_params(),
         },
-        baseline="the same 3 nodes training the same steps without events, in the same run (time to the step "
+        baseline=f"the same 3 nodes of {args.ranks_per_node} ranks training the same steps without events, in the same run (time to the step "
         "target, and the final parameters as the fixed-size reference)",
     )
     work_root = args.out / "work" / NAME
@@ -536,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         "positions (--deterministic-reduce), so every world size trains the same bits: any difference from the "
         "reference is an event's doing. With --all-reduce, runs at different world sizes sum in another order and "
         "over hundreds of AdamW steps those last-bit differences grow (~10x every 10 steps on this model, to ~0.5). "
-        "noise_floor_max_abs_diff (the reference at world 3 against one process, neither with events) is what "
+        "noise_floor_max_abs_diff (the reference on 3 nodes against one process, neither with events) is what "
         "the summation order alone produces for the same steps: 0 with the deterministic reduction.",
         f"Event kinds left out: {skipped or 'none'}.",
     ]
@@ -566,12 +583,13 @@ def main(argv: list[str] | None = None) -> int:
     for path, s in result.summary["paths"].items():
         print(
             f"{path}: {s['events_survived']}/{s['events_total']} events survived, {s['job_deaths']} job deaths, "
+            f"siblings of a failed rank kept in {s['siblings_kept'][0]}/{s['siblings_kept'][1]}, "
             f"goodput {s['goodput'] if s['goodput'] is None else round(s['goodput'], 3)}, "
             f"final parameters vs reference max |diff| {s['final_max_abs_diff']}, vs one process "
             f"{s.get('final_vs_single_process_max_abs_diff')}"
         )
     print(
-        f"noise floor (reference at world 3 vs one process, no events): max |diff| "
+        f"noise floor (reference on 3 nodes vs one process, no events): max |diff| "
         f"{result.summary['noise_floor_max_abs_diff']}"
     )
     print(f"wrote {out_path}")

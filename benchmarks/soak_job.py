@@ -1,7 +1,7 @@
 """The soak's job: hyperpodrun launchers of the example trainer under one etcd, and the faults it injects.
 
 One :class:`SoakJob` is one training run (its own ``--rdzv-id``, run dir, logs): launchers are
-started and stopped as simulated nodes (1 rank each), events are injected by :meth:`SoakJob.inject`,
+started and stopped as simulated nodes (``ranks_per_node`` ranks each), events are injected by :meth:`SoakJob.inject`,
 and the waits read rank 0's per-step metrics and the job's event log, each with a deadline that
 names what it waited for.
 """
@@ -54,7 +54,8 @@ class SoakSettings:
     step_time_s: float = 0.3
     ckpt_every: int = 5
     seq_len: int = 64
-    global_batch: int = 6  # 3, 2 or 1 ranks: 2, 3 or 6 samples each
+    ranks_per_node: int = 2
+    global_batch: int = 12  # 3, 2 or 1 nodes of 2 ranks: 2, 3 or 6 samples per rank
     micro_batch: int = 2
     seed: int = 0
     # the example's --deterministic-reduce: gradients summed in an order fixed by batch positions, so every world
@@ -71,11 +72,14 @@ class SoakSettings:
     pause_s: tuple[float, float] = (2.0, 4.0)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "ckpt_every", "seq_len", "global_batch", "micro_batch", "settle_steps"):
+        for name in ("steps", "ranks_per_node", "ckpt_every", "seq_len", "global_batch", "micro_batch", "settle_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.global_batch % 6:
-            raise ValueError(f"global_batch must split evenly over 1, 2 and 3 ranks, got {self.global_batch}")
+        if self.global_batch % (6 * self.ranks_per_node):
+            raise ValueError(
+                f"global_batch must split evenly over the ranks of 1, 2 and 3 nodes of {self.ranks_per_node}, "
+                f"got {self.global_batch}"
+            )
         if self.dtype not in ("fp64", "fp32"):
             raise ValueError(f"dtype must be fp64 or fp32, got {self.dtype!r}")
         if not self.pause_s[1] < self.lease_ttl_s:
@@ -158,7 +162,7 @@ class SoakJob:
             "--nnodes",
             "1:3",
             "--nproc-per-node",
-            "1",
+            str(settings.ranks_per_node),
             "--rdzv-backend",
             "etcd",
             "--rdzv-endpoint",
@@ -190,7 +194,7 @@ class SoakJob:
         ]
         self.env = bench_env(OMP_NUM_THREADS="1")
         # a GPU per launcher alive at a time (members and standbys), or every launcher on the CPU
-        self.devices = DevicePlan.for_host(slots=MAX_LAUNCHERS, nproc=1)
+        self.devices = DevicePlan.for_host(slots=MAX_LAUNCHERS, nproc=settings.ranks_per_node)
         self.slots: dict[str, int] = {}
         if (note := self.devices.note()) is not None:
             print(f"soak: {note}", flush=True)
@@ -256,18 +260,31 @@ class SoakJob:
         pids = {str(node_id).rsplit("-", 1)[-1] for node_id in ids}
         return [name for name in self.alive() if str(self.nodes[name].pid) in pids] or self.alive()
 
-    def rank_pid(self, name: str) -> int | None:
+    def rank_pids(self, name: str) -> list[int]:
+        """The pids of ``name``'s rank processes, once all of them run (empty before)."""
         try:
             children = psutil.Process(self.nodes[name].pid).children(recursive=True)
         except psutil.NoSuchProcess:
-            return None
+            return []
+        running = {}  # pid -> parent pid, of every process running the script (ranks and their data workers)
         for child in children:
             try:
-                if self.script in child.cmdline():
-                    return child.pid
+                if self.script in child.cmdline()[:3]:  # python [-u] script: not the pre-warmed spare (-m ...)
+                    running[child.pid] = child.ppid()
             except psutil.NoSuchProcess:
                 continue
-        return None
+        pids = sorted(pid for pid, parent in running.items() if parent not in running)  # not a rank's own child
+        return pids if len(pids) == self.settings.ranks_per_node else []
+
+    def still_running(self, pids: list[int]) -> bool:
+        """Whether every pid is still a rank process of this job (not exited, not reused)."""
+        for pid in pids:
+            try:
+                if self.script not in psutil.Process(pid).cmdline():
+                    return False
+            except psutil.NoSuchProcess:
+                return False
+        return True
 
     def ctl(self, *args: str) -> str:
         cmd = [
@@ -314,9 +331,10 @@ class SoakJob:
             self.expected_exit.add(name)
             self.nodes[name].kill_tree()
             return {"node": name}
-        pid = self._poll(lambda: self.rank_pid(name), timeout=30, what=f"the rank process of {name}")
+        pids = self._poll(lambda: self.rank_pids(name), timeout=30, what=f"the rank processes of {name}")
+        pid = rng.choice(pids)
         os.kill(pid, signal.SIGKILL if kind == "kill_rank" else signal.SIGSTOP)
-        return {"node": name, "pid": pid}
+        return {"node": name, "pid": pid, "siblings": [p for p in pids if p != pid]}
 
     # -- waits
 
@@ -373,7 +391,7 @@ class SoakJob:
         self.wait_progress(
             world=None, after=time.time(), timeout=self.settings.startup_timeout_s, what="the restart of a dead job"
         )
-        state.nodes, state.world, state.capped = 3, 3, False
+        state.nodes, state.world, state.capped = 3, 3 * self.settings.ranks_per_node, False
 
     def close(self, grace: float = 60.0) -> dict[str, int | None]:
         """Wait up to ``grace`` for the launchers to finish on their own, then kill the rest; exit codes."""

@@ -775,27 +775,31 @@ def test_soak_ledger_counts_lost_and_repeated_samples(bench: Any) -> None:
         ledger.goodput(0.0, 1.0)
 
 
-def test_soak_deck_draws_every_eligible_kind_before_repeating(bench: Any) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_soak_deck_draws_every_eligible_kind_before_repeating(bench: Any, ranks: int) -> None:
     import random
 
     soak = bench("soak")
     kinds = bench("soak_ledger").KINDS
-    state = soak.JobState()
+    state = soak.JobState.start(ranks)
+    assert state.world == 3 * ranks
     assert not soak.eligible("join", state) and not soak.eligible("uncap", state)  # 3 nodes, no cap
-    assert soak.eligible("leave", state) and soak.expected_world("yield", state) == 2
-    assert not soak.eligible("leave", soak.JobState(nodes=1, world=1))
+    assert soak.eligible("leave", state) and soak.expected_world("yield", state) == 2 * ranks
+    assert soak.expected_world("kill_rank", state) == 3 * ranks  # repaired at the same size
+    assert not soak.eligible("leave", soak.JobState(ranks_per_node=ranks, nodes=1, world=ranks))
     deck = soak.Deck(kinds, random.Random(1))
-    drawn = [deck.draw(soak.JobState(nodes=2, world=2, capped=False)) for _ in range(len(kinds) - 1)]
+    two = soak.JobState(ranks_per_node=ranks, nodes=2, world=2 * ranks)
+    drawn = [deck.draw(two) for _ in range(len(kinds) - 1)]
     assert sorted(drawn) == sorted(set(kinds) - {"uncap"})  # uncap waits until a cap is set
-    assert deck.draw(soak.JobState(nodes=3, world=2, capped=True)) == "uncap"
-    again = [soak.Deck(kinds, random.Random(1)).draw(soak.JobState()) for _ in range(3)]
+    assert deck.draw(soak.JobState(ranks_per_node=ranks, nodes=3, world=2 * ranks, capped=True)) == "uncap"
+    again = [soak.Deck(kinds, random.Random(1)).draw(soak.JobState.start(ranks)) for _ in range(3)]
     assert len(set(again)) == 1  # seeded: the same first draw every time
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_soak_smoke(out_dir: Path) -> None:
-    """5 events (leave, join, kill -9 of a rank, etcd paused, etcd restarted) on 3 nodes under etcd. Without the
+    """5 events (leave, join, kill -9 of a rank, etcd paused, etcd restarted) on 3 nodes of 2 ranks under etcd. Without the
     single-process run of the noise floor: that the example's deterministic reduction trains one process's bits
     at another world size is tests/examples/test_train.py's (test_deterministic_reduce_*)."""
     data = run_smoke("soak", out_dir, "--no-noise-floor")
@@ -803,6 +807,8 @@ def test_soak_smoke(out_dir: Path) -> None:
     s = data["summary"]["paths"][path]
     assert s["failure"] is None, s["failure"]
     assert s["job_deaths"] == 0 and s["events_total"] == 5 and s["events_survived"] == 5
+    assert data["params"]["settings"]["ranks_per_node"] == 2
+    assert s["siblings_kept"] == [1, 1]  # the killed rank's sibling trained on in place, as the same process
     assert sum(k["n"] for k in s["by_kind"].values()) == 5 and set(s["by_kind"]) <= set(data["params"]["kinds"])
     # Graceful events lose, repeat and redo nothing; failures redo only steps no checkpoint had committed.
     assert s["graceful_samples_lost"] == 0 and s["graceful_samples_repeated"] == 0 and s["graceful_steps_redone"] == 0
