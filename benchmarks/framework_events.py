@@ -1,12 +1,12 @@
 """Scale events of a Hugging Face Trainer job: downtime in place against the restart path, same run.
 
-One launcher process per simulated node on this machine, ``--nproc-per-node 1``, the
-Trainer job of ``hf_client.py`` (tiny GPT-2, byte tokens of the docs, global batch 8) written
-for in-place events (``elastic_init()``, ``ElasticTrainer``, ``ElasticCallback``):
+One launcher process per simulated node on this machine, ``--ranks-per-node`` ranks each (2 by
+default), the Trainer job of ``hf_client.py`` (tiny GPT-2, byte tokens of the docs, global batch
+8) written for in-place events (``elastic_init()``, ``ElasticTrainer``, ``ElasticCallback``):
 
     node A starts (it hosts the rendezvous store and is never stopped)
-    join    node B starts                  world 1 -> 2
-    leave   node B gets SIGTERM            world 2 -> 1
+    join    node B starts                  1 node -> 2 (world 2 -> 4 with 2 ranks a node)
+    leave   node B gets SIGTERM            2 nodes -> 1
 
 Variants, interleaved (the order alternates from one repetition to the next):
 
@@ -23,7 +23,7 @@ step at the new size minus end of the last step before it (one step included); t
 launchers' and ranks' phases from the event log. Steps run at their natural speed (no
 padding).
 
-    python benchmarks/framework_events.py [--quick | --smoke]
+    python benchmarks/framework_events.py [--quick | --smoke] [--ranks-per-node N]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from scale_analysis import event_mode, hyperpodrun_phases, measure_event
 
 NAME = "framework_events"
 VARIANTS = ("in-place", "restart")
-EVENTS = (("join", 2), ("leave", 1))  # kind, world size after it
+EVENTS = (("join", 2), ("leave", 1))  # kind, nodes after it
 HOLD_JOIN, HOLD_LEAVE = 20, 60  # steps where the ranks wait for the next event to be announced
 MAX_STEPS = 100
 REPS = {"smoke": 1, "quick": 2, "full": 4}
@@ -97,6 +97,7 @@ def worker_main(args: argparse.Namespace) -> int:
     )
 
     out = Path(args.worker_out)
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     set_seed(0)
     model = hf_client.tiny_gpt2()  # built before elastic_init(): a parked joiner pays for it while it waits
     data = hf_client.doc_blocks()
@@ -113,8 +114,10 @@ def worker_main(args: argparse.Namespace) -> int:
                 }
                 with open(out / "steps.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
-            holds = {HOLD_JOIN: 1, HOLD_LEAVE: 2}
-            if holds.get(state.global_step) == targs.world_size:  # wait for the next event to be announced
+            holds = {HOLD_JOIN: 1, HOLD_LEAVE: 2}  # step -> nodes
+            if (
+                holds.get(state.global_step) == targs.world_size // local_world
+            ):  # wait for the next event's announcement
                 (out / f"held-{state.global_step}-{targs.process_index}").touch()
                 deadline = time.monotonic() + HOLD_TIMEOUT_S
                 while current_event() is None:
@@ -168,7 +171,7 @@ def _wait_file(path: Path, *, procs: list[ManagedProcess], timeout: float, what:
         time.sleep(0.05)
 
 
-def run_scenario(variant: str, work: Path, script: Path) -> dict[str, Any]:
+def run_scenario(variant: str, work: Path, script: Path, *, ranks_per_node: int) -> dict[str, Any]:
     """Node A, then B joins, then B leaves; the events measured from rank 0's step log and the event log."""
     work.mkdir(parents=True, exist_ok=True)
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"bench-fw-{free_port()}"
@@ -176,7 +179,7 @@ def run_scenario(variant: str, work: Path, script: Path) -> dict[str, Any]:
         "--nnodes",
         "1:2",
         "--nproc-per-node",
-        "1",
+        str(ranks_per_node),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -216,7 +219,7 @@ def run_scenario(variant: str, work: Path, script: Path) -> dict[str, Any]:
                 work / f"held-{HOLD_LEAVE}-0",
                 procs=[a, b],
                 timeout=RUN_TIMEOUT_S,
-                what="both ranks to hold before the leave",
+                what="both nodes' ranks to hold before the leave",
             )
             t_events["leave"] = time.time()
             b.signal(signal.SIGTERM)
@@ -225,7 +228,8 @@ def run_scenario(variant: str, work: Path, script: Path) -> dict[str, Any]:
             raise BenchmarkError(f"{variant}: launchers exited {codes}:\n{a.tail()}\n{b.tail()}")
     steps, events = _records(work / "steps.jsonl"), _records(work / "events.jsonl")
     measured = []
-    for kind, to_world in EVENTS:
+    for kind, to_nodes in EVENTS:
+        to_world = to_nodes * ranks_per_node
         gap = measure_event(steps, t_event=t_events[kind], to_world=to_world)
         if gap is None:
             raise BenchmarkError(f"{variant}: no step at world size {to_world} after the {kind}")
@@ -253,7 +257,7 @@ def run(args: argparse.Namespace) -> BenchmarkResult:
         mode=args.mode,
         tag=result_tag(args),
         params={
-            "ranks_per_node": 1,
+            "ranks_per_node": args.ranks_per_node,
             "nodes": "1 -> 2 -> 1",
             "global_batch": GLOBAL_BATCH,
             "per_device_batch": PER_DEVICE,
@@ -274,7 +278,8 @@ def run(args: argparse.Namespace) -> BenchmarkResult:
     for rep in range(REPS[args.mode]):
         for variant in VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS)):
             print(f"{NAME}: {variant}, rep {rep + 1} ...", flush=True)
-            runs.append({"rep": rep, **run_scenario(variant, work / f"{variant}-{rep}", script)})
+            scenario = run_scenario(variant, work / f"{variant}-{rep}", script, ranks_per_node=args.ranks_per_node)
+            runs.append({"rep": rep, **scenario})
     result.samples = {"runs": runs}
     summary: dict[str, Any] = {}
     for kind, _ in EVENTS:
@@ -298,9 +303,9 @@ def run(args: argparse.Namespace) -> BenchmarkResult:
     for i, variant in enumerate(VARIANTS):
         values = [summary[f"{kind}_{variant}_downtime_s"] for kind, _ in EVENTS]
         ax.bar([x + (i - 0.5) * width for x in range(len(EVENTS))], values, width, label=variant)
-    ax.set_xticks(range(len(EVENTS)), [f"{kind} ({'1 -> 2' if to == 2 else '2 -> 1'})" for kind, to in EVENTS])
+    ax.set_xticks(range(len(EVENTS)), [f"{kind} ({'1 -> 2' if to == 2 else '2 -> 1'} nodes)" for kind, to in EVENTS])
     ax.set_ylabel("downtime, s (median)")
-    ax.set_title("HF Trainer: scale-event downtime")
+    ax.set_title(f"HF Trainer: scale-event downtime, nodes of {args.ranks_per_node} ranks")
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
@@ -312,6 +317,7 @@ def run(args: argparse.Namespace) -> BenchmarkResult:
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # internal: one rank of the job
+        parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks of each simulated node [2]")
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)
     if args.worker_out:

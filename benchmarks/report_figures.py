@@ -346,7 +346,8 @@ def ci_text(ci: Mapping[str, Any] | None, digits: int = 3) -> str:
 def render_framework_events(doc: Summary) -> list[str]:
     s = doc["summary"]
     rows = []
-    for kind, label in (("join", "join (1 → 2)"), ("leave", "leave (2 → 1)")):
+    ranks = doc["params"].get("ranks_per_node", 1)
+    for kind, label in (("join", f"join (1 → 2 nodes of {ranks})"), ("leave", f"leave (2 → 1 node of {ranks})")):
         if f"{kind}_in-place_downtime_s" not in s:
             continue
         kept = "kept its process" if s.get(f"{kind}_in-place_survivor_kept_process") else "restarted"

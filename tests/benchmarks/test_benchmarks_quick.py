@@ -836,7 +836,8 @@ def test_framework_events_smoke(out_dir: Path) -> None:
     runs = {r["variant"]: r for r in data["samples"]["runs"]}
     assert set(runs) == {"in-place", "restart"}
     for variant, run in runs.items():
-        assert [(e["kind"], e["to_world"]) for e in run["events"]] == [("join", 2), ("leave", 1)]
+        assert data["params"]["ranks_per_node"] == 2
+        assert [(e["kind"], e["to_world"]) for e in run["events"]] == [("join", 4), ("leave", 2)]
         for ev in run["events"]:  # in place the survivor keeps its process; the restart path restarts it
             assert ev["mode"] == variant and ev["pid_kept"] is (variant == "in-place"), ev
             assert ev["steps_lost"] == 0 and positive(ev["downtime_s"])
