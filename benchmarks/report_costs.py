@@ -203,7 +203,8 @@ def render_event_costs(docs: Mapping[str, Summary]) -> str:
         out += [
             "",
             "A Hugging Face `Trainer` job moves in place too (`elastic_init()`, `ElasticTrainer`, `ElasticCallback`; "
-            f"Lightning: `elastic.fit`): a join cost {sec(s.get('join_in-place_downtime_s'))} against "
+            f"Lightning: `elastic.fit`): on nodes of {frame['params'].get('ranks_per_node', 1)} ranks, a join cost "
+            f"{sec(s.get('join_in-place_downtime_s'))} against "
             f"{sec(s.get('join_restart_downtime_s'))} on the restart path in the same run, a leave "
             f"{sec(s.get('leave_in-place_downtime_s'))} against {sec(s.get('leave_restart_downtime_s'))} "
             f"({_run(frame, '`framework_events.py --' + frame['mode'] + '`')}; "

@@ -622,6 +622,15 @@ def render_soak(doc: Summary) -> list[str]:
                 for k in kinds
             ],
         )
+    ranks = dig(doc, "params", "settings", "ranks_per_node") or 1
+    kept = {label.get(path, path): p["siblings_kept"] for path, p in paths.items() if p.get("siblings_kept")}
+    lines += ["", f"3 nodes of {ranks} rank{'s' * (ranks != 1)}."]
+    if kept:
+        lines[-1] += (
+            " A rank event's siblings on its node went on as the same processes in "
+            + ", ".join(f"{k[0]} of {k[1]} ({name})" for name, k in kept.items())
+            + "."
+        )
     return lines
 
 
