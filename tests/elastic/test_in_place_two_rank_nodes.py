@@ -74,10 +74,13 @@ def test_a_two_rank_node_joins_and_leaves_in_place(make_job) -> None:
             assert got == pytest.approx(want, abs=1e-5)
 
 
-def test_a_killed_rank_of_a_two_rank_node_is_replaced_while_its_sibling_goes_on(make_job) -> None:
-    """2x2, kill -9 of one rank: its node's spare takes its place and is hydrated from the sibling on the
-    same node (the node's own links); the other three ranks keep their processes."""
-    job = make_job(script=INPLACE, nnodes="2", flags=(*TWO_RANKS, "--max-restarts", "3", "--spare-ranks", "1"))
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_failed_rank_of_a_two_rank_node_is_replaced_while_its_sibling_goes_on(make_job, fault) -> None:
+    """2x2, kill -9 of one rank, or SIGSTOP (its agent kills it after --hang-timeout while its sibling waits
+    for it in a collective): its node's spare takes its place and is hydrated from the sibling on the same
+    node (the node's own links); the other three ranks keep their processes."""
+    flags = (*TWO_RANKS, "--max-restarts", "3", "--spare-ranks", "1", "--hang-timeout", "2")
+    job = make_job(script=INPLACE, nnodes="2", flags=flags)
     job.start_node("a")
     job.start_node("b")
     wait_until(lambda: len({e["node"] for e in job.events("spare_ready")}) == 2, timeout=90, what="every node's spare")
@@ -88,7 +91,7 @@ def test_a_killed_rank_of_a_two_rank_node_is_replaced_while_its_sibling_goes_on(
     victim_rank = 1
     node = "a" if victim_rank in ranks_of_node(job, "a") else "b"
     sibling = next(r for r in ranks_of_node(job, node) if r != victim_rank)
-    psutil.Process(before[victim_rank]).send_signal(signal.SIGKILL)
+    psutil.Process(before[victim_rank]).send_signal(fault)
     wait_until(lambda: [r for r in worlds(job) if r["how"] in HYDRATED], timeout=60, what="the replacement's hydration")
     job.wait_steps(3)
     codes = job.finish()
@@ -105,6 +108,7 @@ def test_a_killed_rank_of_a_two_rank_node_is_replaced_while_its_sibling_goes_on(
     if not rescued:  # the source of a replica is the failed rank's own node when a survivor is there
         assert [e["from_rank"] for e in job.events("hydrated")] == [sibling], job.events("hydrated")
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
+    assert [e["rank"] for e in job.events("rank_hung")] == ([victim_rank] if fault == signal.SIGSTOP else [])
     assert_trained_like_one_process(job)
 
 
