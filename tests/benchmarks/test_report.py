@@ -81,7 +81,7 @@ def test_figures_show_ratios_first_then_each_variant(report: ModuleType) -> None
     fsdp = next(line for line in lines if line.startswith("`python benchmarks/failures.py --quick --train-args"))
     assert "commit `3a9a256` + local changes to src/elastic_events/x.py ·" in fsdp  # report.py's change is not shown
     assert "load 4.5 at the start, 5.2 at the end on 2 CPUs: **busy, expect noisy timings**" in fsdp
-    assert "| join (1 → 2) | 0.063 | 0.51 s, survivor kept its process | 8.15 s |" in lines
+    assert "| join (1 → 2 nodes of 2) | 0.063 | 0.51 s, survivor kept its process | 8.15 s |" in lines
     assert "| CPU time per step, torchrun / hyperpodrun | 1.005, 95 % CI 0.979 – 1.032 (10 pairs) |" in lines
     assert (
         "| `elastic_event_detected()` under hyperpodrun, median | 0.26 µs (p99 0.31 µs; outside a launcher 0.06 µs; "
