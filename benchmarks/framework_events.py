@@ -114,10 +114,8 @@ def worker_main(args: argparse.Namespace) -> int:
                 }
                 with open(out / "steps.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
-            holds = {HOLD_JOIN: 1, HOLD_LEAVE: 2}  # step -> nodes
-            if (
-                holds.get(state.global_step) == targs.world_size // local_world
-            ):  # wait for the next event's announcement
+            holds = {HOLD_JOIN: 1, HOLD_LEAVE: 2}  # step -> nodes: there, wait for the next event's announcement
+            if holds.get(state.global_step) == targs.world_size // local_world:
                 (out / f"held-{state.global_step}-{targs.process_index}").touch()
                 deadline = time.monotonic() + HOLD_TIMEOUT_S
                 while current_event() is None:

@@ -269,18 +269,22 @@ class SoakJob:
         running = {}  # pid -> parent pid, of every process running the script (ranks and their data workers)
         for child in children:
             try:
-                if self.script in child.cmdline()[:3]:  # python [-u] script: not the pre-warmed spare (-m ...)
+                if self._runs_script(child):
                     running[child.pid] = child.ppid()
             except psutil.NoSuchProcess:
                 continue
         pids = sorted(pid for pid, parent in running.items() if parent not in running)  # not a rank's own child
         return pids if len(pids) == self.settings.ranks_per_node else []
 
+    def _runs_script(self, proc: psutil.Process) -> bool:
+        """``python [-u] script ...``: a rank or one of its data workers, not the pre-warmed spare (``-m ...``)."""
+        return self.script in proc.cmdline()[:3]
+
     def still_running(self, pids: list[int]) -> bool:
         """Whether every pid is still a rank process of this job (not exited, not reused)."""
         for pid in pids:
             try:
-                if self.script not in psutil.Process(pid).cmdline():
+                if not self._runs_script(psutil.Process(pid)):
                     return False
             except psutil.NoSuchProcess:
                 return False

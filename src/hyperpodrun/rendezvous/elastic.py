@@ -41,7 +41,7 @@ from hyperpodrun.rendezvous.api import (
 from hyperpodrun.rendezvous.decider import DeciderContext
 from hyperpodrun.rendezvous.decider_seat import DeciderSeat
 from hyperpodrun.rendezvous.plans import repairs_in_place
-from hyperpodrun.rendezvous.ports import PortReservation
+from hyperpodrun.rendezvous.ports import PortReservation, reserve_anew
 from hyperpodrun.rendezvous.records import (
     REPAIR_KINDS,
     AckRecord,
@@ -200,9 +200,7 @@ class ElasticRendezvous(RendezvousHandler):
 
         The port it replaces is let go: the round that could use it is over (a store still
         listening there keeps listening)."""
-        previous, self._node_port = self._node_port, PortReservation(self._local_addr)
-        if previous is not None:
-            previous.release()
+        self._node_port = reserve_anew(self._node_port, self._local_addr)
         record = NodeRecord(
             addr=self._local_addr,
             port=self._node_port.port,
@@ -486,17 +484,15 @@ class ElasticRendezvous(RendezvousHandler):
             step_time=step_time,
             cooperative=status.cooperative,
             reconfigurable=status.reconfigurable,
-            port=prev.port if prev is not None else self._reserve_ack_port(),
+            port=prev.port if prev is not None else self._new_ack_port(),
             seq=prev.seq + 1 if prev is not None else 0,
         )
         self._acked, self._acked_event, self._acked_at = ack, ev.id, now
         self.store.put(Keys.acks(ev.id) + self._node_id, encode(ack))
 
-    def _reserve_ack_port(self) -> int:
+    def _new_ack_port(self) -> int:
         """A port held for a new event's ack (its in-place round's master port if this node hosts rank 0)."""
-        previous, self._ack_port = self._ack_port, PortReservation(self._local_addr)
-        if previous is not None:
-            previous.release()
+        self._ack_port = reserve_anew(self._ack_port, self._local_addr)
         return self._ack_port.port
 
     # -- decider -------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["PortReservation"]
+__all__ = ["PortReservation", "reserve_anew"]
 
 
 class PortReservation:
@@ -54,3 +54,11 @@ class PortReservation:
 
     def __repr__(self) -> str:
         return f"PortReservation({self.host}:{self.port}, held={self.held})"
+
+
+def reserve_anew(previous: PortReservation | None, host: str) -> PortReservation:
+    """A new port held on ``host``, then ``previous`` let go: the round that could use it is over."""
+    held = PortReservation(host)
+    if previous is not None:
+        previous.release()
+    return held

@@ -14,7 +14,7 @@ from hyperpodrun.rendezvous.api import (
     RestartReason,
     RoundInfo,
 )
-from hyperpodrun.rendezvous.ports import PortReservation
+from hyperpodrun.rendezvous.ports import PortReservation, reserve_anew
 from hyperpodrun.rendezvous.records import EventKind
 from hyperpodrun.supervisor import WorkerState
 
@@ -55,9 +55,7 @@ class StaticRendezvous(RendezvousHandler):
         self._round += 1
         master_port = self._master_port
         if master_port is None:
-            if self._round_port is not None:
-                self._round_port.release()
-            self._round_port = PortReservation(self._master_addr)
+            self._round_port = reserve_anew(self._round_port, self._master_addr)
             master_port = self._round_port.port
         return RoundInfo(
             round=self._round,
