@@ -445,7 +445,11 @@ class Agent:
         why = report.line
         _say(why)
         dump_stacks(list(pids.values()), wait=self._wake.wait)
-        if self._repairs_in_place():  # the kill shows as a failed rank: repaired like a crash
+        # Said before the kill: the peers' collectives fail on the killed ranks at once, and the job must
+        # read their reports as this node's failure, not as this node silent (lost) while its agent is busy.
+        in_place = self._repairs_in_place()
+        self._guard_store(lambda: self.rdzv.report_failure(why, repairable=in_place), group)
+        if in_place:  # the kill shows as a failed rank: repaired like a crash
             self._repair.kill_culprits(group, hung)
             self._flight = self._flight.culprits_killed(why)
             return

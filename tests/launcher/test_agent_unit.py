@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Callable, Generator
+import time
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 
 import pytest
 
 from elastic_events.contract import GroupAssignment, RestartReason
-from elastic_events.control import CAP_RECONFIGURE, ControlReader, ControlWriter, RankPhase
+from elastic_events.control import CAP_RECONFIGURE, ControlReader, ControlWriter, RankPhase, RankProgress
+from hyperpodrun import agent as agent_module
+from hyperpodrun import hang
 from hyperpodrun.agent import Agent, AgentState
 from hyperpodrun.config import LaunchConfig
 from hyperpodrun.errors import RendezvousClosedError
@@ -174,6 +177,7 @@ class ScriptedRendezvous(RendezvousHandler):
         self.entered: list[int] = []  # the rounds entered in place
         self.next_in_place: RoundInfo | None = None
         self.leave_requests = 0
+        self.failures: list[tuple[str, bool]] = []  # report_failure(message, repairable)
 
     @property
     def node_id(self) -> str:
@@ -219,6 +223,9 @@ class ScriptedRendezvous(RendezvousHandler):
         self.entered.append(self.next_in_place.round)
         return self.next_in_place
 
+    def report_failure(self, message: str, *, repairable: bool) -> None:
+        self.failures.append((message, repairable))
+
     def report_stopped(self, event_id: int, *, ok: bool, reconfigured: bool = False) -> None:
         self.stopped.append((event_id, ok, reconfigured))
 
@@ -263,9 +270,21 @@ EXIT = Directive(kind=DirectiveKind.EXIT, exit_code=0, reason="all ranks exited 
 
 
 class Harness:
-    def __init__(self, tmp_path: Path, rdzv: ScriptedRendezvous) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        rdzv: ScriptedRendezvous,
+        *,
+        hang_timeout: float = 0,
+        repair_type: type[InPlaceRepair] = InPlaceRepair,
+    ) -> None:
         self.config = LaunchConfig(
-            entrypoint="train", module=True, nproc_per_node=NPROC, monitor_interval=TICK, hang_timeout=0, spare_ranks=0
+            entrypoint="train",
+            module=True,
+            nproc_per_node=NPROC,
+            monitor_interval=TICK,
+            hang_timeout=hang_timeout,
+            spare_ranks=0,
         )
         self.rdzv = rdzv
         self.clock = FakeClock()
@@ -274,7 +293,7 @@ class Harness:
         self.events = EventLog(self.events_path, job="unit", node=rdzv.node_id)
         self.control = ControlWriter(tmp_path / "control.bin", NPROC)
         self.ranks = FakeRanks(self.control, tmp_path)
-        repair = InPlaceRepair(
+        repair = repair_type(
             self.config,
             control=self.control,
             events=self.events,
@@ -489,6 +508,58 @@ def test_a_failed_rank_is_replaced_in_place_and_the_repair_moves_every_rank_into
     h.run(script)
     assert len(h.ranks.started) == 1  # no job restart: the survivor kept its process
     assert h.agent.state is AgentState.SUCCEEDED
+
+
+def test_a_hung_rank_is_reported_as_this_nodes_failure_before_it_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peers' collectives fail the moment a hung rank is killed, and their agents report that at once. Had
+    this node not said first that the failure is its own, the job would read it as a node gone silent (lost,
+    its agent with it) and leave it out of the repaired round while its agent is still busy with the kill."""
+    rdzv = ScriptedRendezvous([round_info(1, ("node-a", "node-b"))], repairs_in_place=True)
+    kills: list[tuple[tuple[int, ...], list[tuple[str, bool]]]] = []  # the ranks killed; what rdzv knew then
+    dumps: list[list[int]] = []
+
+    class StoppedRankOne(InPlaceRepair):
+        """The real repair over the test's process table: local rank 1 is SIGSTOPped; a kill is recorded."""
+
+        def culprits(
+            self, group, hung: Sequence[int], progress: Sequence[RankProgress], *, now: float, limit: float
+        ) -> tuple[int, ...]:
+            idle = {r: now - progress[r].time for r in hung}
+            return hang.culprits(hung, idle=idle, states={1: "stopped"}, limit=limit)
+
+        def kill_culprits(self, group, hung: Sequence[int]) -> None:
+            kills.append((tuple(hung), list(rdzv.failures)))
+            for r in hung:
+                group.exitcodes[r] = -signal.SIGKILL
+
+    def dump_stacks(pids: list[int], *, wait: Callable[[float], object]) -> None:
+        dumps.append(pids)
+        wait(1.0)
+
+    monkeypatch.setattr(agent_module, "dump_stacks", dump_stacks)  # no signal to the fake pids
+    h = Harness(tmp_path, rdzv, hang_timeout=2.0, repair_type=StoppedRankOne)
+    h.clock.now = time.monotonic()  # the ranks stamp their progress on the host's monotonic clock
+
+    def script(h: Harness) -> Script:
+        group = h.ranks.group
+        h.step_ranks(to=3)
+        while not kills:
+            yield
+        assert dumps == [[100, 101]]
+        ((killed, told),) = kills
+        assert killed == (1,)  # the stopped rank only: rank 0 waits in a collective and keeps its state
+        ((message, repairable),) = told
+        assert message.startswith("rank 1 (local rank 1, pid 101) made no progress for 2s at step 3") and repairable
+        yield
+        assert group.replaced == {1: 201} and group.pids[0] == 100 and not group.stopped
+        assert rdzv.statuses[-1].repairing and len(rdzv.failures) == 1
+        rdzv.answer(EXIT)
+        yield
+
+    h.run(script)
+    assert len(h.ranks.started) == 1
 
 
 def test_a_rank_that_fails_to_move_rounds_falls_back_to_a_restart(tmp_path: Path) -> None:

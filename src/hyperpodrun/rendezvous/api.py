@@ -170,6 +170,11 @@ class RendezvousHandler(ABC):
     def poll(self, status: LocalStatus) -> Directive | None:
         """Called every monitor tick while this node's ranks run; a directive ends or changes the round."""
 
+    def report_failure(self, message: str, *, repairable: bool) -> None:  # noqa: B027
+        """This node's ranks failed, or are about to: the agent is killing ranks it found hung. Said before the
+        kill, so that the job reads the failure as this node's and not as a silent node's when its peers'
+        collectives fail on the killed ranks first (``poll`` says it too, once its ranks have exited)."""
+
     def report_stopped(self, event_id: int, *, ok: bool, reconfigured: bool = False) -> None:  # noqa: B027
         """This node's ranks have left the round of ``event_id`` (or moved to the next one in place)."""
 

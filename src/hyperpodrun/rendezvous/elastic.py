@@ -352,8 +352,7 @@ class ElasticRendezvous(RendezvousHandler):
         if status.finished:
             self._put_once(Keys.finished(my_round) + self._node_id, b"{}")
         if status.group_state == WorkerState.FAILED or status.repairing:
-            failed = FailedRecord(message=status.failure or "rank failed", repairable=status.repairing)
-            self._put_once(Keys.failed(my_round) + self._node_id, encode(failed))
+            self.report_failure(status.failure or "rank failed", repairable=status.repairing)
         elif status.peer_failed:  # the first sign of a lost node, long before its lease expires
             failed = FailedRecord(
                 message=f"a collective failed on {self._node_id}: a peer died or hung", repairable=True, peer=True
@@ -375,6 +374,12 @@ class ElasticRendezvous(RendezvousHandler):
         if self._seat.claim():
             self._seat.decide()
         return directive
+
+    def report_failure(self, message: str, *, repairable: bool) -> None:
+        """The failure record of this node in its round, written once (the first report stands)."""
+        my_round = self._round.round if self._round else 0
+        failed = FailedRecord(message=message, repairable=repairable)
+        self._put_once(Keys.failed(my_round) + self._node_id, encode(failed))
 
     def report_stopped(self, event_id: int, *, ok: bool, reconfigured: bool = False) -> None:
         if event_id and event_id > self._stopped_reported:
