@@ -36,7 +36,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: setup lint
-	$(PY) -m pytest -q -n $(TEST_LANES) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_LANES) --dist loadfile --durations=40 tests
 
 bench: $(STAMP)
 	for b in step_overhead checkpoint rendezvous_scale throughput scale_events failures hydration framework_events; do $(PY) benchmarks/$$b.py --quick || exit 1; done
