@@ -264,13 +264,16 @@ class Agent:
         while True:
             self._note_finished(group)
             state = group.poll()
-            if state == WorkerState.FAILED and self._flight.acts_on_failure:
+            failed_now = state == WorkerState.FAILED and self._flight.acts_on_failure
+            if failed_now:
                 state = self._on_failed_rank(group)
             self._take_signals(group)
             if rdzv.lease_lost:
                 self._rejoin(group)
             now = self._clock()
-            if now >= next_poll or state != WorkerState.HEALTHY:
+            # A failure is reported in the tick it is seen: the peers' agents report their broken collectives
+            # within URGENT_POLL_S, and a node that stays silent meanwhile may be left out as lost.
+            if now >= next_poll or failed_now or state != WorkerState.HEALTHY:
                 progress = self._control.progress()
                 steps, step_times = rates.update(progress)
                 if self.on_progress is not None:  # metrics

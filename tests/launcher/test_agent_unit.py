@@ -277,12 +277,13 @@ class Harness:
         *,
         hang_timeout: float = 0,
         repair_type: type[InPlaceRepair] = InPlaceRepair,
+        monitor_interval: float = TICK,
     ) -> None:
         self.config = LaunchConfig(
             entrypoint="train",
             module=True,
             nproc_per_node=NPROC,
-            monitor_interval=TICK,
+            monitor_interval=monitor_interval,
             hang_timeout=hang_timeout,
             spare_ranks=0,
         )
@@ -508,6 +509,31 @@ def test_a_failed_rank_is_replaced_in_place_and_the_repair_moves_every_rank_into
     h.run(script)
     assert len(h.ranks.started) == 1  # no job restart: the survivor kept its process
     assert h.agent.state is AgentState.SUCCEEDED
+
+
+def test_a_failed_rank_is_reported_in_the_monitor_tick_that_sees_it(tmp_path: Path) -> None:
+    """The monitor ticks five times between reads of the store; a crash is reported (and its rank replaced)
+    in the tick that sees it, not at the next read: the peers' agents report their broken collectives within
+    URGENT_POLL_S, and a node that stays silent meanwhile may be left out of the repair as lost."""
+    rdzv = ScriptedRendezvous([round_info(1, ("node-a", "node-b"))], repairs_in_place=True)
+    h = Harness(tmp_path, rdzv, monitor_interval=TICK / 5)
+
+    def script(h: Harness) -> Script:
+        group = h.ranks.group
+        h.step_ranks(to=3)
+        yield  # one tick after a read of the store: the next one is four ticks away
+        polls = len(rdzv.statuses)
+        group.exitcodes[1] = 1
+        yield
+        assert group.replaced == {1: 201}
+        assert len(rdzv.statuses) == polls + 1
+        status = rdzv.statuses[-1]
+        assert status.repairing and status.failure is not None and status.failure.startswith("rank 1 (local rank 1")
+        rdzv.answer(EXIT)
+        yield
+
+    h.run(script)
+    assert len(h.ranks.started) == 1
 
 
 def test_a_hung_rank_is_reported_as_this_nodes_failure_before_it_is_killed(
