@@ -438,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--ckpt-every", type=int, default=5, help="periodic checkpoint interval, steps [5]")
         parser.add_argument("--dtype", choices=("fp64", "fp32"), default="fp32", help="the example's --dtype [fp32]")
         parser.add_argument(
+            "--model",
+            default=None,
+            help="the example's model preset [tiny; smoke: micro, whose state moves between the ranks every step "
+            "in a tenth of the time]",
+        )
+        parser.add_argument(
             "--all-reduce",
             action="store_true",
             help="the example's DDP all-reduce instead of --deterministic-reduce: final parameters then "
@@ -484,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         global_batch=6 * args.ranks_per_node,
         step_time_s=args.step_time,
         ckpt_every=args.ckpt_every,
+        model=args.model or ("micro" if args.mode == "smoke" else "tiny"),
         dtype=args.dtype,
         deterministic_reduce=not args.all_reduce,
         data_cache=args.out / "data-cache",

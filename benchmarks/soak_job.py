@@ -53,6 +53,7 @@ class SoakSettings:
     data_cache: Path
     step_time_s: float = 0.3
     ckpt_every: int = 5
+    model: str = "tiny"  # the example's preset
     seq_len: int = 64
     ranks_per_node: int = 2
     global_batch: int = 12  # 3, 2 or 1 nodes of 2 ranks: 2, 3 or 6 samples per rank
@@ -88,6 +89,7 @@ class SoakSettings:
     def train_args(self, work: Path) -> list[str]:
         train = TrainArgs(
             steps=self.steps,
+            model=self.model,
             seq_len=self.seq_len,
             global_batch=self.global_batch,
             micro_batch=self.micro_batch,

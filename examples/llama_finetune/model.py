@@ -174,6 +174,19 @@ PRESETS: dict[str, LlamaConfig] = {
         max_seq_len=256,
         tie_embeddings=True,
     ),
+    # ~0.23M parameters: the multi-process benchmarks' CI smokes, whose cost on two cores is the state every
+    # step moves between 4-6 ranks, not what they check (the paths taken, the samples, the bits).
+    "micro": LlamaConfig(
+        dim=96,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=258,
+        hidden_dim=256,
+        rope_theta=10_000.0,
+        max_seq_len=256,
+        tie_embeddings=True,
+    ),
     # Sizes between tiny and 1B for measuring what state-proportional costs (snapshots, hydration,
     # repairs) do as the state grows, on CPUs: the byte tokenizer keeps the embeddings small, so the
     # parameters sit in the blocks. fp32 training state is 16 bytes a parameter (weights, gradients,
