@@ -23,13 +23,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hyperpodrun.policy import ElasticPolicy
-from hyperpodrun.rendezvous.decider import DeciderContext
 from hyperpodrun.rendezvous.elastic import ElasticRendezvous
 from hyperpodrun.rendezvous.ports import PortReservation
 from hyperpodrun.rendezvous.records import Keys, NodeRecord, decode
 from hyperpodrun.rendezvous.static import StaticRendezvous
 from hyperpodrun.store import create_store
+from support.decider import one_node_context
 from support.launch import clean_env
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -111,21 +110,9 @@ def plain_bind(host: str, port: int) -> int:
     return 0
 
 
-def context() -> DeciderContext:
-    return DeciderContext(
-        policy=ElasticPolicy(min_replicas=1, max_replicas=1),
-        nproc_per_node=1,
-        max_restarts=1,
-        lease_ttl=10.0,
-        ack_timeout=30.0,
-        propagation=1.0,
-        tick=0.2,
-    )
-
-
 def test_the_agent_holds_the_port_in_its_record_until_the_next_one() -> None:
     store = create_store("c10d", "127.0.0.1:0", run_id="ports", conf={}, host=True, timeout=10.0)
-    rdzv = ElasticRendezvous(store, context=context(), local_addr="127.0.0.1", join_timeout=60.0, node_id="a")
+    rdzv = ElasticRendezvous(store, context=one_node_context(), local_addr="127.0.0.1", join_timeout=60.0, node_id="a")
 
     def record_port() -> int:
         key = Keys.node("a")

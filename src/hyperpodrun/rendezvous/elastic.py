@@ -96,6 +96,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._node_port: PortReservation | None = None
         self._ack_port: PortReservation | None = None
         self._stopped_reported = 0
+        self._failure_reported: int | None = None  # the round whose failure record this node wrote
         self._leaving = False
         self._reconfigurable = False  # this node's ranks declared the in-process API
         self._can_hold = False  # and that they hold the state below the minimum
@@ -376,10 +377,21 @@ class ElasticRendezvous(RendezvousHandler):
         return directive
 
     def report_failure(self, message: str, *, repairable: bool) -> None:
-        """The failure record of this node in its round, written once (the first report stands)."""
+        """The failure record of this node in its round. The first report stands, but for one: this node's own
+        failure replaces the peer failure its other ranks reported first (their collective failed on the rank
+        that died before the agent saw it die), so that the job reads a rank failure here, not a node lost
+        elsewhere. Written once per round: every later call costs no store operation."""
         my_round = self._round.round if self._round else 0
-        failed = FailedRecord(message=message, repairable=repairable)
-        self._put_once(Keys.failed(my_round) + self._node_id, encode(failed))
+        if self._failure_reported == my_round:
+            return
+        key = Keys.failed(my_round) + self._node_id
+        failed = encode(FailedRecord(message=message, repairable=repairable))
+        if not self.store.compare_and_swap(key, failed, expected_revision=0):
+            entry = self.store.get(key)
+            earlier = decode(FailedRecord, key, entry.value) if entry is not None else None
+            if entry is not None and earlier is not None and earlier.peer:
+                self.store.compare_and_swap(key, failed, expected_revision=entry.revision)
+        self._failure_reported = my_round
 
     def report_stopped(self, event_id: int, *, ok: bool, reconfigured: bool = False) -> None:
         if event_id and event_id > self._stopped_reported:
