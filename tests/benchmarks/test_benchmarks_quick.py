@@ -551,8 +551,12 @@ def test_state_scaling_smoke(out_dir: Path) -> None:
     assert size["snapshot_state_bytes"] == pytest.approx(size["params"] * 12 / 4, rel=0.05)
     assert size["snapshot_memory_ratio"] == pytest.approx(3.0, rel=0.05)
     assert isinstance(size["snapshot_interval"], int) and size["snapshot_interval"] >= 1
-    for key in ("snapshot_overhead", "peak_rss_over_state", "hydration_over_broadcast", "step_s"):
+    for key in ("peak_rss_over_state", "hydration_over_broadcast", "step_s"):
         assert positive(size[key]), (key, size[key])
+    # the round's own calibration: a snapshot's cost is what the steps beside it took over the fastest plain step,
+    # clamped at 0, and at the tiny size it can be below the noise of a loaded machine
+    overhead = size["snapshot_overhead"]
+    assert isinstance(overhead, float) and 0.0 <= overhead < 1.0, overhead
     for kind in ("crash", "node_loss"):
         assert positive(size[f"{kind}_downtime_s"]), (kind, size[f"{kind}_downtime_s"])
         assert size[f"{kind}_restored_from"].startswith("snapshot"), size[f"{kind}_restored_from"]
