@@ -264,16 +264,13 @@ class Agent:
         while True:
             self._note_finished(group)
             state = group.poll()
-            failed_now = state == WorkerState.FAILED and self._flight.acts_on_failure
-            if failed_now:
-                state = self._on_failed_rank(group)
+            if state == WorkerState.FAILED and self._flight.acts_on_failure:
+                state, next_poll = self._on_failed_rank(group), 0.0  # reported in this tick: see _check_hang
             self._take_signals(group)
             if rdzv.lease_lost:
                 self._rejoin(group)
             now = self._clock()
-            # A failure is reported in the tick it is seen: the peers' agents report their broken collectives
-            # within URGENT_POLL_S, and a node that stays silent meanwhile may be left out as lost.
-            if now >= next_poll or failed_now or state != WorkerState.HEALTHY:
+            if now >= next_poll or state != WorkerState.HEALTHY:
                 progress = self._control.progress()
                 steps, step_times = rates.update(progress)
                 if self.on_progress is not None:  # metrics
@@ -429,15 +426,17 @@ class Agent:
             return self._guard_store(lambda: self.rdzv.poll(status), group)  # the job's store is gone for good
 
     def _check_hang(self, group: WorkerGroup, rates: StepRates) -> None:
-        """A rank without progress for the hang limit: dump every local rank's stacks, then fail the group."""
+        """A rank without progress for the hang limit: dump every local rank's stacks, report the failure (before any
+        kill: the peers report the kill at once, and a node silent meanwhile looks lost), then fail the group."""
         limit = self._hang_policy.limit(rates.slowest)
         if limit is None:  # hang detection is off
             return
         progress = self._control.progress()
         now = self._clock()
-        hung = hung_ranks(progress, now=now, limit=limit)
-        pids = group.pids
-        if hung and self._repairs_in_place():  # the culprits only: the ranks waiting for them hold the state
+        if not (hung := hung_ranks(progress, now=now, limit=limit)):
+            return
+        pids, in_place = group.pids, self._repairs_in_place()  # read once a rank is hung: it may read the store
+        if in_place:  # the culprits only: the ranks waiting for them hold the state
             hung = self._repair.culprits(group, hung, progress, now=now, limit=limit)
         if not hung:
             return
@@ -445,12 +444,8 @@ class Agent:
         rank, log_file = group.assignment.global_rank(r), str(group.log_file(r))
         report = HangReport.of(progress, hung, now=now, limit=limit, rank=rank, pid=pids.get(r), log_file=log_file)
         self.events.emit(EventType.RANK_HUNG, **report.record)
-        why = report.line
-        _say(why)
+        _say(why := report.line)
         dump_stacks(list(pids.values()), wait=self._wake.wait)
-        # Said before the kill: the peers' collectives fail on the killed ranks at once, and the job must
-        # read their reports as this node's failure, not as this node silent (lost) while its agent is busy.
-        in_place = self._repairs_in_place()
         self._guard_store(lambda: self.rdzv.report_failure(why, repairable=in_place), group)
         if in_place:  # the kill shows as a failed rank: repaired like a crash
             self._repair.kill_culprits(group, hung)

@@ -377,10 +377,9 @@ class ElasticRendezvous(RendezvousHandler):
         return directive
 
     def report_failure(self, message: str, *, repairable: bool) -> None:
-        """The failure record of this node in its round. The first report stands, but for one: this node's own
-        failure replaces the peer failure its other ranks reported first (their collective failed on the rank
-        that died before the agent saw it die), so that the job reads a rank failure here, not a node lost
-        elsewhere. Written once per round: every later call costs no store operation."""
+        """This node's failure record in its round, once (later calls cost no store operation). It replaces the
+        peer failure its other ranks reported first (their collective failed on the rank that died before the
+        agent saw it die), so that the job reads a rank failure here, not a node lost elsewhere."""
         my_round = self._round.round if self._round else 0
         if self._failure_reported == my_round:
             return
@@ -388,8 +387,7 @@ class ElasticRendezvous(RendezvousHandler):
         failed = encode(FailedRecord(message=message, repairable=repairable))
         if not self.store.compare_and_swap(key, failed, expected_revision=0):
             entry = self.store.get(key)
-            earlier = decode(FailedRecord, key, entry.value) if entry is not None else None
-            if entry is not None and earlier is not None and earlier.peer:
+            if entry is not None and (earlier := decode(FailedRecord, key, entry.value)) is not None and earlier.peer:
                 self.store.compare_and_swap(key, failed, expected_revision=entry.revision)
         self._failure_reported = my_round
 
