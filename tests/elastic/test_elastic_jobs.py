@@ -1,4 +1,4 @@
-"""Elastic jobs end to end: real launchers, real stores (embedded and etcd), real gloo ranks.
+"""Elastic jobs end to end: real launchers, real stores (embedded and etcd), real gloo ranks, two per node.
 
 The trainer (scripts/counter.py) all-reduces its step every step, so a run that
 continues at the right step with the right world size proves the ranks left at
@@ -37,13 +37,13 @@ def test_scale_up_when_a_node_joins(make_job, backend) -> None:
     name, endpoint = backend
     job = make_job(backend=name, endpoint=endpoint, nnodes="1:2")
     job.start_node("a")
-    job.wait_for_world(1)
+    job.wait_for_nodes(1)
     job.start_node("b")
-    job.wait_for_world(2)
+    job.wait_for_nodes(2)
     job.wait_steps(5)
     codes = job.finish()
     assert codes == {"a": 0, "b": 0}, job.stderr("a") + job.stderr("b")
-    assert [w for w, _ in _resume_steps(job)] == [1, 2]
+    assert [w for w, _ in _resume_steps(job)] == [job.world(1), job.world(2)]
     _steps_are_contiguous(job)  # the cooperative save lost no step
     started = job.events("workers_started")
     assert [e["reason"] for e in started if e["node"] == started[0]["node"]] == ["start", "scale"]
@@ -53,8 +53,8 @@ def test_scale_up_when_a_node_joins(make_job, backend) -> None:
     assert len(job.events("job_succeeded")) == 1
     # the trainer's own record of each round's first step, for downtime measurements
     assert [(e["world_size"], e["reason"], e["source"]) for e in job.events("first_step")] == [
-        (1, "start", "trainer"),
-        (2, "scale", "trainer"),
+        (job.world(1), "start", "trainer"),
+        (job.world(2), "scale", "trainer"),
     ]
 
 
@@ -62,16 +62,16 @@ def test_graceful_leave_shrinks_without_losing_a_step(make_job) -> None:
     job = make_job(nnodes="1:2", flags=("--scaling-timeout", "5"))  # wait for b before starting
     job.start_node("a")
     job.start_node("b")
-    job.wait_for_world(2)
+    job.wait_for_nodes(2)
     job.signal("b", signal.SIGTERM)  # preemption of node b
     assert job.nodes["b"].wait(timeout=60) == 0
     assert "left the job gracefully" in job.stderr("b")
-    step = job.wait_for_world(1)
+    step = job.wait_for_nodes(1)
     job.wait_steps(3)
     assert job.finish() == {"a": 0, "b": 0}
-    assert [w for w, _ in _resume_steps(job)] == [2, 1]
+    assert [w for w, _ in _resume_steps(job)] == [job.world(2), job.world(1)]
     _steps_are_contiguous(job)
-    restarted = [e for e in job.events("workers_started") if e["world_size"] == 1]
+    restarted = [e for e in job.events("workers_started") if e["world_size"] == job.world(1)]
     assert restarted and restarted[0]["reason"] == "scale" and restarted[0]["restart_count"] == 0
     assert step > 1
 
@@ -81,16 +81,16 @@ def test_lost_node_stops_survivors_and_continues_smaller(make_job, backend) -> N
     job = make_job(backend=name, endpoint=endpoint, nnodes="1:2", flags=("--scaling-timeout", "5"))
     job.start_node("a")
     job.start_node("b")
-    job.wait_for_world(2)
+    job.wait_for_nodes(2)
     job.wait_steps(3)
     job.kill_node_hard("b")  # kill -9 of the launcher and its ranks
-    job.wait_for_world(1, timeout=90)
+    job.wait_for_nodes(1, timeout=90)
     job.wait_steps(3)
     assert job.finish()["a"] == 0, job.stderr("a")
     # survivors resumed from the last saved state (here: the start), not hung in a collective
     worlds = [w for w, _ in _resume_steps(job)]
-    assert worlds[0] == 2 and worlds[-1] == 1
-    restarted = [e for e in job.events("workers_started") if e["world_size"] == 1]
+    assert worlds[0] == job.world(2) and worlds[-1] == job.world(1)
+    restarted = [e for e in job.events("workers_started") if e["world_size"] == job.world(1)]
     # collateral damage of the lost node (a survivor's rank may crash first): no failure restart is counted
     assert restarted[0]["reason"] == "failure" and restarted[0]["restart_count"] == 0
     decided = [e for e in job.events("scale_decided") if e["mode"] == "stop"]
@@ -101,10 +101,10 @@ def test_standby_waits_then_replaces_a_leaving_node(make_job) -> None:
     job = make_job(nnodes="2:2")
     job.start_node("a")
     job.start_node("b")
-    job.wait_for_world(2)
+    job.wait_for_nodes(2)
     job.start_node("c")  # a third node: more than the policy allows, waits as a standby
     job.wait_steps(10)
-    assert [w for w, _ in _resume_steps(job)] == [2]
+    assert [w for w, _ in _resume_steps(job)] == [job.world(2)]
     job.signal("b", signal.SIGTERM)
     assert job.nodes["b"].wait(timeout=60) == 0
     wait_until(
@@ -114,7 +114,7 @@ def test_standby_waits_then_replaces_a_leaving_node(make_job) -> None:
     )
     job.wait_steps(3)
     assert job.finish() == {"a": 0, "b": 0, "c": 0}
-    assert [w for w, _ in _resume_steps(job)] == [2]  # c took b's place: the size stayed 2...
+    assert [w for w, _ in _resume_steps(job)] == [job.world(2)]  # c took b's place: the size stayed 2...
     _steps_are_contiguous(job)  # ...and the handover lost no step
     rounds = {e["round"]: e["members"] for e in job.events("rendezvous_done")}
     a, b, c = (_node_id(job, n) for n in "abc")
@@ -128,7 +128,7 @@ def test_rank_failure_restarts_the_job_and_counts(make_job, tmp_path) -> None:
         "import torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
         "dist.barrier()\n"
-        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and dist.get_rank() == 1:\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and dist.get_rank() == dist.get_world_size() - 1:\n"
         "    sys.exit(3)\n"
         "print('attempt', os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['HYPERPODRUN_RESTART_REASON'], flush=True)\n"
         "dist.barrier()\n"
@@ -139,7 +139,7 @@ def test_rank_failure_restarts_the_job_and_counts(make_job, tmp_path) -> None:
     codes = {n: p.wait(timeout=120) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a") + job.stderr("b")
     out = (job.run_dir / "a.out").read_text() + (job.run_dir / "b.out").read_text()
-    assert out.count("attempt 1 failure") == 2
+    assert out.count("attempt 1 failure") == job.world(2)  # every rank of both nodes restarted once
     started = job.events("workers_started")
     assert sorted(e["restart_count"] for e in started) == [0, 0, 1, 1]
 

@@ -40,38 +40,38 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, backend_
     job.start_node("a")
     job.wait_steps(5)
     job.start_node("b")
-    joined = job.wait_for_world(2, timeout=90)
+    joined = job.wait_for_nodes(2, timeout=90)
     job.signal("b", signal.SIGTERM)  # b leaves at the next agreed step; a goes on alone, in place
-    job.wait_for_world(1, after_step=joined, timeout=90)
+    job.wait_for_nodes(1, after_step=joined, timeout=90)
     job.wait_steps(5)
     codes = job.finish()
     assert codes == {"a": 0, "b": 0}, (job.stderr("a"), job.stderr("b"))
 
     records = worlds(job)
-    survivor = records[0]["pid"]  # node a's rank, started fresh
-    assert records[0]["how"] == "fresh"
-    assert {r["pid"] for r in records if r["how"] == "reconfigured"} == {survivor}, records  # never restarted
-    assert sum(r["how"] == "fresh" for r in records) == 1, records  # and nothing else started from scratch
+    survivors = {r["pid"] for r in records if r["how"] == "fresh"}  # node a's ranks, started fresh
+    assert [r["how"] for r in records[: job.world(1)]] == ["fresh"] * job.world(1), records
+    assert len(survivors) == job.world(1), records  # and nothing else started from scratch
+    assert {r["pid"] for r in records if r["how"] == "reconfigured"} == survivors, records  # never restarted
     hows = [(r["world"], r["how"]) for r in records]
-    assert (2, "peers") in hows, hows  # b's rank was hydrated from a, not from storage
-    assert ("reconfigured" in {h for _, h in hows}) and (1, "reconfigured") in hows, hows
+    assert hows.count((job.world(2), "peers")) == job.world(1), hows  # b's ranks hydrated from a, not from storage
+    assert (job.world(1), "reconfigured") in hows, hows
     signalled = [e["kind"] for e in job.events("workers_signalled") if e.get("target_step") is not None]
     assert signalled.count("reconfigure") >= 3 and "save_and_exit" not in signalled, (
         signalled
     )  # a, b at leave; a at join
     assert len(job.events("workers_reconfigured")) >= 3  # a at the join, b admitted, a at the leave
     in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
-    assert in_place and all(len(e["members"]) == e["world_size"] for e in in_place), in_place  # 1 rank per node
+    assert in_place and all(len(e["members"]) == e["world_size"] / job.nproc_per_node for e in in_place), in_place
     targeted = [(e["kind"], e["mode"]) for e in job.events("scale_targeted")]
     assert targeted == [("join", "reconfigure"), ("leave", "reconfigure")], targeted  # the event log says the mode
     # every step trained exactly once, in order, at the sizes the events say
     steps = [p["step"] for p in job.progress()]
     assert steps == list(range(1, len(steps) + 1))
-    assert {p["world"] for p in job.progress()} == {1, 2}
+    assert {p["world"] for p in job.progress()} == {job.world(1), job.world(2)}
     final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    assert (
-        max(f["step"] for f in final) == steps[-1] and len(final) == 2
-    )  # the survivor, and the leaver at its last step
+    assert max(f["step"] for f in final) == steps[-1] and len(final) == job.world(
+        2
+    )  # the survivors, and the leavers at their last step
     reference = reference_params({f["step"] for f in final})
     for f in final:  # both nodes' parameters equal an unbroken single-process run at their step
         for got, want in zip(f["params"], reference[f["step"]]):
@@ -108,15 +108,19 @@ def test_a_killed_rank_is_replaced_in_place(
     hands its state off and its agent replaces it within the same repair. Only that case may replace a
     survivor, and only once; its replacement holds the state (from the hand-off or a peer)."""
     endpoint = request.getfixturevalue("etcd_endpoint") if backend_name == "etcd" else None
-    per_node = ("--nproc-per-node", str(max(1, 2 // len(nodes))), "--spare-ranks", str(spares))
+    # Two ranks a node (rank 1, the victim, is rank 0's sibling); three nodes of one rank each, so that the
+    # ranks and their spares stay within what two cores run in the test's timeouts.
+    per_node = 1 if len(nodes) > 2 else 2
+    world = per_node * len(nodes)
     job = make_job(
         backend=backend_name,
         endpoint=endpoint,
         script=INPLACE,
         script_args=script_args(model, tmp_path),
         nnodes=str(len(nodes)),
-        flags=("--max-restarts", "3", *per_node),
+        flags=("--max-restarts", "3", "--spare-ranks", str(spares)),
         start_method=start_method,
+        nproc_per_node=per_node,
     )
     for name in nodes:
         job.start_node(name)
@@ -140,9 +144,7 @@ def test_a_killed_rank_is_replaced_in_place(
         assert {r["pid"] for r in records if r["rank"] == 0} == {survivor}, records
     replacement = [r for r in records if r["how"] in HYDRATED]
     assert sorted(r["rank"] for r in replacement) == sorted([1, *rescued]), records
-    assert victim not in {r["pid"] for r in replacement} and {r["world"] for r in replacement} == {
-        max(2, len(nodes))
-    }, records
+    assert victim not in {r["pid"] for r in replacement} and {r["world"] for r in replacement} == {world}, records
     victim_node = next(e["node"] for e in job.events("worker_failed"))
     spares_there = [e["pid"] for e in job.events("spare_ready") if e["node"] == victim_node]
     took_over = next(r["pid"] for r in replacement if r["rank"] == 1)
@@ -160,7 +162,7 @@ def test_a_killed_rank_is_replaced_in_place(
         in_place
     )  # every node, repaired
     assert_trained_like_one_process(job)
-    assert {p["world"] for p in job.progress()} == {max(2, len(nodes))}
+    assert {p["world"] for p in job.progress()} == {world}
     if model == "fsdp":  # --snapshot-every auto: each round timed its first snapshots and chose within 2 %
         chosen = job.events("snapshot_interval")
         assert chosen and all(e["every"] >= 1 and e["overhead"] <= e["target"] for e in chosen), chosen
@@ -176,7 +178,7 @@ def rank_pids(job, name: str) -> set[int]:
 
 
 def test_a_new_node_joins_in_place_after_another_left(make_job) -> None:
-    """1 → 2 → 1 → 2: a starts, b joins, b leaves, a new node c joins; every step once, params as unbroken.
+    """1 → 2 → 1 → 2 nodes: a starts, b joins, b leaves, a new node c joins; every step once, params as unbroken.
 
     c10d only: the join and the leave are covered on both backends above, and etcd would double the runtime.
     """
@@ -184,13 +186,13 @@ def test_a_new_node_joins_in_place_after_another_left(make_job) -> None:
     job.start_node("a")
     job.wait_steps(3)
     job.start_node("b")
-    joined = job.wait_for_world(2, timeout=90)
+    joined = job.wait_for_nodes(2, timeout=90)
     b_pids = rank_pids(job, "b")
     job.signal("b", signal.SIGTERM)  # b leaves at the next agreed step; a goes on alone, in place
-    left = job.wait_for_world(1, after_step=joined, timeout=90)
+    left = job.wait_for_nodes(1, after_step=joined, timeout=90)
     assert job.nodes["b"].wait(timeout=60) == 0, job.stderr("b")  # b is gone before c arrives
     job.start_node("c")
-    job.wait_for_world(2, after_step=left, timeout=90)
+    job.wait_for_nodes(2, after_step=left, timeout=90)
     c_pids = rank_pids(job, "c")
     job.wait_steps(3)
     codes = job.finish()
@@ -200,33 +202,38 @@ def test_a_new_node_joins_in_place_after_another_left(make_job) -> None:
     nodes = {name: node_of_pid[launcher.pid] for name, launcher in job.nodes.items()}
     assert len(set(nodes.values())) == 3, nodes  # c is a new node, not b's id again
     records = worlds(job)
-    survivor = records[0]["pid"]  # node a's rank, started fresh, never restarted
-    assert records[0]["how"] == "fresh" and sum(r["how"] == "fresh" for r in records) == 1, records
-    assert [(r["world"], r["how"]) for r in records if r["pid"] == survivor] == [
-        (1, "fresh"),
-        (2, "reconfigured"),
-        (1, "reconfigured"),
-        (2, "reconfigured"),
-    ], records
+    per_node, one, two = job.nproc_per_node, job.world(1), job.world(2)
+    survivors = {r["pid"] for r in records if r["how"] == "fresh"}  # node a's ranks, started fresh, never restarted
+    assert len(survivors) == one, records
+    for survivor in survivors:
+        assert [(r["world"], r["how"]) for r in records if r["pid"] == survivor] == [
+            (one, "fresh"),
+            (two, "reconfigured"),
+            (one, "reconfigured"),
+            (two, "reconfigured"),
+        ], records
     peers = [r for r in records if r["how"] == "peers"]  # each newcomer hydrated from a, not from storage
-    assert [r["world"] for r in peers] == [2, 2] and peers[0]["pid"] in b_pids and peers[1]["pid"] in c_pids, records
-    assert [r["pid"] for r in records if r["how"] == "left"] == [peers[0]["pid"]], records  # b's rank left, once
+    assert [r["world"] for r in peers] == [two] * 2 * per_node, records
+    assert {r["pid"] for r in peers[:per_node]} <= b_pids, (records, b_pids)
+    assert {r["pid"] for r in peers[per_node:]} <= c_pids, (records, c_pids)
+    left = sorted(r["pid"] for r in records if r["how"] == "left")
+    assert left == sorted(r["pid"] for r in peers[:per_node]), records  # b's ranks left, once each
     hydrated = [(e["newcomers"], e["from_rank"]) for e in job.events("hydrated")]  # the shrink has no newcomer
-    assert hydrated == [(1, 0), (0, 0), (1, 0)], hydrated
+    assert hydrated == [(per_node, 0), (0, 0), (per_node, 0)], hydrated
     targeted = job.events("scale_targeted")
     kinds = [(e["kind"], e["mode"]) for e in targeted]
     assert kinds == [("join", "reconfigure"), ("leave", "reconfigure"), ("join", "reconfigure")], kinds
     in_place = [e["members"] for e in job.events("rendezvous_done") if e.get("in_place")]
     assert in_place and set(in_place[-1]) == {nodes["a"], nodes["c"]}, in_place
 
-    progress = job.progress()  # every step trained exactly once, in order, at 1, 2, 1, 2 ranks
+    progress = job.progress()  # every step trained exactly once, in order, on 1, 2, 1, 2 nodes
     assert [p["step"] for p in progress] == list(range(1, len(progress) + 1))
     changes = [(p["step"], p["world"]) for before, p in zip(progress, progress[1:]) if p["world"] != before["world"]]
-    assert progress[0]["world"] == 1 and [w for _, w in changes] == [2, 1, 2], changes
+    assert progress[0]["world"] == one and [w for _, w in changes] == [two, one, two], changes
     assert [s for s, _ in changes] == [e["target_step"] + 1 for e in targeted], (changes, targeted)  # agreed steps
     final = [json.loads(x) for x in (job.run_dir / "final.jsonl").read_text().splitlines()]
-    # b at its leave step, then a and c (ranks 0 and 1) at the last step
-    expected = [(0, targeted[1]["target_step"]), (0, progress[-1]["step"]), (1, progress[-1]["step"])]
+    # b's ranks at its leave step (a rank with no group is rank 0), then a's and c's at the last step
+    expected = [(0, targeted[1]["target_step"])] * per_node + [(rank, progress[-1]["step"]) for rank in range(two)]
     assert sorted((f["rank"], f["step"]) for f in final) == sorted(expected), final
     reference = reference_params({f["step"] for f in final})
     for f in final:  # every node's parameters equal an unbroken single-process run at its step
@@ -243,7 +250,8 @@ def test_a_lost_node_is_repaired_in_place(make_job, model, per_node, tmp_path) -
     job = make_job(
         script=INPLACE,
         script_args=script_args(model, tmp_path),
-        flags=("--nproc-per-node", str(per_node), "--max-restarts", "3"),
+        flags=("--max-restarts", "3"),
+        nproc_per_node=per_node,
     )
     job.start_node("a")
     job.start_node("b")
@@ -278,8 +286,12 @@ def test_a_repair_with_no_state_left_starts_again_from_step_0(make_job, tmp_path
     peer's copy but not the third shard: no complete state exists anywhere. The repaired round starts again
     from step 0 with the model built fresh and step 0's data, says so (``state_lost``), and ends on an
     unbroken run's parameters; it never trains new weights under the lost step's count."""
-    job = make_job(
-        script=INPLACE, script_args=script_args("fsdp", tmp_path), nnodes="1:3", flags=("--max-restarts", "3")
+    job = make_job(  # one rank a node: each node holds one shard and its ring neighbour's copy
+        script=INPLACE,
+        script_args=script_args("fsdp", tmp_path),
+        nnodes="1:3",
+        flags=("--max-restarts", "3"),
+        nproc_per_node=1,
     )
     for name in ("a", "b", "c"):
         job.start_node(name)
@@ -366,6 +378,7 @@ def test_a_survivor_that_never_returns_hands_its_state_to_its_replacement(make_j
         script_args=script_args(model, tmp_path),
         nnodes="2",
         flags=("--max-restarts", "3", "--spare-ranks", "1"),
+        nproc_per_node=1,  # rank 0 is then the only holder of the state, and (HSDP) rank 1 the other replica
     )
     blocked = _block_rank_0_and_kill_rank_1(job)
     wait_until(
@@ -404,6 +417,7 @@ def test_when_every_rank_is_replaced_with_nothing_handed_off_the_restart_from_st
         script_args=script_args("fsdp", tmp_path),
         nnodes="2",
         flags=("--max-restarts", "3", "--spare-ranks", "1", "--snapshot-every", "0"),
+        nproc_per_node=1,  # two shards, rank 1's held by no one else
     )
     blocked = _block_rank_0_and_kill_rank_1(job)
     wait_until(lambda: job.events("state_lost"), timeout=60, what="the repair to say the state is lost")
@@ -461,6 +475,7 @@ def test_a_failure_while_the_next_spare_is_still_starting_is_repaired_by_that_sp
         script_args=script_args("ddp", tmp_path),
         nnodes="2",
         flags=("--max-restarts", "2", "--spare-ranks", "1"),
+        nproc_per_node=1,  # rank 1 on node b; fresh processes of two ranks a node would crowd the spare's import
     )
     job.start_node("a")
     job.start_node("b")
@@ -507,6 +522,7 @@ def test_a_rank_that_dies_while_sending_its_snapshot_is_restored_from_the_one_be
         script_args=(str(tmp_path), "fsdp", "die-sending-at=40"),
         nnodes="2",
         flags=("--max-restarts", "3", "--snapshot-every", "1"),
+        nproc_per_node=1,  # rank 1's only holder is rank 0, whose copy of step 40 it tears
     )
     job.start_node("a")
     job.start_node("b")
@@ -535,6 +551,7 @@ def test_a_rank_killed_while_a_join_is_pending_is_repaired_with_the_join(make_jo
         script_args=script_args(model, tmp_path),
         nnodes="1:3",
         flags=("--max-restarts", "3", "--spare-ranks", "1"),
+        nproc_per_node=1,  # three nodes and their spares: one rank each stays within two cores
     )
     job.start_node("a")
     job.start_node("b")

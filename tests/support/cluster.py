@@ -20,6 +20,9 @@ from support.ports import free_port
 
 COUNTER = Path(__file__).resolve().parent.parent / "elastic" / "scripts" / "counter.py"
 MAX_NODES = 8  # launchers a test starts, at most
+#: Ranks per launcher unless a test asks for another count: users' nodes hold several ranks, so a job's scale
+#: events and failures are tested with a node's other ranks beside the one that fails, joins or leaves.
+NPROC_PER_NODE = 2
 
 
 def run_rank_scripts(script: Path, world: int, *args: str, timeout: float = 120) -> list[dict]:
@@ -70,15 +73,19 @@ class ElasticJob:
         script: Path = COUNTER,
         script_args: tuple[str, ...] | None = None,
         start_method: str = "forkserver",
+        nproc_per_node: int = NPROC_PER_NODE,
     ) -> None:
+        if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}")
         self.run_dir = run_dir
+        self.nproc_per_node = nproc_per_node
         self.endpoint = endpoint or f"127.0.0.1:{free_port()}"
         self.events_path = run_dir / "events.jsonl"
         self.base = [
             "--nnodes",
             nnodes,
             "--nproc-per-node",
-            "1",
+            str(nproc_per_node),
             "--rdzv-backend",
             backend,
             "--rdzv-endpoint",
@@ -113,7 +120,7 @@ class ElasticJob:
         ]
         self.script = [str(script), *(script_args if script_args is not None else (str(run_dir),))]
         self.nodes: dict[str, subprocess.Popen] = {}
-        self.devices = DevicePlan.for_host(slots=MAX_NODES, nproc=1)  # a GPU per launcher, or all on the CPU
+        self.devices = DevicePlan.for_host(slots=MAX_NODES, nproc=nproc_per_node)  # GPUs per launcher, or the CPU
 
     def start_node(
         self, name: str, *extra: str, wrap: Callable[[list[str]], list[str]] | None = None
@@ -155,6 +162,14 @@ class ElasticJob:
             return None
 
         return wait_until(seen, timeout=timeout, what=f"a training step at world size {world}")
+
+    def wait_for_nodes(self, nodes: int, *, timeout: float = 90, after_step: int = 0) -> int:
+        """Wait until training ran a step on ``nodes`` launchers' ranks (after ``after_step``); returns that step."""
+        return self.wait_for_world(self.world(nodes), timeout=timeout, after_step=after_step)
+
+    def world(self, nodes: int) -> int:
+        """The world size of ``nodes`` launchers."""
+        return nodes * self.nproc_per_node
 
     def wait_steps(self, n: int, *, timeout: float = 60) -> int:
         start = self.progress()[-1]["step"] if self.progress() else 0
