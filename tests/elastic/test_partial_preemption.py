@@ -35,16 +35,16 @@ def test_yield_then_uncap_shrinks_and_grows_back(make_job) -> None:
     job = make_job(nnodes="1:2", flags=("--scaling-timeout", "5"))
     job.start_node("a")
     job.start_node("b")
-    step2 = job.wait_for_world(2)
+    step2 = job.wait_for_nodes(2)
     status = json.loads(_ctl(job, "status", "--json").stdout)
-    assert len(status["members"]) == 2 and status["world_size"] == 2
+    assert len(status["members"]) == 2 and status["world_size"] == job.world(2)
     proc = _ctl(job, "yield", "1")
     assert proc.returncode == 0, proc.stderr
-    step1 = job.wait_for_world(1, after_step=step2)
+    step1 = job.wait_for_nodes(1, after_step=step2)
     assert json.loads(_ctl(job, "status", "--json").stdout)["cap"] == 1
     job.wait_steps(5)
     assert _ctl(job, "uncap").returncode == 0
-    job.wait_for_world(2, after_step=step1)
+    job.wait_for_nodes(2, after_step=step1)
     job.wait_steps(3)
     assert job.finish() == {"a": 0, "b": 0}
     steps = [p["step"] for p in job.progress()]

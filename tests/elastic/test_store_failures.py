@@ -50,7 +50,7 @@ def test_embedded_store_host_leaving_is_reported(make_job) -> None:
     job = make_job(nnodes="1:2", flags=("--scaling-timeout", "5"))
     job.start_node("host")
     job.start_node("b")
-    job.wait_for_world(2)
+    job.wait_for_nodes(2)
     job.kill_node_hard("host")
     assert job.nodes["b"].wait(timeout=60) != 0
     last = job.stderr("b").strip().splitlines()[-1]

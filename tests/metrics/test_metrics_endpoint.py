@@ -19,14 +19,14 @@ def test_metrics_move_as_the_event_log_says(make_job) -> None:
     url = f"http://127.0.0.1:{port}/metrics"
     job = make_job(nnodes="1:2")
     job.start_node("a", "--metrics-port", str(port))
-    job.wait_for_world(1)
+    job.wait_for_nodes(1)
 
     def stepping():
         s = scrape(url)
         return s if value(s, "hyperpodrun_rank_step_rate", local_rank="0") else None
 
     before = wait_until(stepping, timeout=30, what="the agent to report its rank's step rate")
-    assert value(before, "hyperpodrun_world_size") == 1
+    assert value(before, "hyperpodrun_world_size") == job.world(1)
     assert value(before, "hyperpodrun_members") == 1
     assert value(before, "hyperpodrun_rank_step_rate", local_rank="0") > 0
     assert value(before, "hyperpodrun_store_request_seconds_count", op="put") >= 1  # the rendezvous wrote its node
@@ -43,12 +43,12 @@ def test_metrics_move_as_the_event_log_says(make_job) -> None:
     job.wait_steps(3)
     assert job.finish() == {"a": 0, "b": 0}
 
-    assert worlds[0] == 1 and worlds[-1] == 2 and worlds == sorted(worlds)  # it moved once, up
+    assert worlds[0] == job.world(1) and worlds[-1] == job.world(2) and worlds == sorted(worlds)  # it moved once, up
     a = next(e["node"] for e in job.events("agent_started") if e["pid"] == job.nodes["a"].pid)
     mine = [e for e in job.events() if e["node"] == a]
     last_round = [e for e in mine if e["event"] == "rendezvous_done"][-1]
     assert value(after, "hyperpodrun_round") == last_round["round"]
-    assert value(after, "hyperpodrun_world_size") == last_round["world_size"] == 2
+    assert value(after, "hyperpodrun_world_size") == last_round["world_size"] == job.world(2)
     assert value(after, "hyperpodrun_members") == len(last_round["members"]) == 2
     decided = [e for e in mine if e["event"] == "scale_decided"]
     assert value(after, "hyperpodrun_scale_events_total", kind="join", mode="restart") == (len(decided) or None)
