@@ -32,7 +32,8 @@ def test_a_killed_hsdp_rank_takes_its_shard_from_the_other_replica(make_job, tmp
         script=INPLACE,
         script_args=(str(tmp_path), "hsdp"),
         nnodes="2",
-        flags=("--max-restarts", "3", "--nproc-per-node", "2"),
+        flags=("--max-restarts", "3"),
+        nproc_per_node=2,
     )
     survivor, victim = two_nodes_hit_rank_1(job, signal.SIGKILL, start_timeout=120)
 
@@ -67,7 +68,8 @@ def test_a_rank_killed_inside_the_cross_replica_reduction_costs_one_step_not_the
         script=INPLACE,
         script_args=(str(tmp_path), "hsdp", "die-in-reduction-at=6"),
         nnodes="2",
-        flags=("--max-restarts", "3", "--nproc-per-node", "2"),
+        flags=("--max-restarts", "3"),
+        nproc_per_node=2,
     )
     job.start_node("a")
     job.start_node("b")
@@ -95,7 +97,8 @@ def test_a_killed_rank_of_the_only_hsdp_replica_is_restored_from_snapshots(make_
         script=INPLACE,
         script_args=(str(tmp_path), "hsdp"),
         nnodes="1",
-        flags=("--max-restarts", "3", "--nproc-per-node", "2"),
+        flags=("--max-restarts", "3"),
+        nproc_per_node=2,
     )
     job.start_node("a")
     wait_until(lambda: job.events("round_in_process"), timeout=120, what="the round to run in-process")
@@ -114,7 +117,7 @@ def test_hsdp_nodes_join_and_leave_in_place_as_whole_replicas(make_job, tmp_path
         script=INPLACE,
         script_args=(str(tmp_path), "hsdp"),
         nnodes="2:3",
-        flags=("--nproc-per-node", "2"),
+        nproc_per_node=2,
     )
     job.start_node("a")
     job.start_node("b")
@@ -155,7 +158,8 @@ def test_a_lost_hsdp_node_is_repaired_without_moving_a_shard(make_job, tmp_path)
     job = make_job(
         script=INPLACE,
         script_args=(str(tmp_path), "hsdp"),
-        flags=("--max-restarts", "3", "--nproc-per-node", "2"),
+        flags=("--max-restarts", "3"),
+        nproc_per_node=2,
     )
     job.start_node("a")
     job.start_node("b")

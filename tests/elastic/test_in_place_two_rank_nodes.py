@@ -26,13 +26,11 @@ from support.in_place import (
     worlds,
 )
 
-TWO_RANKS = ("--nproc-per-node", "2")
-
 
 def test_a_two_rank_node_joins_and_leaves_in_place(make_job) -> None:
     """1x2 -> 2x2 -> 1x2: both ranks of b are hydrated from a's at the join and both leave at the leave;
     a's two ranks keep their processes throughout; every step once, the parameters of one process."""
-    job = make_job(script=INPLACE, flags=TWO_RANKS)
+    job = make_job(script=INPLACE, nproc_per_node=2)
     job.start_node("a")
     job.wait_steps(3)
     a_pids = set(ranks_of_node(job, "a").values())
@@ -79,7 +77,7 @@ def test_a_failed_rank_of_a_two_rank_node_is_replaced_while_its_sibling_goes_on(
     """2x2, kill -9 of one rank, or SIGSTOP (its agent kills it after --hang-timeout while its sibling waits
     for it in a collective): its node's spare takes its place and is hydrated from the sibling on the same
     node (the node's own links); the other three ranks keep their processes."""
-    flags = (*TWO_RANKS, "--max-restarts", "3", "--spare-ranks", "1", "--hang-timeout", "2")
+    flags = ("--max-restarts", "3", "--spare-ranks", "1", "--hang-timeout", "2")
     job = make_job(script=INPLACE, nnodes="2", flags=flags)
     job.start_node("a")
     job.start_node("b")

@@ -42,6 +42,9 @@ RDZV_CONF = ("--rdzv-conf", "lease_ttl=2,tick=0.1,propagation=0.05")
 WORKERS = Path(__file__).resolve().parent / "workers"
 FRAMEWORKS = {"hf": "hf_job.py", "lightning": "lightning_job.py"}
 MODES = ("in_place", "restart")
+# One rank a node where a test's subject is not the node's size: a framework rank takes seconds of CPU to import
+# and build, and the joins of two-rank nodes are test_grow_with_two_ranks_per_node_in_place's and the HSDP test's.
+ONE_RANK = 1
 CASES = [(framework, mode) for framework in sorted(FRAMEWORKS) for mode in MODES]
 
 
@@ -134,6 +137,7 @@ def test_grow_one_to_two_then_shrink_back(framework, mode, make_job, reference, 
         flags=RDZV_CONF,
         script=WORKERS / FRAMEWORKS[framework],
         script_args=(str(tmp_path), str(MAX_STEPS), mode),
+        nproc_per_node=ONE_RANK,
     )
     job.start_node("a")
     wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 1, timeout=120, what="the first round to hold at step 8")
@@ -164,6 +168,7 @@ def test_restart_mode_process_turns_an_in_place_script_to_the_restart_path(
         flags=(*RDZV_CONF, "--restart-mode", "process"),
         script=WORKERS / FRAMEWORKS[framework],
         script_args=(str(tmp_path), str(MAX_STEPS), "in_place"),
+        nproc_per_node=ONE_RANK,
     )
     job.start_node("a")
     wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 1, timeout=120, what="the first round to hold at step 8")
@@ -183,9 +188,10 @@ def test_grow_with_two_ranks_per_node_in_place(framework, make_job, reference, t
     """World 2 -> 4: two newcomers on the joining node, the accumulation planned anew (2 -> 1), both survivors kept."""
     job = make_job(
         nnodes="1:2",
-        flags=(*RDZV_CONF, "--nproc-per-node", "2"),
+        flags=RDZV_CONF,
         script=WORKERS / FRAMEWORKS[framework],
         script_args=(str(tmp_path), str(MAX_STEPS), "in_place"),
+        nproc_per_node=2,
     )
     job.start_node("a")
     wait_until(
@@ -213,6 +219,7 @@ def test_a_finished_job_admits_no_joiner_and_an_abort_at_exit_is_success(framewo
         flags=RDZV_CONF,
         script=WORKERS / FRAMEWORKS[framework],
         script_args=(str(tmp_path), str(steps), "restart"),
+        nproc_per_node=ONE_RANK,
     )
     join_after_the_end(job, tmp_path, finish_timeout=180)
     trained = _steps(tmp_path)
@@ -230,9 +237,10 @@ def test_lightning_hsdp_adds_then_removes_a_replica_on_the_restart_path(make_job
     (tmp_path / "shrink-later").touch()  # the ranks hold again at step 80 (workers/job_common.py)
     job = make_job(
         nnodes="1:2",
-        flags=(*RDZV_CONF, "--nproc-per-node", "2"),
+        flags=RDZV_CONF,
         script=WORKERS / FRAMEWORKS["lightning"],
         script_args=(str(tmp_path), str(MAX_STEPS), "restart", "hsdp"),
+        nproc_per_node=2,
     )
     job.start_node("a")
     wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 2, timeout=180, what="2 ranks to hold at step 8")
