@@ -46,6 +46,7 @@ def job(tmp_path: Path, etcd: EtcdServer) -> Iterator[ElasticJob]:
         nnodes="1:2",
         script=SCRIPT,
         flags=("--scaling-timeout", "60"),  # start at once when both are there; never at 1 by chance
+        nproc_per_node=1,  # one rank a host: ranks 0 and 1 are the replicas on the two hosts
     )
     yield job
     job.close()
