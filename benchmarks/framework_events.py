@@ -34,6 +34,7 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,36 @@ from scale_analysis import event_mode, hyperpodrun_phases, measure_event
 NAME = "framework_events"
 VARIANTS = ("in-place", "restart")
 EVENTS = (("join", 2), ("leave", 1))  # kind, nodes after it
-HOLD_JOIN, HOLD_LEAVE = 20, 60  # steps where the ranks wait for the next event to be announced
-MAX_STEPS = 100
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """The steps where the ranks wait for the next event to be announced, and the run's last step."""
+
+    hold_join: int
+    hold_leave: int
+    max_steps: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.hold_join < self.hold_leave < self.max_steps:
+            raise BenchmarkError(f"a schedule needs 0 < hold_join < hold_leave < max_steps: {self}")
+
+    def arg(self) -> str:
+        return f"{self.hold_join},{self.hold_leave},{self.max_steps}"
+
+    @classmethod
+    def parse(cls, text: str) -> Schedule:
+        join, leave, last = (int(x) for x in text.split(","))
+        return cls(hold_join=join, hold_leave=leave, max_steps=last)
+
+
+#: An event is agreed on for a step about 10 steps past its hold here; the smoke checks the script with a few steps
+#: at each size after that, the measured modes give each world size 40 steps.
+SCHEDULES = {
+    "smoke": Schedule(hold_join=8, hold_leave=30, max_steps=46),
+    "quick": Schedule(hold_join=20, hold_leave=60, max_steps=100),
+    "full": Schedule(hold_join=20, hold_leave=60, max_steps=100),
+}
 REPS = {"smoke": 1, "quick": 2, "full": 4}
 HOLD_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 300.0
@@ -97,6 +126,7 @@ def worker_main(args: argparse.Namespace) -> int:
     )
 
     out = Path(args.worker_out)
+    schedule = Schedule.parse(args.schedule)
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     set_seed(0)
     model = hf_client.tiny_gpt2()  # built before elastic_init(): a parked joiner pays for it while it waits
@@ -114,7 +144,10 @@ def worker_main(args: argparse.Namespace) -> int:
                 }
                 with open(out / "steps.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
-            holds = {HOLD_JOIN: 1, HOLD_LEAVE: 2}  # step -> nodes: there, wait for the next event's announcement
+            holds = {
+                schedule.hold_join: 1,
+                schedule.hold_leave: 2,
+            }  # step -> nodes: there, wait for the next event's announcement
             if holds.get(state.global_step) == targs.world_size // local_world:
                 (out / f"held-{state.global_step}-{targs.process_index}").touch()
                 deadline = time.monotonic() + HOLD_TIMEOUT_S
@@ -128,7 +161,7 @@ def worker_main(args: argparse.Namespace) -> int:
     training = TrainingArguments(
         output_dir=str(out / "trainer"),
         per_device_train_batch_size=PER_DEVICE,
-        max_steps=MAX_STEPS,
+        max_steps=schedule.max_steps,
         learning_rate=1e-3,
         report_to="none",
         use_cpu=True,
@@ -169,7 +202,7 @@ def _wait_file(path: Path, *, procs: list[ManagedProcess], timeout: float, what:
         time.sleep(0.05)
 
 
-def run_scenario(variant: str, work: Path, script: Path, *, ranks_per_node: int) -> dict[str, Any]:
+def run_scenario(variant: str, work: Path, script: Path, *, ranks_per_node: int, schedule: Schedule) -> dict[str, Any]:
     """Node A, then B joins, then B leaves; the events measured from rank 0's step log and the event log."""
     work.mkdir(parents=True, exist_ok=True)
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"bench-fw-{free_port()}"
@@ -203,18 +236,30 @@ def run_scenario(variant: str, work: Path, script: Path, *, ranks_per_node: int)
     bus = OutputBus()
 
     def node(name: str) -> ManagedProcess:
-        cmd = hyperpodrun_cmd(*flags, "--log-dir", str(work / f"logs-{name}"), str(script), "--worker-out", str(work))
+        cmd = hyperpodrun_cmd(
+            *flags,
+            "--log-dir",
+            str(work / f"logs-{name}"),
+            str(script),
+            "--worker-out",
+            str(work),
+            "--schedule",
+            schedule.arg(),
+        )
         return ManagedProcess(cmd, name=f"{variant}-{name}", env=env, bus=bus, log_path=work / f"{name}.log")
 
     t_events: dict[str, float] = {}
     with node("A") as a:
         _wait_file(
-            work / f"held-{HOLD_JOIN}-0", procs=[a], timeout=RUN_TIMEOUT_S, what="node A's rank to hold before the join"
+            work / f"held-{schedule.hold_join}-0",
+            procs=[a],
+            timeout=RUN_TIMEOUT_S,
+            what="node A's rank to hold before the join",
         )
         t_events["join"] = time.time()
         with node("B") as b:
             _wait_file(
-                work / f"held-{HOLD_LEAVE}-0",
+                work / f"held-{schedule.hold_leave}-0",
                 procs=[a, b],
                 timeout=RUN_TIMEOUT_S,
                 what="both nodes' ranks to hold before the leave",
@@ -250,6 +295,7 @@ def _pid_at(steps: list[dict[str, Any]], step: int) -> int | None:
 
 
 def run(args: argparse.Namespace) -> BenchmarkResult:
+    schedule = SCHEDULES[args.mode]
     result = BenchmarkResult(
         name=NAME,
         mode=args.mode,
@@ -260,7 +306,11 @@ def run(args: argparse.Namespace) -> BenchmarkResult:
             "global_batch": GLOBAL_BATCH,
             "per_device_batch": PER_DEVICE,
             "block": hf_client.BLOCK,
-            "max_steps": MAX_STEPS,
+            "schedule": {
+                "hold_join": schedule.hold_join,
+                "hold_leave": schedule.hold_leave,
+                "max_steps": schedule.max_steps,
+            },
             "reps": REPS[args.mode],
             "omp_num_threads": 1,
             "model": "GPT-2, 2 layers, 32 dims, byte vocabulary",
@@ -276,7 +326,9 @@ def run(args: argparse.Namespace) -> BenchmarkResult:
     for rep in range(REPS[args.mode]):
         for variant in VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS)):
             print(f"{NAME}: {variant}, rep {rep + 1} ...", flush=True)
-            scenario = run_scenario(variant, work / f"{variant}-{rep}", script, ranks_per_node=args.ranks_per_node)
+            scenario = run_scenario(
+                variant, work / f"{variant}-{rep}", script, ranks_per_node=args.ranks_per_node, schedule=schedule
+            )
             runs.append({"rep": rep, **scenario})
     result.samples = {"runs": runs}
     summary: dict[str, Any] = {}
@@ -315,6 +367,7 @@ def run(args: argparse.Namespace) -> BenchmarkResult:
 def main(argv: list[str] | None = None) -> int:
     def add(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # internal: one rank of the job
+        parser.add_argument("--schedule", help=argparse.SUPPRESS)  # internal: the worker's Schedule.arg()
         parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks of each simulated node [2]")
 
     args = parse_args(__doc__.splitlines()[0], add_arguments=add, argv=argv)

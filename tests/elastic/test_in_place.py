@@ -3,6 +3,10 @@
 Surviving ranks keep their process (same pid) through a join and a graceful leave; the joiner
 is pre-warmed as a standby and hydrated from its peers; no step is lost or redone; the final
 parameters equal a single process trained for the same number of steps. Steps are not padded.
+
+Nodes run two ranks each unless a case says why not (``ElasticJob``'s default): a joining node's ranks are
+hydrated together and a leaving node's leave together, and a killed or hung rank's replacement is hydrated
+from its sibling on the same node while the node's other ranks keep their processes.
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, backend_
     assert in_place and all(len(e["members"]) == e["world_size"] / job.nproc_per_node for e in in_place), in_place
     targeted = [(e["kind"], e["mode"]) for e in job.events("scale_targeted")]
     assert targeted == [("join", "reconfigure"), ("leave", "reconfigure")], targeted  # the event log says the mode
+    newcomers = [e["newcomers"] for e in job.events("hydrated")]  # rank 0 of each new round says it
+    assert newcomers == [job.world(1), 0], newcomers  # the join: every rank of b new; the leave: none
+    left = sorted(r["pid"] for r in records if r["how"] == "left")
+    assert left == sorted(r["pid"] for r in records if r["how"] == "peers"), records  # b's ranks, every one, left
     # every step trained exactly once, in order, at the sizes the events say
     steps = [p["step"] for p in job.progress()]
     assert steps == list(range(1, len(steps) + 1))
@@ -149,6 +157,8 @@ def test_a_killed_rank_is_replaced_in_place(
     spares_there = [e["pid"] for e in job.events("spare_ready") if e["node"] == victim_node]
     took_over = next(r["pid"] for r in replacement if r["rank"] == 1)
     assert (took_over in spares_there) == bool(spares), (replacement, spares_there)  # the spare took its place
+    if per_node == 2 and model == "ddp" and not rescued:  # a replica comes from the failed rank's own node
+        assert [e["from_rank"] for e in job.events("hydrated")] == [0], job.events("hydrated")  # rank 1's sibling
     failed = job.events("worker_failed")
     assert len(failed) == 1 + len(rescued) and all(
         e["repaired_in_place"] and e["signal"] == "SIGKILL" for e in failed
@@ -345,6 +355,8 @@ def test_a_hung_rank_is_killed_and_replaced_in_place(make_job, model, tmp_path) 
         "(most recent call first)" in Path(hung[0]["log_file"]).read_text()
     )  # its Python stacks, dumped before the kill
     assert {r["pid"] for r in worlds(job) if r["rank"] == 0} == {survivor}
+    if model == "ddp" and not rescued_ranks(job):  # rank 1's replacement: hydrated from its sibling on its node
+        assert [e["from_rank"] for e in job.events("hydrated")] == [0], job.events("hydrated")
     assert [(e["kind"], e["mode"]) for e in job.events("scale_targeted")] == [("rank_failure", "reconfigure")]
     assert_trained_like_one_process(job)
 

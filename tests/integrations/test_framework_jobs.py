@@ -43,7 +43,8 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 FRAMEWORKS = {"hf": "hf_job.py", "lightning": "lightning_job.py"}
 MODES = ("in_place", "restart")
 # One rank a node where a test's subject is not the node's size: a framework rank takes seconds of CPU to import
-# and build, and the joins of two-rank nodes are test_grow_with_two_ranks_per_node_in_place's and the HSDP test's.
+# and build (about 6 s each here), and the joins and leaves of two-rank nodes are the in-place grow-and-shrink
+# cases' and the HSDP test's.
 ONE_RANK = 1
 CASES = [(framework, mode) for framework in sorted(FRAMEWORKS) for mode in MODES]
 
@@ -107,14 +108,19 @@ def _assert_same_training(run_dir: Path, ref_dir: Path, worlds: list[int]) -> di
     return pids
 
 
-def _assert_event_path(job, run_dir: Path, mode: str, pids: dict[int, set[int]], *, newcomers: list[int]) -> None:
-    """In place: one rank kept its process across the events, nothing went through storage, each event's
-    round hydrated ``newcomers[i]`` ranks. Restart: the opposite."""
-    kept = pids[1] & pids[2]
+def _assert_event_path(
+    job, run_dir: Path, mode: str, pids: dict[int, set[int]], *, newcomers: list[int], small: int = 1
+) -> None:
+    """In place: the ranks of the first node (``small`` of them) kept their processes across the events between
+    worlds ``small`` and ``2 * small``, nothing went through storage, each event's round hydrated ``newcomers[i]``
+    ranks. Restart: the opposite."""
+    big = 2 * small
+    kept = pids[small] & pids[big]
     saved = list(run_dir.glob("out/checkpoint-*")) + list(run_dir.glob("ckpt/elastic-step=*"))
     if mode == "in_place":
-        assert len(kept) == 1, (
-            f"the surviving rank should have kept its process: pids at 1 rank {pids[1]}, at 2 {pids[2]}"
+        assert len(kept) == small, (
+            f"the surviving ranks should have kept their processes: pids at {small} ranks {pids[small]}, "
+            f"at {big} {pids[big]}"
         )
         assert saved == [], f"an in-place event wrote checkpoints: {saved}"
         assert job.events("checkpoint_loaded") == []
@@ -122,36 +128,45 @@ def _assert_event_path(job, run_dir: Path, mode: str, pids: dict[int, set[int]],
         assert [e["newcomers"] for e in hydrated] == newcomers, hydrated
         assert job.events("in_place_unavailable") == []
     else:
-        assert kept == set(), f"the restart path restarted every rank: pids at 1 rank {pids[1]}, at 2 {pids[2]}"
+        assert kept == set(), (
+            f"the restart path restarted every rank: pids at {small} {pids[small]}, at {big} {pids[big]}"
+        )
         assert saved, "the restart path saved no checkpoint"
         assert job.events("workers_reconfigured") == []
 
 
 @pytest.mark.parametrize(("framework", "mode"), CASES)
 def test_grow_one_to_two_then_shrink_back(framework, mode, make_job, reference, tmp_path) -> None:
-    """Node b joins while node a's rank holds at step 8; once both ranks hold at step 80, b is preempted
-    (SIGTERM) and leaves at the agreed step: worlds 1 -> 2 -> 1 in one job."""
+    """Node b joins while node a's ranks hold at step 8; once every rank holds at step 80, b is preempted
+    (SIGTERM) and leaves at the agreed step: nodes 1 -> 2 -> 1 in one job. In place the nodes run two ranks
+    each (worlds 2 -> 4 -> 2: two newcomers hydrated, the accumulation planned anew at each size, both of a's
+    ranks kept); the restart path, whose every rank restarts at each event, runs one."""
+    per_node = 2 if mode == "in_place" else ONE_RANK
     (tmp_path / "shrink-later").touch()  # the ranks hold again at step 80 (workers/job_common.py)
     job = make_job(
         nnodes="1:2",
         flags=RDZV_CONF,
         script=WORKERS / FRAMEWORKS[framework],
         script_args=(str(tmp_path), str(MAX_STEPS), mode),
-        nproc_per_node=ONE_RANK,
+        nproc_per_node=per_node,
     )
     job.start_node("a")
-    wait_until(lambda: len(list(tmp_path.glob("held-*"))) == 1, timeout=120, what="the first round to hold at step 8")
-    job.start_node("b")  # a joining node: in place, its ranks are admitted and hydrated; else every rank restarts at 2
     wait_until(
-        lambda: len(list(tmp_path.glob("shrink-held-*"))) == 2, timeout=180, what="both ranks to hold at step 80"
+        lambda: len(list(tmp_path.glob("held-*"))) == per_node, timeout=180, what="the first round to hold at step 8"
+    )
+    job.start_node("b")  # a joining node: in place, its ranks are admitted and hydrated; else every rank restarts
+    wait_until(
+        lambda: len(list(tmp_path.glob("shrink-held-*"))) == 2 * per_node,
+        timeout=180,
+        what="every rank to hold at step 80",
     )
     job.signal("b", signal.SIGTERM)  # preemption of node b: it leaves at the agreed step
     codes = {n: p.wait(timeout=240) for n, p in job.nodes.items()}
     assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    pids = _assert_same_training(tmp_path, reference(framework), worlds=[1, 2, 1])
-    _assert_event_path(job, tmp_path, mode, pids, newcomers=[1, 0])
+    pids = _assert_same_training(tmp_path, reference(framework), worlds=[per_node, 2 * per_node, per_node])
+    _assert_event_path(job, tmp_path, mode, pids, newcomers=[per_node, 0], small=per_node)
     if mode == "in_place":
-        assert {e["world_size"] for e in job.events("workers_reconfigured")} == {2, 1}
+        assert {e["world_size"] for e in job.events("workers_reconfigured")} == {2 * per_node, per_node}
     else:
         restarted = [e for e in job.events("workers_started") if e["world_size"] == 2]
         assert restarted and restarted[0]["reason"] == "scale"
@@ -181,31 +196,6 @@ def test_restart_mode_process_turns_an_in_place_script_to_the_restart_path(
     requested = job.events("restart_requested")
     assert len(requested) == 1 and "--restart-mode process" in requested[0]["reason"], requested
     assert "asked for a restart" in job.stderr("a")
-
-
-@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
-def test_grow_with_two_ranks_per_node_in_place(framework, make_job, reference, tmp_path) -> None:
-    """World 2 -> 4: two newcomers on the joining node, the accumulation planned anew (2 -> 1), both survivors kept."""
-    job = make_job(
-        nnodes="1:2",
-        flags=RDZV_CONF,
-        script=WORKERS / FRAMEWORKS[framework],
-        script_args=(str(tmp_path), str(MAX_STEPS), "in_place"),
-        nproc_per_node=2,
-    )
-    job.start_node("a")
-    wait_until(
-        lambda: len(list(tmp_path.glob("held-*"))) == 2,
-        timeout=180,
-        what="both ranks of the first round to hold at step 8",
-    )
-    job.start_node("b")
-    codes = {n: p.wait(timeout=300) for n, p in job.nodes.items()}
-    assert codes == {"a": 0, "b": 0}, job.stderr("a")[-3000:] + job.stderr("b")[-3000:]
-    pids = _assert_same_training(tmp_path, reference(framework), worlds=[2, 4])
-    assert pids[2] < pids[4] and len(pids[4]) == 4, f"node a's two ranks should have kept their processes: {pids}"
-    assert [e["newcomers"] for e in job.events("hydrated")] == [2]
-    assert job.events("checkpoint_loaded") == [] and list(tmp_path.glob("ckpt/elastic-step=*")) == []
 
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
