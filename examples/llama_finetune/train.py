@@ -78,6 +78,7 @@ from elastic_events.checkpoint import CheckpointConfig, Checkpointer, Checkpoint
 from elastic_events.data.batching import BatchPlan, global_token_count, loss_scale, sum_in_batch_order
 from elastic_events.data.dataset import ByteTokenizer, DatasetError, TokenDataset, Tokenizer, build_token_dataset
 from elastic_events.data.sampler import ElasticSampler, ElasticSamplerError, GlobalStep
+from elastic_events.rounds.mesh import plan_layout
 from elastic_events.scale_config import DEFAULT_SCHEMA, ScaleConfigError, load_scale_config
 
 SCALE_CONFIG_KEYS = ("micro_batch", "num_workers", "prefetch_factor")  # what --scale-config may override
@@ -607,6 +608,9 @@ def train(cfg: TrainConfig) -> int:
     leave_on_sigterm()  # under hyperpodrun: SIGTERM (Slurm sends it to every process) leaves at the agreed step
     rt = setup_runtime(cfg)
     cfg = resolve_overrides(cfg, rt.world_size)
+    if cfg.hsdp and rt.distributed:  # a world of no whole number of replicas: said before the data is tokenised
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        plan_layout(HSDPConfig(shard_size=cfg.hsdp_shard_size), world_size=rt.world_size, local_world_size=local_world)
     torch.manual_seed(cfg.seed)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
     say = print if rt.is_main else (lambda *a, **k: None)
