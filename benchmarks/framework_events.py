@@ -144,10 +144,8 @@ def worker_main(args: argparse.Namespace) -> int:
                 }
                 with open(out / "steps.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")
-            holds = {
-                schedule.hold_join: 1,
-                schedule.hold_leave: 2,
-            }  # step -> nodes: there, wait for the next event's announcement
+            # step -> nodes: there, wait for the next event's announcement
+            holds = {schedule.hold_join: 1, schedule.hold_leave: 2}
             if holds.get(state.global_step) == targs.world_size // local_world:
                 (out / f"held-{state.global_step}-{targs.process_index}").touch()
                 deadline = time.monotonic() + HOLD_TIMEOUT_S
