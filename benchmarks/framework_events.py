@@ -34,7 +34,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -304,11 +304,7 @@ def run(args: argparse.Namespace) -> BenchmarkResult:
             "global_batch": GLOBAL_BATCH,
             "per_device_batch": PER_DEVICE,
             "block": hf_client.BLOCK,
-            "schedule": {
-                "hold_join": schedule.hold_join,
-                "hold_leave": schedule.hold_leave,
-                "max_steps": schedule.max_steps,
-            },
+            "schedule": asdict(schedule),
             "reps": REPS[args.mode],
             "omp_num_threads": 1,
             "model": "GPT-2, 2 layers, 32 dims, byte vocabulary",
