@@ -6,6 +6,8 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+RUFF   := $(VENV)/bin/ruff
+MYPY_REPORT := $(VENV)/mypy-report.txt
 # pytest-xdist workers, whole files each (a file's module fixtures are built once). Most tests are real
 # processes that wait on one another part of the time (1.2-1.4 of 2 cores busy): two lanes keep both cores
 # busy. TEST_LANES=0 runs the suite in this process, one test at a time.
@@ -20,23 +22,33 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test,bench,hf,lightning]"
 	@touch $(STAMP)
 
-setup: $(STAMP)
+# The Debian packages install while pip installs the Python ones (both mostly wait on downloads); a failure of
+# the Debian ones is a warning, as the tests that need them then say what is missing.
+setup:
 	@{ command -v etcd && command -v etcdctl && command -v openssl && command -v ip && command -v unshare && \
 	   command -v slurmctld && command -v slurmd && command -v sbatch && command -v munged; } >/dev/null || { \
 	  echo "installing etcd-server, etcd-client, openssl, iproute2, util-linux, slurm-wlm and munge (Debian packages) for the integration tests"; \
 	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server etcd-client openssl iproute2 util-linux slurm-wlm munge) >/dev/null || \
-	  echo "warning: could not install them; the etcd, two-host and Slurm tests will fail" >&2; }
+	  echo "warning: could not install them; the etcd, two-host and Slurm tests will fail" >&2; } & debian=$$!; \
+	$(MAKE) --no-print-directory $(STAMP); python=$$?; wait $$debian; exit $$python
 
 demo: $(STAMP)
 	$(PY) examples/llama_finetune/demo.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(RUFF) check src tests benchmarks examples
+	$(RUFF) format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
-test: setup lint
-	$(PY) -m pytest -q -n $(TEST_LANES) --dist loadfile --durations=40 tests
+# ruff first (a second); mypy (a minute of one core on a clean clone) runs beside the suite and fails it as a
+# failing test would, its report printed after the suite's.
+test: setup
+	$(RUFF) check src tests benchmarks examples
+	$(RUFF) format --check src tests benchmarks examples
+	@$(VENV)/bin/mypy > $(MYPY_REPORT) 2>&1 & mypy=$$!; \
+	$(PY) -m pytest -q -n $(TEST_LANES) --dist loadfile --durations=40 tests; tests=$$?; \
+	wait $$mypy; typed=$$?; echo "mypy:"; cat $(MYPY_REPORT); \
+	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
 bench: $(STAMP)
 	for b in step_overhead checkpoint rendezvous_scale throughput scale_events failures hydration framework_events; do $(PY) benchmarks/$$b.py --quick || exit 1; done
