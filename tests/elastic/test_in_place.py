@@ -88,9 +88,10 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, etcd_end
 @pytest.mark.parametrize(
     ("backend_name", "nodes", "spares", "model", "start_method"),
     [
-        # the spare, torch already imported, takes the failed rank's place
-        pytest.param("c10d", ("a", "b"), 1, "ddp", "spawn", id="c10d-2nodes-spare-ddp"),
-        # a new process is started parked
+        # the spare, torch already imported, takes the failed rank's place (a spawned spare: the test of a
+        # failure while the next spare is still starting)
+        pytest.param("c10d", ("a", "b"), 1, "ddp", "forkserver", id="c10d-2nodes-spare-ddp"),
+        # a new process is started parked, spawned as the launcher's default start method does
         pytest.param("etcd", ("a", "b"), 0, "ddp", "spawn", id="etcd-2nodes-nospare-ddp"),
         pytest.param("c10d", ("a", "b"), 0, "ddp", "forkserver", id="c10d-2nodes-forked-ddp"),  # ... forked
         pytest.param("c10d", ("a",), 1, "ddp", "forkserver", id="c10d-1node-spare-ddp"),  # 2 ranks on one node
