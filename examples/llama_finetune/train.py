@@ -75,6 +75,7 @@ from elastic_events import (
     state_will_be_loaded,
 )
 from elastic_events.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
+from elastic_events.contract import RankContext
 from elastic_events.data.batching import BatchPlan, global_token_count, loss_scale, sum_in_batch_order
 from elastic_events.data.dataset import ByteTokenizer, DatasetError, TokenDataset, Tokenizer, build_token_dataset
 from elastic_events.data.sampler import ElasticSampler, ElasticSamplerError, GlobalStep
@@ -609,7 +610,7 @@ def train(cfg: TrainConfig) -> int:
     rt = setup_runtime(cfg)
     cfg = resolve_overrides(cfg, rt.world_size)
     if cfg.hsdp and rt.distributed:  # a world of no whole number of replicas: said before the data is tokenised
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_world = RankContext.from_env().local_world_size
         plan_layout(HSDPConfig(shard_size=cfg.hsdp_shard_size), world_size=rt.world_size, local_world_size=local_world)
     torch.manual_seed(cfg.seed)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
