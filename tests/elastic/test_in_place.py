@@ -24,6 +24,7 @@ from support.cluster import wait_until
 from support.in_place import (
     HYDRATED,
     INPLACE,
+    assert_events_reconfigured_in_place,
     assert_trained_like_one_process,
     hit_rank_1,
     pid_of_rank,
@@ -58,13 +59,8 @@ def test_join_and_leave_in_place_keep_the_survivors_processes(make_job, etcd_end
     hows = [(r["world"], r["how"]) for r in records]
     assert hows.count((job.world(2), "peers")) == job.world(1), hows  # b's ranks hydrated from a, not from storage
     assert (job.world(1), "reconfigured") in hows, hows
-    signalled = [e["kind"] for e in job.events("workers_signalled") if e.get("target_step") is not None]
-    assert signalled.count("reconfigure") >= 3 and "save_and_exit" not in signalled, (
-        signalled
-    )  # a, b at leave; a at join
+    assert_events_reconfigured_in_place(job, reconfigures=3)  # a, b at leave; a at join
     assert len(job.events("workers_reconfigured")) >= 3  # a at the join, b admitted, a at the leave
-    in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
-    assert in_place and all(len(e["members"]) == e["world_size"] / job.nproc_per_node for e in in_place), in_place
     targeted = [(e["kind"], e["mode"]) for e in job.events("scale_targeted")]
     assert targeted == [("join", "reconfigure"), ("leave", "reconfigure")], targeted  # the event log says the mode
     newcomers = [e["newcomers"] for e in job.events("hydrated")]  # rank 0 of each new round says it
@@ -233,11 +229,8 @@ def test_a_new_node_joins_in_place_after_another_left(make_job) -> None:
     targeted = job.events("scale_targeted")
     kinds = [(e["kind"], e["mode"]) for e in targeted]
     assert kinds == [("join", "reconfigure"), ("leave", "reconfigure"), ("join", "reconfigure")], kinds
-    signalled = [e["kind"] for e in job.events("workers_signalled") if e.get("target_step") is not None]
-    assert "save_and_exit" not in signalled and signalled.count("reconfigure") >= 4, signalled  # a x3, b at leave
-    in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
-    assert all(len(e["members"]) == e["world_size"] / per_node for e in in_place), in_place
-    assert in_place and set(in_place[-1]["members"]) == {nodes["a"], nodes["c"]}, in_place
+    in_place = assert_events_reconfigured_in_place(job, reconfigures=4)  # a at each event, b at its leave
+    assert set(in_place[-1]["members"]) == {nodes["a"], nodes["c"]}, in_place
 
     progress = job.progress()  # every step trained exactly once, in order, on 1, 2, 1, 2 nodes
     assert [p["step"] for p in progress] == list(range(1, len(progress) + 1))

@@ -168,6 +168,16 @@ def assert_trained_like_one_process(job) -> list[int]:
     return steps
 
 
+def assert_events_reconfigured_in_place(job, *, reconfigures: int) -> list[dict]:
+    """The scale events ran in place: at least ``reconfigures`` reconfigure signals to a target step and none
+    to save and exit, and every in-place round's members whole nodes; those rounds' ``rendezvous_done``."""
+    signalled = [e["kind"] for e in job.events("workers_signalled") if e.get("target_step") is not None]
+    assert signalled.count("reconfigure") >= reconfigures and "save_and_exit" not in signalled, signalled
+    in_place = [e for e in job.events("rendezvous_done") if e.get("in_place")]
+    assert in_place and all(len(e["members"]) == e["world_size"] / job.nproc_per_node for e in in_place), in_place
+    return in_place
+
+
 def ranks_of_node(job, name: str) -> dict[int, int]:
     """Node ``name``'s ranks now, global rank -> pid (from the ranks' own records)."""
     children = {p.pid for p in psutil.Process(job.nodes[name].pid).children(recursive=True)}
