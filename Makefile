@@ -13,7 +13,7 @@ MYPY_REPORT := $(VENV)/mypy-report.txt
 # busy. TEST_LANES=0 runs the suite in this process, one test at a time.
 TEST_LANES ?= 2
 
-.PHONY: demo test bench setup clean lint
+.PHONY: demo test bench setup clean lint ruff
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,16 +35,16 @@ setup:
 demo: $(STAMP)
 	$(PY) examples/llama_finetune/demo.py
 
-lint: $(STAMP)
+ruff: $(STAMP)
 	$(RUFF) check src tests benchmarks examples
 	$(RUFF) format --check src tests benchmarks examples
+
+lint: ruff
 	$(VENV)/bin/mypy
 
 # ruff first (a second); mypy (a minute of one core on a clean clone) runs beside the suite and fails it as a
 # failing test would, its report printed after the suite's.
-test: setup
-	$(RUFF) check src tests benchmarks examples
-	$(RUFF) format --check src tests benchmarks examples
+test: setup ruff
 	@$(VENV)/bin/mypy > $(MYPY_REPORT) 2>&1 & mypy=$$!; \
 	$(PY) -m pytest -q -n $(TEST_LANES) --dist loadfile --durations=40 tests; tests=$$?; \
 	wait $$mypy; typed=$$?; echo "mypy:"; cat $(MYPY_REPORT); \
